@@ -1,0 +1,137 @@
+"""Every `--tiered-*` option in one dataclass: CLI flag <-> field <-> JSON, validated once at startup.
+
+Sizes are bytes; `parse_size` accepts suffixes (K, M, G, T = powers of 1024; KB, MB, GB, TB = powers of 1000).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+
+
+class ConfigError(ValueError):
+    """A bad option value; the message starts with the flag's name."""
+
+
+def parse_size(text: str | int) -> int:
+    """'512M' -> 536870912. Raises ValueError on anything that is not a non-negative size."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"not a size: {text!r} (use bytes or a suffix such as 512M, 20G)")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 0:
+        raise ValueError(f"size must be non-negative: {text!r}")
+    return value
+
+
+def default_cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sglang-tiered"
+
+
+@dataclass
+class TieredConfig:
+    """Options of the tiered backend. Field `x_y` is flag `--tiered-x-y` (see FLAG_HELP)."""
+
+    ssd_dir: str = str(default_cache_root() / "ssd")
+    ssd_capacity: int = 16 * 1024**3  # bytes, this server's pages summed over its TP ranks
+    host_size: str = ""  # "" (SGLang's default ratio), "<n>x" (ratio to the device pool) or whole GiB ("4G")
+    namespace: str = ""  # salt mixed into every page key's namespace
+    prefetch_threshold: int = 0  # tokens; 0 = one page: any full page on SSD is worth loading
+    io_threads: int = 4  # parallel file reads/writes per rank
+    stats_interval: float = 10.0  # seconds between stats log lines (0 = off)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TieredConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown tiered options: {sorted(unknown)}")
+        return cls(**data)
+
+    def host_pool_settings(self) -> dict[str, Any]:
+        """The SGLang fields that size the host tier: {} or {"hicache_ratio": r} or {"hicache_size": gib}."""
+        text = self.host_size.strip().lower()
+        if not text:
+            return {}
+        if text.endswith("x"):
+            try:
+                ratio = float(text[:-1])
+            except ValueError:
+                raise ConfigError(f"--tiered-host-size: not a ratio: {self.host_size!r}") from None
+            if ratio <= 1.0:
+                raise ConfigError(f"--tiered-host-size: the host tier must be larger than the device pool, got {ratio}x")
+            return {"hicache_ratio": ratio}
+        try:
+            size = parse_size(text)
+        except ValueError as exc:
+            raise ConfigError(f"--tiered-host-size: {exc}") from None
+        if size == 0 or size % 1024**3:
+            raise ConfigError(
+                f"--tiered-host-size: SGLang sizes the host pool in whole GiB; got {self.host_size!r} "
+                "(use e.g. 4G, or a ratio to the device pool such as 3x)"
+            )
+        return {"hicache_size": size // 1024**3}
+
+    def validate(self, page_bytes_estimate: Optional[int] = None) -> None:
+        """Raise ConfigError naming the flag. Creates the SSD directory if needed and checks it is writable."""
+        if self.ssd_capacity <= 0:
+            raise ConfigError(f"--tiered-ssd-capacity: must be positive, got {self.ssd_capacity}")
+        if page_bytes_estimate is not None and self.ssd_capacity < page_bytes_estimate:
+            raise ConfigError(
+                f"--tiered-ssd-capacity: {self.ssd_capacity} bytes is smaller than one KV page "
+                f"({page_bytes_estimate} bytes)"
+            )
+        if self.io_threads < 1:
+            raise ConfigError(f"--tiered-io-threads: must be >= 1, got {self.io_threads}")
+        if self.prefetch_threshold < 0:
+            raise ConfigError(f"--tiered-prefetch-threshold: must be >= 0, got {self.prefetch_threshold}")
+        if self.stats_interval < 0:
+            raise ConfigError(f"--tiered-stats-interval: must be >= 0, got {self.stats_interval}")
+        self.host_pool_settings()
+        check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot create {path}: {exc.strerror or exc}") from None
+    if not p.is_dir():
+        raise ConfigError(f"{flag}: {path} is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag}: {path} is not writable: {exc.strerror or exc}") from None
+
+
+FLAG_HELP: dict[str, str] = {
+    "ssd_dir": "Directory of the SSD tier (pages persist here across restarts). Default: %(default)s.",
+    "ssd_capacity": "Bytes the SSD tier may use, summed over TP ranks (suffixes K/M/G/T); least recently used pages "
+    "are evicted beyond it. Default: 16G.",
+    "host_size": "Host DRAM tier size: whole GiB (e.g. 4G) or a ratio to the device pool (e.g. 3x). "
+    "Default: SGLang's --hicache-ratio default (2x).",
+    "namespace": "Salt mixed into the page namespace: servers with different salts never share pages.",
+    "prefetch_threshold": "Shortest stored prefix (tokens) worth loading from SSD; 0 = one page. "
+    "SGLang's own default is 256.",
+    "io_threads": "Parallel file reads/writes per rank.",
+    "stats_interval": "Seconds between tier statistics log lines (0 = off).",
+}

@@ -1,0 +1,158 @@
+"""Tier statistics out of the scheduler process: Prometheus counters (with `--enable-metrics`), a log line, and a
+JSON file per rank at `<ssd dir>/stats/<namespace id>.json` (read by `sglang-tiered stats`).
+
+Prometheus metrics (label `tp_rank`), all prefixed `sglang_tiered:ssd_`:
+hit_pages_total, hit_tokens_total, miss_pages_total, read_bytes_total, written_pages_total, written_bytes_total,
+evicted_pages_total, corrupt_pages_total, foreign_pages_total, lost_pages_total, io_errors_total,
+rejected_pages_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
+Device and host hit tokens are SGLang's own `sglang:cached_tokens_total{source="device"|"host"|"storage"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+from sglang_tiered.storage.stats import TierStats
+
+logger = logging.getLogger("sglang_tiered")
+
+_COUNTERS = {
+    "hit_pages": "hit_pages_total",
+    "miss_pages": "miss_pages_total",
+    "bytes_read": "read_bytes_total",
+    "written_pages": "written_pages_total",
+    "bytes_written": "written_bytes_total",
+    "evicted_pages": "evicted_pages_total",
+    "corrupt_pages": "corrupt_pages_total",
+    "foreign_pages": "foreign_pages_total",
+    "lost_pages": "lost_pages_total",
+    "io_errors": "io_errors_total",
+    "rejected_pages": "rejected_pages_total",
+}
+
+
+def format_stats(s: dict, page_size: int) -> str:
+    mib = 1024 * 1024
+    return (
+        f"hits={s['hit_pages']} pages ({s['hit_pages'] * page_size} tokens, {s['bytes_read'] / mib:.1f} MiB) "
+        f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "
+        f"used={s['used_bytes'] / mib:.1f} MiB in {s['stored_pages']} pages evicted={s['evicted_pages']} "
+        f"corrupt={s['corrupt_pages']} foreign={s['foreign_pages']} lost={s['lost_pages']} "
+        f"io_errors={s['io_errors']} rejected={s['rejected_pages']}"
+    )
+
+
+class StatsReporter:
+    """Background thread: every `tick` seconds publishes deltas to Prometheus and the JSON file; every
+    `log_interval` seconds (if anything changed) writes one log line. `stop()` publishes a final time."""
+
+    def __init__(
+        self,
+        stats: TierStats,
+        *,
+        json_path: Path,
+        page_size: int,
+        capacity_bytes: int,
+        tp_rank: int,
+        describe: Callable[[], dict],
+        prometheus: bool,
+        log_interval: float,
+        tick: float = 1.0,
+    ) -> None:
+        self.stats = stats
+        self.json_path = json_path
+        self.page_size = page_size
+        self.capacity_bytes = capacity_bytes
+        self.describe = describe
+        self.log_interval = log_interval
+        self.tick = tick
+        self._last: dict = stats.snapshot()
+        self._last_logged: dict = dict(self._last)
+        self._since_log = 0.0
+        self._stop = threading.Event()
+        self._prom = _PromMetrics(tp_rank) if prometheus else None
+        self._thread = threading.Thread(target=self._run, name="tiered-stats", daemon=True)
+        self.publish()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.publish()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                self.publish()
+            except Exception:  # statistics must never take the server down
+                logger.exception("tiered: publishing statistics failed")
+
+    def publish(self) -> None:
+        snap = self.stats.snapshot()
+        if self._prom is not None:
+            self._prom.update(self._last, snap, self.page_size, self.capacity_bytes)
+        if snap != self._last or not self.json_path.exists():
+            self._write_json(snap)
+        self._last = snap
+        self._since_log += self.tick
+        if self.log_interval > 0 and self._since_log >= self.log_interval and snap != self._last_logged:
+            logger.info("tiered ssd: %s", format_stats(snap, self.page_size))
+            self._last_logged = snap
+            self._since_log = 0.0
+
+    def _write_json(self, snap: dict) -> None:
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.json_path.with_suffix(f".{os.getpid()}.tmp")
+        payload = {**snap, "hit_tokens": snap["hit_pages"] * self.page_size, "page_size": self.page_size,
+                   "capacity_bytes": self.capacity_bytes, "namespace": self.describe()}
+        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
+        os.replace(tmp, self.json_path)
+
+
+class _PromMetrics:
+    def __init__(self, tp_rank: int) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.labels = {"tp_rank": str(tp_rank)}
+        names = list(self.labels)
+        self.counters = {
+            field: Counter(f"sglang_tiered:ssd_{name}", f"SSD tier {field.replace('_', ' ')}", names)
+            for field, name in _COUNTERS.items()
+        }
+        self.hit_tokens = Counter("sglang_tiered:ssd_hit_tokens_total", "Tokens served from the SSD tier", names)
+        gauge = lambda n, d: Gauge(n, d, names, multiprocess_mode="mostrecent")  # noqa: E731
+        self.used = gauge("sglang_tiered:ssd_used_bytes", "Bytes used by the SSD tier")
+        self.capacity = gauge("sglang_tiered:ssd_capacity_bytes", "Capacity of the SSD tier in bytes")
+        self.pages = gauge("sglang_tiered:ssd_stored_pages", "Pages stored in the SSD tier")
+
+    def update(self, old: dict, new: dict, page_size: int, capacity: int) -> None:
+        for field, counter in self.counters.items():
+            delta = new[field] - old[field]
+            if delta > 0:
+                counter.labels(**self.labels).inc(delta)
+        hits = new["hit_pages"] - old["hit_pages"]
+        if hits > 0:
+            self.hit_tokens.labels(**self.labels).inc(hits * page_size)
+        self.used.labels(**self.labels).set(new["used_bytes"])
+        self.capacity.labels(**self.labels).set(capacity)
+        self.pages.labels(**self.labels).set(new["stored_pages"])
+
+
+def read_stats_files(ssd_dir: str) -> list[dict]:
+    out = []
+    for path in sorted(Path(ssd_dir, "stats").glob("*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def prometheus_enabled(storage_metrics_flag: bool) -> bool:
+    return bool(storage_metrics_flag or os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+

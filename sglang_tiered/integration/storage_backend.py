@@ -1,0 +1,153 @@
+"""`TieredSSDStorage`: SGLang's L3 (`HiCacheStorage`) backed by our SSD tier, loaded through SGLang's `dynamic`
+storage backend with `interface_v1` (zero copy: pages move straight between files and the host KV pool).
+
+SGLang constructs it as `TieredSSDStorage(storage_config, kwargs)` in each scheduler process and calls it from its
+prefetch and backup threads, never from the scheduler loop. The tier is opened in `register_mem_pool_host`, the
+first moment the page geometry (dtype, layout, heads) is known.
+
+Supported host layouts: `layer_first` (2 x layers segments per page, gathered with one preadv/pwritev), `page_first`
+and `page_first_direct` (2 segments per page). MHA pools only (not MLA/DSA/hybrid pools): anything else stops the
+server at startup with a clear error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from sglang_tiered.config import TieredConfig
+from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
+from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+logger = logging.getLogger("sglang_tiered")
+
+SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+class TieredSSDStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.config = TieredConfig.from_dict(extra.get("tiered", {}))
+        self.model_id = str(extra.get("model") or storage_config.model_name or "unknown-model")
+        self.storage_config = storage_config
+        self.tier: Optional[SSDTier] = None
+        self.reporter: Optional[StatsReporter] = None
+        self.page_size = 0
+
+    # ------------------------------------------------------------------ setup
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        layout = getattr(mem_pool_host, "layout", None)
+        if not hasattr(mem_pool_host, "head_num") or not hasattr(mem_pool_host, "get_page_buffer_meta"):
+            raise NotImplementedError(
+                f"--kv-backend tiered: host pool {type(mem_pool_host).__name__} is not an MHA pool; "
+                "only MHA (Llama-style) KV caches are supported"
+            )
+        if layout not in SUPPORTED_LAYOUTS:
+            raise NotImplementedError(
+                f"--kv-backend tiered: --hicache-mem-layout {layout} is not supported; use one of {SUPPORTED_LAYOUTS}"
+            )
+        sc = self.storage_config
+        self.page_size = int(mem_pool_host.page_size)
+        namespace = Namespace(
+            model=self.model_id,
+            dtype=str(mem_pool_host.dtype),
+            page_size=self.page_size,
+            layout=layout,
+            layer_num=int(mem_pool_host.layer_num),
+            kv_heads=int(mem_pool_host.head_num),
+            head_dim=int(mem_pool_host.head_dim),
+            tp_rank=sc.tp_rank,
+            tp_size=sc.tp_size,
+            pp_rank=sc.pp_rank,
+            pp_size=sc.pp_size,
+            salt=self.config.namespace,
+        )
+        shards = max(1, sc.tp_size * sc.pp_size)
+        capacity = self.config.ssd_capacity // shards
+        page_bytes = namespace.page_bytes(mem_pool_host.dtype.itemsize)
+        if capacity < page_bytes:
+            raise ValueError(
+                f"--tiered-ssd-capacity: {self.config.ssd_capacity} bytes over {shards} rank(s) is smaller than one "
+                f"KV page ({page_bytes} bytes)"
+            )
+        self.tier = SSDTier(self.config.ssd_dir, namespace, capacity, io_threads=self.config.io_threads)
+        self.reporter = StatsReporter(
+            self.tier.stats,
+            json_path=Path(self.config.ssd_dir) / "stats" / f"{namespace.id}.json",
+            page_size=self.page_size,
+            capacity_bytes=capacity,
+            tp_rank=sc.tp_rank,
+            describe=namespace.describe,
+            prometheus=prometheus_enabled(sc.enable_storage_metrics),
+            log_interval=self.config.stats_interval,
+        )
+        logger.info(
+            "tiered ssd: rank %d namespace %s (%s, page %d tokens = %d bytes, layout %s), capacity %d bytes",
+            sc.tp_rank, namespace.id, self.model_id, self.page_size, page_bytes, layout, capacity,
+        )
+
+    def _tier(self) -> SSDTier:
+        if self.tier is None:
+            raise RuntimeError("TieredSSDStorage used before register_mem_pool_host")
+        return self.tier
+
+    def _page_segments(self, keys: List[str], host_indices: torch.Tensor) -> list[tuple[str, list[memoryview]]]:
+        """Zero-copy views of each page's bytes in the host pool, in SGLang's per-page pointer order."""
+        n = len(keys)
+        if host_indices.numel() != n * self.page_size:
+            raise ValueError(f"{host_indices.numel()} host slots for {n} pages of {self.page_size} tokens")
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per_page = len(ptrs) // n
+        views = [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") for ptr, size in zip(ptrs, sizes)]
+        return [(keys[i], views[i * per_page : (i + 1) * per_page]) for i in range(n)]
+
+    # ------------------------------------------------------------------ zero-copy interface (used)
+    def batch_get_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
+        return self._tier().read_pages(self._page_segments(keys, host_indices))
+
+    def batch_set_v1(
+        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> List[bool]:
+        return self._tier().write_pages(self._page_segments(keys, host_indices))
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        return self._tier().leading_hits(keys)
+
+    def exists(self, key: str) -> bool:
+        return self._tier().contains(key)
+
+    def clear(self) -> None:
+        self._tier().clear()
+
+    def get_stats(self):
+        return None  # our counters go out through StatsReporter (see metrics.py)
+
+    def close(self) -> None:
+        if self.reporter is not None:
+            self.reporter.stop()
+        if self.tier is not None:
+            self.tier.close()
+
+    # ------------------------------------------------------------------ legacy copy interface (not used)
+    # SGLang calls these only without `interface_v1`, which our flag translation always sets. They would need a
+    # second byte order for the same pages, so they refuse rather than write pages the v1 path cannot read.
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
+        raise NotImplementedError("TieredSSDStorage serves pages through batch_get_v1 (interface_v1=1)")
+
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None):
+        raise NotImplementedError("TieredSSDStorage serves pages through batch_get_v1 (interface_v1=1)")
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        raise NotImplementedError("TieredSSDStorage stores pages through batch_set_v1 (interface_v1=1)")
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None):
+        raise NotImplementedError("TieredSSDStorage stores pages through batch_set_v1 (interface_v1=1)")

@@ -1,0 +1,1 @@
+"""Reserved for later mechanisms; see ARCHITECTURE.md."""

@@ -1,0 +1,42 @@
+"""Thread-safe counters of one tier. Units: pages, bytes, seconds."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class TierStats:
+    hit_pages: int = 0
+    miss_pages: int = 0  # asked for and not in the index
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    written_pages: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    dedup_pages: int = 0  # write requests for pages already stored
+    evicted_pages: int = 0
+    evicted_bytes: int = 0
+    corrupt_pages: int = 0  # torn, truncated or checksum mismatch: removed
+    foreign_pages: int = 0  # another namespace's page under our name: removed
+    lost_pages: int = 0  # indexed but the file vanished
+    io_errors: int = 0  # OSError on read or write (disk full, permissions)
+    rejected_pages: int = 0  # could not be admitted (larger than the capacity)
+    used_bytes: int = 0  # gauge
+    stored_pages: int = 0  # gauge
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def set(self, **values: float) -> None:
+        with self._lock:
+            for name, value in values.items():
+                setattr(self, name, value)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
