@@ -1,0 +1,82 @@
+"""Scripted demo: one prompt served cold, then as a device hit, a host hit, an SSD hit, and an SSD hit after a
+server restart, with greedy outputs compared to the cold run. Printed as a table; exits non-zero if a step did not
+hit the tier it was meant to, or an output differed.
+
+Sizes: device pool 2048 tokens (`--max-total-tokens`), host tier 2x the device pool, 64-token pages. Filler prompts
+(other essays) push the demo prompt out of device memory (more than 2048 newer tokens) and then out of host memory
+(more than the host pool's tokens).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from sglang_tiered.server_process import ServerProcess, cached_details, essay_texts
+
+DEVICE_TOKENS = 2048
+HOST_RATIO = 2
+PROMPT_CHARS = 2800  # about 700 tokens
+
+
+def _server(workdir: Path, port: int, log_name: str) -> ServerProcess:
+    args = ["--kv-backend", "tiered", "--max-total-tokens", str(DEVICE_TOKENS), "--tiered-host-size", f"{HOST_RATIO}x",
+            "--tiered-ssd-dir", str(workdir / "ssd"), "--tiered-ssd-capacity", "1G", "--tiered-stats-interval", "0"]
+    return ServerProcess(args, log_path=workdir / log_name, port=port)
+
+
+def _fill(server: ServerProcess, fillers: list[str], tokens: int) -> int:
+    """Send filler prompts until more than `tokens` new tokens went through the cache. Returns prompts used."""
+    sent, used = 0, 0
+    while sent <= tokens:
+        out = server.generate(fillers.pop(0), max_new_tokens=1)
+        sent += out["meta_info"]["prompt_tokens"]
+        used += 1
+    return used
+
+
+def run_demo(workdir: str = "demo-run", port: int = 30123) -> int:
+    work = Path(workdir).resolve()
+    shutil.rmtree(work / "ssd", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    essays = essay_texts()
+    prompt = essays[0][:PROMPT_CHARS]
+    fillers = [e[:PROMPT_CHARS] for e in essays[1:]]
+    rows = []
+
+    def step(server: ServerProcess, name: str, expect: str) -> None:
+        out = server.generate(prompt)
+        rows.append((name, expect, out["meta_info"]["prompt_tokens"], cached_details(out), out["latency_s"],
+                     out["text"]))
+        print(f"  {name}: done", flush=True)
+
+    print(f"starting server (logs in {work}) ...", flush=True)
+    with _server(work, port, "server-1.log") as server:
+        step(server, "cold prefill", "none")
+        step(server, "repeat", "device")
+        _fill(server, fillers, DEVICE_TOKENS)
+        step(server, "after device eviction", "host")
+        _fill(server, fillers, DEVICE_TOKENS * (HOST_RATIO + 1))
+        step(server, "after host eviction", "storage")
+    print("restarting server on the same SSD directory ...", flush=True)
+    with _server(work, port, "server-2.log") as server:
+        step(server, "after restart", "storage")
+
+    cold_text = rows[0][5]
+    failures = 0
+    print()
+    print(f"{'step':<24}{'expect':<9}{'prompt':>7}{'device':>8}{'host':>7}{'ssd':>7}{'latency s':>11}  same output")
+    for name, expect, n, d, latency, text in rows:
+        hit_ok = expect == "none" and sum(d.values()) == 0 or expect != "none" and d[expect] > 0
+        same = text == cold_text
+        failures += (not hit_ok) + (not same)
+        print(f"{name:<24}{expect:<9}{n:>7}{d['device']:>8}{d['host']:>7}{d['storage']:>7}{latency:>11.3f}  "
+              f"{'yes' if same else 'NO'}{'' if hit_ok else '   <- expected a ' + expect + ' hit'}")
+    print(f"\noutput: {cold_text!r}")
+    print("demo " + ("passed" if not failures else f"FAILED ({failures} problems)"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_demo(*sys.argv[1:2]))

@@ -1,0 +1,259 @@
+"""SSD tier, page format, namespaces and eviction: real files in a temp directory, no SGLang."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.page_file import PAGE_SUFFIX, CorruptPage, ForeignPage, read_page, write_page
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+PAGE = 4096  # payload bytes per test page, split in segments like a layer_first host page
+
+
+def ns(**kw) -> Namespace:
+    base = dict(model="m:abc", dtype="torch.bfloat16", page_size=64, layout="layer_first", layer_num=2, kv_heads=1,
+                head_dim=8)
+    base.update(kw)
+    return Namespace(**base)
+
+
+def page(seed: int, nseg: int = 4) -> list[memoryview]:
+    rnd = random.Random(seed)
+    return [memoryview(bytearray(rnd.randbytes(PAGE // nseg))) for _ in range(nseg)]
+
+
+def empty(nseg: int = 4) -> list[memoryview]:
+    return [memoryview(bytearray(PAGE // nseg)) for _ in range(nseg)]
+
+
+def key(i: int) -> str:
+    return f"{i:064x}"
+
+
+def joined(segs) -> bytes:
+    return b"".join(bytes(s) for s in segs)
+
+
+def page_file(tier: SSDTier, k: str) -> Path:
+    return tier.dir / k[:2] / f"{k}{PAGE_SUFFIX}"
+
+
+# ------------------------------------------------------------------ keys and namespaces
+def test_namespace_id_is_stable_and_covers_every_field():
+    a = ns()
+    assert a.id == ns().id and len(a.id) == 16
+    variants = [ns(model="other:123"), ns(dtype="torch.float16"), ns(page_size=32), ns(layout="page_first"),
+                ns(layer_num=3), ns(kv_heads=2), ns(head_dim=16), ns(tp_rank=1, tp_size=2), ns(tp_size=2),
+                ns(pp_rank=1, pp_size=2), ns(salt="tenant-b")]
+    ids = {v.id for v in variants}
+    assert a.id not in ids and len(ids) == len(variants)
+
+
+def test_page_bytes():
+    assert ns(layer_num=30, kv_heads=3, head_dim=64).page_bytes(2) == 30 * 2 * 64 * 3 * 64 * 2  # 64 tokens of SmolLM2
+
+
+# ------------------------------------------------------------------ page format
+def test_page_round_trip(tmp_path):
+    src, dst = page(1), empty()
+    write_page(str(tmp_path / "p"), "ns1", "k1", src)
+    assert read_page(str(tmp_path / "p"), "ns1", "k1", dst) == PAGE
+    assert joined(dst) == joined(src)
+
+
+def test_checksum_mismatch_is_corrupt(tmp_path):
+    path = tmp_path / "p"
+    write_page(str(path), "ns1", "k1", page(1))
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # one flipped bit in the payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptPage, match="checksum"):
+        read_page(str(path), "ns1", "k1", empty())
+
+
+@pytest.mark.parametrize("cut", [3, 20, 500, 4000])
+def test_truncated_page_is_corrupt(tmp_path, cut):
+    path = tmp_path / "p"
+    write_page(str(path), "ns1", "k1", page(1))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - cut])
+    with pytest.raises(CorruptPage):
+        read_page(str(path), "ns1", "k1", empty())
+
+
+def test_foreign_namespace_key_or_size(tmp_path):
+    path = tmp_path / "p"
+    write_page(str(path), "ns1", "k1", page(1))
+    with pytest.raises(ForeignPage):
+        read_page(str(path), "ns2", "k1", empty())
+    with pytest.raises(ForeignPage):
+        read_page(str(path), "ns1", "k2", empty())
+    with pytest.raises(ForeignPage):
+        read_page(str(path), "ns1", "k1", [memoryview(bytearray(PAGE // 2))])
+
+
+def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    def disk_full(fd, bufs, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", disk_full)
+    with pytest.raises(OSError):
+        write_page(str(tmp_path / "p"), "ns1", "k1", page(1))
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ tier
+def test_tier_round_trip_and_stats(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    assert tier.write_pages([(key(i), page(i)) for i in range(3)]) == [True] * 3
+    assert tier.leading_hits([key(0), key(1), key(9), key(2)]) == 2
+    out = [(key(i), empty()) for i in range(3)]
+    assert tier.read_pages(out) == [True] * 3
+    assert all(joined(segs) == joined(page(i)) for i, (_, segs) in enumerate(out))
+    assert tier.read_pages([(key(7), empty())]) == [False]
+    assert tier.write_pages([(key(0), page(0))]) == [True]  # already stored
+    s = tier.stats.snapshot()
+    assert (s["written_pages"], s["hit_pages"], s["miss_pages"], s["dedup_pages"]) == (3, 3, 1, 1)
+    assert s["bytes_read"] == 3 * PAGE and s["stored_pages"] == 3
+    tier.check_integrity()
+
+
+def test_torn_write_is_invisible_and_cleaned_on_restart(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    tier.write_pages([(key(1), page(1))])
+    # a crash mid-write leaves only a temporary file behind
+    tmp = page_file(tier, key(2)).with_name(f"{key(2)}{PAGE_SUFFIX}.123.456.tmp")
+    tmp.parent.mkdir(exist_ok=True)
+    tmp.write_bytes(b"partial")
+    assert not tier.contains(key(2))
+    tier2 = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    assert not tmp.exists() and not tier2.contains(key(2)) and tier2.contains(key(1))
+    tier2.check_integrity()
+
+
+def test_corrupt_page_is_a_counted_miss_and_removed(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    tier.write_pages([(key(1), page(1))])
+    f = page_file(tier, key(1))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert tier.read_pages([(key(1), empty())]) == [False]
+    assert tier.stats.snapshot()["corrupt_pages"] == 1
+    assert not f.exists() and not tier.contains(key(1))
+    tier.check_integrity()
+
+
+def test_foreign_page_under_our_name_is_never_served(tmp_path):
+    """A page file copied in from another configuration's directory: same key, other namespace."""
+    other = SSDTier(tmp_path, ns(dtype="torch.float16"), capacity_bytes=10 * PAGE)
+    other.write_pages([(key(1), page(1))])
+    mine = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    assert not mine.contains(key(1))  # separate directories
+    dst = page_file(mine, key(1))
+    dst.parent.mkdir(exist_ok=True)
+    dst.write_bytes(page_file(other, key(1)).read_bytes())
+    mine = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)  # restart: the file is indexed by name ...
+    assert mine.read_pages([(key(1), empty())]) == [False]  # ... but its header says otherwise
+    assert mine.stats.snapshot()["foreign_pages"] == 1 and not dst.exists()
+
+
+def test_vanished_file_is_a_lost_miss(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    tier.write_pages([(key(1), page(1))])
+    page_file(tier, key(1)).unlink()
+    assert tier.read_pages([(key(1), empty())]) == [False]
+    assert tier.stats.snapshot()["lost_pages"] == 1
+    tier.check_integrity()
+
+
+def test_capacity_is_never_exceeded_and_lru_is_evicted(tmp_path):
+    per_file = PAGE + 200  # header included, upper bound
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=3 * per_file)
+    tier.write_pages([(key(i), page(i)) for i in range(3)])
+    assert tier.read_pages([(key(0), empty())]) == [True]  # 0 is now most recent; 1 is the LRU page
+    tier.write_pages([(key(3), page(3))])
+    assert [tier.contains(key(i)) for i in range(4)] == [True, False, True, True]
+    for i in range(4, 40):
+        assert tier.write_pages([(key(i), page(i))]) == [True]
+        assert tier.used_bytes <= tier.capacity_bytes
+        disk = sum(f.stat().st_size for f in tier.dir.rglob(f"*{PAGE_SUFFIX}"))
+        assert disk == tier.used_bytes <= tier.capacity_bytes
+    assert len(tier) == 3 and tier.stats.snapshot()["evicted_pages"] == 37
+    tier.check_integrity()
+
+
+def test_page_larger_than_capacity_is_rejected(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=PAGE // 2)
+    assert tier.write_pages([(key(1), page(1))]) == [False]
+    assert tier.stats.snapshot()["rejected_pages"] == 1 and len(tier) == 0
+
+
+def test_disk_error_on_write_is_counted_not_raised(tmp_path, monkeypatch):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+
+    def disk_full(fd, bufs, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", disk_full)
+    assert tier.write_pages([(key(1), page(1))]) == [False]
+    monkeypatch.undo()
+    assert tier.stats.snapshot()["io_errors"] == 1 and tier.used_bytes == 0 and not tier.contains(key(1))
+    assert tier.write_pages([(key(1), page(1))]) == [True]  # space is back, writes resume
+    tier.check_integrity()
+
+
+def test_index_recovered_after_restart(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=100 * PAGE)
+    tier.write_pages([(key(i), page(i)) for i in range(5)])
+    used = tier.used_bytes
+    tier.close()
+    again = SSDTier(tmp_path, ns(), capacity_bytes=100 * PAGE)
+    assert len(again) == 5 and again.used_bytes == used
+    out = [(key(i), empty()) for i in range(5)]
+    assert again.read_pages(out) == [True] * 5
+    assert all(joined(s) == joined(page(i)) for i, (_, s) in enumerate(out))
+
+
+def test_restart_with_smaller_capacity_keeps_most_recent(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=100 * PAGE)
+    tier.write_pages([(key(i), page(i)) for i in range(5)])
+    for i in range(5):
+        os.utime(page_file(tier, key(i)), (2_000_000 + i, 2_000_000 + i))  # key(4) most recent
+    small = SSDTier(tmp_path, ns(), capacity_bytes=2 * (PAGE + 200))
+    assert [small.contains(key(i)) for i in range(5)] == [False, False, False, True, True]
+    assert sum(1 for _ in small.dir.rglob(f"*{PAGE_SUFFIX}")) == 2
+
+
+def test_concurrent_readers_and_writers(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=20 * (PAGE + 200), io_threads=4)
+    errors: list[str] = []
+
+    def writer(base: int) -> None:
+        for i in range(base, base + 40):
+            tier.write_pages([(key(i % 60), page(i % 60))])
+
+    def reader() -> None:
+        for i in range(200):
+            k = i % 60
+            segs = empty()
+            if tier.read_pages([(key(k), segs)])[0] and joined(segs) != joined(page(k)):
+                errors.append(f"page {k} served wrong bytes")
+
+    threads = [threading.Thread(target=writer, args=(b,)) for b in (0, 20, 40)]
+    threads += [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = tier.stats.snapshot()
+    assert s["corrupt_pages"] == 0 and s["foreign_pages"] == 0
+    tier.check_integrity()
+    assert tier.used_bytes <= tier.capacity_bytes
