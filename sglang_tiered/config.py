@@ -53,12 +53,13 @@ class TieredConfig:
     prefetch_threshold: int = 0  # tokens; 0 = one page: any full page on SSD is worth loading
     io_threads: int = 4  # parallel file reads/writes per rank
     stats_interval: float = 10.0  # seconds between stats log lines (0 = off)
+    cpu_attention: str = "prefix_aware"  # without CUDA: "prefix_aware" (ours) or "torch_native" (SGLang's)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TieredConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TieredConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -76,7 +77,9 @@ class TieredConfig:
             except ValueError:
                 raise ConfigError(f"--tiered-host-size: not a ratio: {self.host_size!r}") from None
             if ratio <= 1.0:
-                raise ConfigError(f"--tiered-host-size: the host tier must be larger than the device pool, got {ratio}x")
+                raise ConfigError(
+                    f"--tiered-host-size: the host tier must be larger than the device pool, got {ratio}x"
+                )
             return {"hicache_ratio": ratio}
         try:
             size = parse_size(text)
@@ -104,6 +107,10 @@ class TieredConfig:
             raise ConfigError(f"--tiered-prefetch-threshold: must be >= 0, got {self.prefetch_threshold}")
         if self.stats_interval < 0:
             raise ConfigError(f"--tiered-stats-interval: must be >= 0, got {self.stats_interval}")
+        if self.cpu_attention not in ("prefix_aware", "torch_native"):
+            raise ConfigError(
+                f"--tiered-cpu-attention: expected prefix_aware or torch_native, got {self.cpu_attention}"
+            )
         self.host_pool_settings()
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
 
@@ -134,4 +141,6 @@ FLAG_HELP: dict[str, str] = {
     "SGLang's own default is 256.",
     "io_threads": "Parallel file reads/writes per rank.",
     "stats_interval": "Seconds between tier statistics log lines (0 = off).",
+    "cpu_attention": "Without CUDA: 'prefix_aware' computes attention for the new tokens only (a cache hit costs the "
+    "new tokens); 'torch_native' keeps SGLang's full-sequence attention. Default: prefix_aware.",
 }

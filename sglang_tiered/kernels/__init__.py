@@ -1,1 +1,1 @@
-"""Reserved for later mechanisms; see ARCHITECTURE.md."""
+"""Compute: torch reference paths (and, later, GPU fast paths with the same signatures)."""

@@ -1,14 +1,15 @@
 """Eviction strategies, kept apart from the bookkeeping in `ssd_tier.py`.
 
-A strategy sees only keys: `insert` a new key, `touch` one on access, `remove` one that is gone, and `victims()`
-yields candidates in eviction order; the caller finishes iterating before it removes any. It is not thread-safe on its own; the tier
-calls it under its lock.
+A strategy sees only keys: `insert` a new key, `touch` one on access, `remove` one that is gone, and
+`victims()` yields candidates in eviction order; the caller finishes iterating before it removes
+any. It is not thread-safe on its own; the tier calls it under its lock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 
 class EvictionPolicy(Protocol):

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgpack
 

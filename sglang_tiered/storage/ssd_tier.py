@@ -20,9 +20,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 from sglang_tiered.storage.eviction import EvictionPolicy, LRUPolicy
 from sglang_tiered.storage.namespace import Namespace

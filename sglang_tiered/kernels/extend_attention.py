@@ -1,0 +1,106 @@
+"""Prefix-aware paged attention for CPU: only the new tokens' queries, against prefix + new keys.
+
+Shapes (T = new tokens of all requests, concatenated in request order):
+  q        [T, Hq, D]            queries of the new tokens (post-RoPE)
+  k_cache  [slots, Hkv, D]       paged key pool; v_cache likewise (head dim Dv may differ)
+  req_to_token[row, pos]         pool slot of token `pos` of the request in `row`
+  seq_lens[i] = prefix_lens[i] + extend_lens[i]
+Query j of request i sits at absolute position prefix_lens[i] + j and attends keys 0 .. prefix_lens[i] + j.
+GQA: query head h reads KV head h // (Hq // Hkv). Decode is the case extend_lens == 1.
+
+SGLang's `torch_native` backend instead builds a query tensor as long as the whole sequence and runs causal
+attention over seq_len x seq_len, so a cache hit still pays for the whole prompt's attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+
+def _as_list(x) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor | Sequence[int],
+    prefix_lens: torch.Tensor | Sequence[int],
+    extend_lens: torch.Tensor | Sequence[int],
+    *,
+    scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its prefix and itself. Returns [T, Hq, Dv]."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if out is None:
+        out = q.new_empty((q.shape[0], hq, v_cache.shape[-1]))
+    rows, prefixes, extends = _as_list(req_pool_indices), _as_list(prefix_lens), _as_list(extend_lens)
+    if not len(rows) == len(prefixes) == len(extends):
+        raise ValueError("req_pool_indices, prefix_lens and extend_lens differ in length")
+    if sum(extends) != q.shape[0]:
+        raise ValueError(f"extend_lens sum to {sum(extends)} but q has {q.shape[0]} tokens")
+    gqa = hq != hkv
+    start = 0
+    for row, prefix, n in zip(rows, prefixes, extends):
+        if n == 0:
+            continue
+        total = prefix + n
+        slots = req_to_token[row, :total]
+        k = k_cache[slots].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
+        v = v_cache[slots].to(q.dtype).transpose(0, 1)
+        qr = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+        if prefix == 0:
+            mask, causal = None, True  # square: the fast causal kernel
+        elif n == 1:
+            mask, causal = None, False  # the last position sees every key
+        else:
+            pos = torch.arange(prefix, total, device=q.device)
+            mask, causal = torch.arange(total, device=q.device)[None, :] <= pos[:, None], False
+        o = scaled_dot_product_attention(
+            qr.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=gqa,
+        )
+        out[start : start + n] = o.squeeze(0).transpose(0, 1)
+        start += n
+    return out
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: Sequence[int],
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    *,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Naive fp32 reference: full-sequence queries (prefix rows zero-filled) with an explicit causal softmax, then
+    the new rows kept — the computation `torch_native` performs, written out."""
+    hq, hkv, d = q.shape[1], k_cache.shape[1], q.shape[2]
+    group = hq // hkv
+    scale = scale if scale is not None else d**-0.5
+    outs, start = [], 0
+    for row, prefix, n in zip(_as_list(req_pool_indices), _as_list(prefix_lens), _as_list(extend_lens)):
+        total = prefix + n
+        slots = req_to_token[row, :total]
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        full_q = torch.zeros(total, hq, d)
+        full_q[prefix:] = q[start : start + n].float()
+        scores = torch.einsum("qhd,khd->hqk", full_q, k) * scale
+        causal = torch.ones(total, total, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v)[prefix:])
+        start += n
+    return torch.cat(outs) if outs else q.new_zeros((0, hq, v_cache.shape[-1])).float()

@@ -1,0 +1,54 @@
+"""`--kv-backend` and `--tiered-*` in SGLang's own parser, and startup errors for bad values (no server starts)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True)
+
+
+def test_help_lists_our_flags():
+    out = launch("--help").stdout
+    for flag in ("--kv-backend {default,tiered}", "--tiered-ssd-dir", "--tiered-ssd-capacity", "--tiered-host-size",
+                 "--tiered-namespace", "--tiered-prefetch-threshold"):
+        assert flag in out, flag
+
+
+def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
+    """`sglang serve --help` prints before SGLang loads plugins; a real `sglang serve` run does load them."""
+    sglang_cli = os.path.join(os.path.dirname(sys.executable), "sglang")
+    r = subprocess.run([sglang_cli, "serve", "--model-path", "smollm2", "--kv-backend", "tiered",
+                        "--tiered-ssd-dir", str(tmp_path), "--tiered-ssd-capacity", "100K",
+                        "--max-total-tokens", "1024"],
+                       capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert r.returncode == 2 and "sglang-tiered: --tiered-ssd-capacity:" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--tiered-ssd-dir", "/proc/sglang-tiered-not-writable"], "--tiered-ssd-dir"),
+        (["--tiered-ssd-capacity", "100K"], "--tiered-ssd-capacity"),
+        (["--tiered-ssd-capacity", "lots"], "--tiered-ssd-capacity"),
+        (["--tiered-host-size", "1500M"], "--tiered-host-size"),
+        (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
+        (["--disable-radix-cache"], "--disable-radix-cache"),
+        (["--hicache-mem-layout", "page_first_direct"], "--hicache-mem-layout"),
+    ],
+)
+def test_bad_value_stops_startup_with_one_line(tmp_path, extra, flag):
+    args = ["--kv-backend", "tiered", "--model-path", "smollm2", "--max-total-tokens", "1024"]
+    if "--tiered-ssd-dir" not in extra:
+        args += ["--tiered-ssd-dir", str(tmp_path / "ssd")]
+    r = launch(*args, *extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
+    assert len(lines) == 1 and lines[0].startswith(f"sglang-tiered: {flag}:"), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,144 @@
+"""Against real SGLang servers on CPU with the embedded SmolLM2: device 2048 tokens, host tier 2x, 64-token pages.
+
+(a) served; (b) evicted from device and host -> SSD hit, identical greedy output; (c) the same after a full restart;
+(d) a corrupted page file -> identical output, corrupt counter up; (e) a small capacity -> still serving, disk within
+capacity; (f) a different model on the same SSD directory -> nothing served from the first model's pages.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_tiered.server_process import ServerProcess, cached_details
+from sglang_tiered.storage.page_file import PAGE_SUFFIX
+
+DEVICE_TOKENS = 2048
+PAGE_BYTES = 30 * 2 * 64 * 3 * 64 * 2  # SmolLM2 bf16, 64-token page
+
+
+def tiered_server(tmp: Path, ssd: Path, name: str, *extra: str, model: str = "smollm2") -> ServerProcess:
+    args = ["--kv-backend", "tiered", "--max-total-tokens", str(DEVICE_TOKENS), "--tiered-host-size", "2x",
+            "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", *extra]
+    return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model)
+
+
+def push_out(server: ServerProcess, fillers: list[str], tokens: int) -> None:
+    """Send filler prompts until more than `tokens` newer tokens went through the device and host pools."""
+    sent = 0
+    while sent <= tokens:
+        sent += server.generate(fillers.pop(0), max_new_tokens=1)["meta_info"]["prompt_tokens"]
+
+
+def ssd_stats(ssd: Path) -> dict:
+    files = list((ssd / "stats").glob("*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def page_files(ssd: Path) -> list[Path]:
+    return sorted(ssd.rglob(f"*{PAGE_SUFFIX}"))
+
+
+def wait_for_pages(ssd: Path, n: int, timeout: float = 30.0) -> list[Path]:
+    """Write-through to SSD is asynchronous (device -> host -> SSD): wait until `n` pages are on disk."""
+    deadline = time.monotonic() + timeout
+    while len(files := page_files(ssd)) < n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return files
+
+
+def metric(text: str, name: str) -> float:
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)]
+    return sum(values)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, essays):
+    """Server 1: serve A and B cold, push both out of device and host, resend A (an SSD hit)."""
+    tmp = tmp_path_factory.mktemp("tiers")
+    ssd = tmp / "ssd"
+    fillers = list(essays[2:])
+    with tiered_server(tmp, ssd, "server-1", "--enable-metrics") as server:
+        cold_a = server.generate(essays[0])
+        cold_b = server.generate(essays[1])
+        push_out(server, fillers, DEVICE_TOKENS * 3)
+        hit_a = server.generate(essays[0])
+        metrics = server.get("/metrics")
+    return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,
+            "stats": ssd_stats(ssd)}
+
+
+def test_a_prompt_is_served(first_run):
+    cold = first_run["cold_a"]
+    assert cold["meta_info"]["prompt_tokens"] > 640 and cold["text"].strip()
+    assert sum(cached_details(cold).values()) == 0
+
+
+def test_b_evicted_prompt_is_an_ssd_hit_with_identical_output(first_run):
+    hit, cold = first_run["hit_a"], first_run["cold_a"]
+    d = cached_details(hit)
+    assert d["storage"] >= 640 and d["device"] == 0 and d["host"] == 0, d
+    assert hit["text"] == cold["text"]
+    s = first_run["stats"]
+    assert s["hit_pages"] >= 10 and s["written_pages"] >= 20 and s["corrupt_pages"] == 0
+
+
+def test_metrics_endpoint_has_tier_counters(first_run):
+    text = first_run["metrics"]
+    assert metric(text, "sglang_tiered:ssd_hit_pages_total") >= 10
+    assert metric(text, "sglang_tiered:ssd_written_bytes_total") >= 20 * PAGE_BYTES
+    assert metric(text, "sglang_tiered:ssd_used_bytes") > 0
+    assert "sglang:cached_tokens_total" in text
+
+
+def test_c_full_restart_serves_from_ssd(first_run, essays):
+    tmp, ssd = first_run["tmp"], first_run["ssd"]
+    with tiered_server(tmp, ssd, "server-2") as server:
+        again = server.generate(essays[0])
+    d = cached_details(again)
+    assert d["storage"] >= 640 and d["device"] == 0, d
+    assert again["text"] == first_run["cold_a"]["text"]
+
+
+def test_d_corrupt_page_files_are_misses_with_identical_output(first_run, essays):
+    tmp, ssd = first_run["tmp"], first_run["ssd"]
+    files = page_files(ssd)
+    assert len(files) >= 20
+    for p in files:  # flip one byte in the middle of every page file
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        p.write_bytes(bytes(data))
+    with tiered_server(tmp, ssd, "server-3") as server:
+        out = server.generate(essays[1])
+        stats = ssd_stats(ssd)
+    assert out["text"] == first_run["cold_b"]["text"]
+    assert cached_details(out)["storage"] == 0
+    assert stats["corrupt_pages"] >= 1 and stats["hit_pages"] == 0
+
+
+def test_e_f_other_model_gets_nothing_and_capacity_holds(tmp_path, essays, model_dir, other_model_dir):
+    ssd = tmp_path / "ssd"
+    # the real model fills the directory first
+    with tiered_server(tmp_path, ssd, "server-real") as server:
+        server.generate(essays[0], max_new_tokens=1)
+        real_pages = wait_for_pages(ssd, 10)
+    assert len(real_pages) >= 10
+    capacity = 12 * PAGE_BYTES + 12 * 512  # twelve pages plus headers
+    with tiered_server(tmp_path, ssd, "server-other", "--tiered-ssd-capacity", str(capacity),
+                       model=str(other_model_dir)) as server:
+        first = server.generate(essays[0])
+        assert cached_details(first)["storage"] == 0  # (f) same tokens, same page keys, other model: not served
+        for text in essays[1:9]:  # (e) about 5600 tokens = 80+ pages through a 12-page tier
+            assert server.generate(text, max_new_tokens=1)["text"] is not None
+        again = server.generate(essays[0])
+        assert again["text"] == first["text"]
+    other_ns = {p.parent.parent for p in page_files(ssd)} - {p.parent.parent for p in real_pages}
+    assert len(other_ns) == 1
+    used = sum(p.stat().st_size for p in next(iter(other_ns)).rglob(f"*{PAGE_SUFFIX}"))
+    assert 0 < used <= capacity
+    assert all(p.exists() for p in real_pages)  # the other model's server left the first model's pages alone
