@@ -1,0 +1,190 @@
+"""Shared protocol of the TTFT benchmarks: one server per (configuration, prompt length), distinct prompts per
+repeat so that every "cold" run is really cold, and the cache state of each step checked from SGLang's
+`cached_tokens_details` (recorded in the JSON next to every time).
+
+Per repeat r at length L (device pool 1.5 L, host tier 3x the device pool):
+  cold     P_r first seen
+  device   P_r again
+  (filler F_r of about L tokens pushes P_r out of device memory; the host tier keeps it)
+  host     P_r again
+  (/flush_cache empties device and host; the SSD tier keeps its pages)
+  ssd      P_r again
+After the repeats the server is restarted on the same storage directory (OS page cache dropped when permitted):
+  restart  P_r, for every r
+TTFT is the latency of a greedy request with max_new_tokens=1 (prefill + one sampled token), client side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from sglang_tiered.server_process import ServerProcess, cached_details, essay_texts
+
+RESULTS = Path(__file__).parent / "results"
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16
+STEPS = ("cold", "device", "host", "ssd", "restart")
+
+
+class PromptSource:
+    """Disjoint slices of the essays' token stream, decoded back to text of exactly the asked token count."""
+
+    def __init__(self) -> None:
+        from transformers import AutoTokenizer
+
+        from sglang_tiered.models import default_model_path
+
+        self.tok = AutoTokenizer.from_pretrained(default_model_path())
+        self.ids = self.tok("\n\n".join(essay_texts()))["input_ids"]
+        self.pos = 0
+
+    def take(self, n: int) -> str:
+        if self.pos + n > len(self.ids):
+            self.pos = 0  # wrapped: the SSD directories are fresh per configuration, so reuse is still cold
+        chunk = self.ids[self.pos : self.pos + n]
+        self.pos += n
+        return self.tok.decode(chunk)
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import sglang
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 1024**3, 1), "python": sys.version.split()[0],
+            "torch": torch.__version__, "sglang": sglang.__version__, "platform": platform.platform()}
+
+
+def drop_page_cache() -> bool:
+    """Drop the OS page cache (needs root and a writable /proc/sys); True if it worked."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def disk_read_bandwidth(directory: Path, size: int = 256 * 1024**2) -> dict:
+    """Sequential read bandwidth of one large file in `directory` (bytes/s), page cache dropped if permitted."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "bandwidth-probe.bin"
+    block = os.urandom(4 * 1024**2)
+    with open(path, "wb") as f:
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    dropped = drop_page_cache()
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(8 * 1024**2):
+            pass
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return {"bytes_per_s": size / seconds, "page_cache_dropped": dropped, "file_bytes": size}
+
+
+def wait_for_storage(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def run_config(name: str, server_args: Callable[[Path, int], list[str]], lengths: list[int], repeats: int,
+               workdir: Path, prompts: PromptSource, steps: tuple[str, ...] = STEPS,
+               stored: Optional[Callable[[Path], int]] = None) -> dict:
+    """Run the protocol for one configuration. Returns {length: {step: {"ttft_s": [...], "cached": [...]}}}."""
+    out: dict = {}
+    for length in lengths:
+        store = workdir / f"{name}-{length}"
+        subprocess.run(["rm", "-rf", str(store)], check=True)
+        device_tokens = (length * 3 // 2 + 63) // 64 * 64 + 128
+        args = ["--max-total-tokens", str(device_tokens), *server_args(store, length)]
+        rows = {s: {"ttft_s": [], "cached": []} for s in steps}
+
+        def record(step: str, server: ServerProcess, text: str) -> None:
+            r = server.generate(text, max_new_tokens=1)
+            rows[step]["ttft_s"].append(r["latency_s"])
+            rows[step]["cached"].append(cached_details(r))
+
+        texts = [prompts.take(length) for _ in range(repeats)]
+        print(f"[{name}] {length} tokens: server with {device_tokens} device tokens", flush=True)
+        with ServerProcess(args, log_path=workdir / f"{name}-{length}.log") as server:
+            server.generate(prompts.take(64), max_new_tokens=1)  # warm-up
+            for text in texts:
+                record("cold", server, text)
+                if "device" in steps:
+                    record("device", server, text)
+                if "host" in steps:
+                    server.generate(prompts.take(length), max_new_tokens=1)
+                    record("host", server, text)
+                if "ssd" in steps:
+                    if stored is not None:
+                        before = stored(store)
+                        wait_for_storage(lambda: stored(store) >= before)
+                    time.sleep(1.0)  # write-through to SSD is asynchronous
+                    server.post("/flush_cache")
+                    record("ssd", server, text)
+        if "restart" in steps:
+            dropped = drop_page_cache()
+            with ServerProcess(args, log_path=workdir / f"{name}-{length}-restart.log") as server:
+                server.generate(prompts.take(64), max_new_tokens=1)
+                for text in texts:
+                    record("restart", server, text)
+            rows["restart"]["page_cache_dropped"] = dropped
+        for step in steps:
+            med = statistics.median(rows[step]["ttft_s"])
+            rows[step]["median_s"] = med
+            print(f"[{name}] {length:>5} {step:<8} median {med:.3f} s  cached {rows[step]['cached'][0]}", flush=True)
+        out[str(length)] = rows
+    return out
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(results)
+    lengths = list(next(iter(results.values())))
+    steps = [s for s in STEPS if s in next(iter(next(iter(results.values())).values()))]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 4), squeeze=False)
+    width = 0.8 / len(configs)
+    for ax, length in zip(axes[0], lengths):
+        for i, cfg in enumerate(configs):
+            rows = results[cfg][length]
+            xs = [j + i * width for j in range(len(steps))]
+            ax.bar(xs, [rows[s]["median_s"] if s in rows else 0 for s in steps], width, label=cfg)
+        ax.set_xticks([j + width * (len(configs) - 1) / 2 for j in range(len(steps))], steps)
+        ax.set_title(f"{length} tokens")
+        ax.set_ylabel("TTFT, median (s)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
