@@ -23,8 +23,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -67,8 +68,9 @@ def machine() -> dict:
     import sglang
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 1024**3, 1), "python": sys.version.split()[0],
-            "torch": torch.__version__, "sglang": sglang.__version__, "platform": platform.platform()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 1024**3, 1),
+            "python": sys.version.split()[0], "torch": torch.__version__, "sglang": sglang.__version__,
+            "platform": platform.platform()}
 
 
 def drop_page_cache() -> bool:
@@ -105,7 +107,7 @@ def disk_read_bandwidth(directory: Path, size: int = 256 * 1024**2) -> dict:
 def wait_for_storage(check: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check() and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.25)
 
 
 def run_config(name: str, server_args: Callable[[Path, int], list[str]], lengths: list[int], repeats: int,
@@ -119,11 +121,7 @@ def run_config(name: str, server_args: Callable[[Path, int], list[str]], lengths
         device_tokens = (length * 3 // 2 + 63) // 64 * 64 + 128
         args = ["--max-total-tokens", str(device_tokens), *server_args(store, length)]
         rows = {s: {"ttft_s": [], "cached": []} for s in steps}
-
-        def record(step: str, server: ServerProcess, text: str) -> None:
-            r = server.generate(text, max_new_tokens=1)
-            rows[step]["ttft_s"].append(r["latency_s"])
-            rows[step]["cached"].append(cached_details(r))
+        record = _recorder(rows)
 
         texts = [prompts.take(length) for _ in range(repeats)]
         print(f"[{name}] {length} tokens: server with {device_tokens} device tokens", flush=True)
@@ -137,10 +135,9 @@ def run_config(name: str, server_args: Callable[[Path, int], list[str]], lengths
                     server.generate(prompts.take(length), max_new_tokens=1)
                     record("host", server, text)
                 if "ssd" in steps:
+                    time.sleep(0.5)  # write-through to SSD is asynchronous
                     if stored is not None:
-                        before = stored(store)
-                        wait_for_storage(lambda: stored(store) >= before)
-                    time.sleep(1.0)  # write-through to SSD is asynchronous
+                        wait_for_storage(_settled(stored, store))
                     server.post("/flush_cache")
                     record("ssd", server, text)
         if "restart" in steps:
@@ -156,6 +153,28 @@ def run_config(name: str, server_args: Callable[[Path, int], list[str]], lengths
             print(f"[{name}] {length:>5} {step:<8} median {med:.3f} s  cached {rows[step]['cached'][0]}", flush=True)
         out[str(length)] = rows
     return out
+
+
+def _recorder(rows: dict) -> Callable[[str, ServerProcess, str], None]:
+    def record(step: str, server: ServerProcess, text: str) -> None:
+        r = server.generate(text, max_new_tokens=1)
+        rows[step]["ttft_s"].append(r["latency_s"])
+        rows[step]["cached"].append(cached_details(r))
+
+    return record
+
+
+def _settled(stored: Callable[[Path], int], store: Path) -> Callable[[], bool]:
+    """True once the number of stored pages stopped changing between two polls (write-through has drained)."""
+    last = [-1]
+
+    def check() -> bool:
+        now = stored(store)
+        done = now == last[0]
+        last[0] = now
+        return done
+
+    return check
 
 
 def plot(results: dict, path: Path, title: str) -> None:

@@ -1,0 +1,80 @@
+"""Option parsing and validation (no SGLang)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sglang_tiered.config import ConfigError, TieredConfig, parse_size
+from sglang_tiered.integration.metrics import StatsReporter, format_stats, read_stats_files
+from sglang_tiered.storage.stats import TierStats
+
+
+@pytest.mark.parametrize("text,value", [("0", 0), ("1024", 1024), ("2K", 2048), ("1.5M", 1572864), ("3G", 3 << 30),
+                                        ("2GB", 2_000_000_000), ("1TiB", 1 << 40), (" 7 kb ", 7000), (5, 5)])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1G", "1Q", "1.2.3M"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_host_pool_settings():
+    assert TieredConfig(host_size="").host_pool_settings() == {}
+    assert TieredConfig(host_size="3x").host_pool_settings() == {"hicache_ratio": 3.0}
+    assert TieredConfig(host_size="4G").host_pool_settings() == {"hicache_size": 4}
+    for bad in ("1500M", "0.5x", "1x", "twox", "0"):
+        with pytest.raises(ConfigError, match="^--tiered-host-size"):
+            TieredConfig(host_size=bad).host_pool_settings()
+
+
+def test_validate_names_the_flag(tmp_path):
+    TieredConfig(ssd_dir=str(tmp_path / "new" / "dir")).validate(page_bytes_estimate=1000)
+    assert (tmp_path / "new" / "dir").is_dir()
+    cases = {
+        "--tiered-ssd-capacity": TieredConfig(ssd_dir=str(tmp_path), ssd_capacity=0),
+        "--tiered-io-threads": TieredConfig(ssd_dir=str(tmp_path), io_threads=0),
+        "--tiered-prefetch-threshold": TieredConfig(ssd_dir=str(tmp_path), prefetch_threshold=-1),
+        "--tiered-cpu-attention": TieredConfig(ssd_dir=str(tmp_path), cpu_attention="fast"),
+    }
+    for flag, cfg in cases.items():
+        with pytest.raises(ConfigError, match=f"^{flag}"):
+            cfg.validate()
+    with pytest.raises(ConfigError, match="^--tiered-ssd-capacity: .* smaller than one KV page"):
+        TieredConfig(ssd_dir=str(tmp_path), ssd_capacity=100).validate(page_bytes_estimate=1000)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="^--tiered-ssd-dir"):
+        TieredConfig(ssd_dir=str(blocker / "sub")).validate()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write to a read-only directory")
+def test_unwritable_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match="not writable"):
+        TieredConfig(ssd_dir=str(ro)).validate()
+
+
+def test_config_json_round_trip_rejects_unknown():
+    cfg = TieredConfig(ssd_capacity=123, namespace="x")
+    assert TieredConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    with pytest.raises(ConfigError, match="unknown"):
+        TieredConfig.from_dict({"bogus": 1})
+
+
+def test_stats_reporter_writes_json(tmp_path):
+    stats = TierStats()
+    rep = StatsReporter(stats, json_path=tmp_path / "stats" / "ns.json", page_size=64, capacity_bytes=10,
+                        tp_rank=0, describe=lambda: {"id": "ns", "tp_rank": 0}, prometheus=False, log_interval=0,
+                        tick=0.05)
+    stats.add(hit_pages=3, bytes_read=300)
+    rep.stop()
+    rows = read_stats_files(str(tmp_path))
+    assert len(rows) == 1 and rows[0]["hit_pages"] == 3 and rows[0]["hit_tokens"] == 192
+    assert "hits=3 pages (192 tokens" in format_stats(rows[0], 64)
