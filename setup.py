@@ -1,5 +1,5 @@
 """Packaging is in pyproject.toml; this file only adds `sglang_tiered_boot.pth` to the wheel's root (see
-sglang_tiered/_boot.py for why SGLang on a CPU-only torch needs it)."""
+sglang_tiered_boot.py for why SGLang on a CPU-only torch needs it)."""
 
 import shutil
 from pathlib import Path

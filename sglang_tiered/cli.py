@@ -3,6 +3,7 @@
   sglang-tiered model-path          print (and on first use build) the embedded default model directory
   sglang-tiered stats --ssd-dir D   print the SSD tier statistics of every rank that used D
   sglang-tiered demo                run the scripted tier-hit demo (see sglang_tiered/demo.py)
+  sglang-tiered runahead-tune       search chained-prefill partitions on this machine, write the lookup table
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="start a server and show device, host, SSD and after-restart hits")
     demo.add_argument("--workdir", default="demo-run", help="SSD directory and logs of the demo")
     demo.add_argument("--port", type=int, default=30123)
+    tune = sub.add_parser("runahead-tune", help="search KV-Runahead partitions on this machine")
+    tune.add_argument("--ranks", type=int, default=2)
+    tune.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    tune.add_argument("--model-path", default="smollm2")
+    tune.add_argument("--threads-per-rank", type=int, default=1)
+    tune.add_argument("--repeats", type=int, default=3, help="timed runs per candidate (median)")
+    tune.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    tune.add_argument("--out", default="runahead-partitions.json")
     args = parser.parse_args(argv)
 
     if args.command == "model-path":
@@ -48,6 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             print(f"no statistics under {args.ssd_dir}/stats", file=sys.stderr)
             return 1
+        return 0
+    if args.command == "runahead-tune":
+        from sglang_tiered.engine.tuning import build_table
+        from sglang_tiered.models import resolve_model_path
+
+        if args.ranks < 2:
+            parser.error("--ranks must be at least 2")
+        spec = ("pretrained", resolve_model_path(args.model_path))
+        table = build_table(args.ranks, spec, args.lengths, repeats=args.repeats, threads=args.threads_per_rank,
+                            dtype=args.dtype)
+        table.save(args.out)
+        print(f"wrote {args.out}: {table.entries}")
         return 0
     if args.command == "demo":
         from sglang_tiered.demo import run_demo

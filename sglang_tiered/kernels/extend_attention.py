@@ -25,6 +25,29 @@ def _as_list(x) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Dense causal attention with an offset: q [n, Hq, D] at absolute positions q_start .. q_start + n - 1,
+    k/v [S, Hkv, D] at positions 0 .. S - 1 (S >= q_start + n); query i attends keys 0 .. q_start + i.
+    Returns [n, Hq, Dv]. Strided k/v views are fine (no copy is made)."""
+    n, total = q.shape[0], k.shape[0]
+    if total < q_start + n:
+        raise ValueError(f"{total} keys cannot cover queries up to position {q_start + n - 1}")
+    k = k[: q_start + n].transpose(0, 1)
+    v = v[: q_start + n].transpose(0, 1)
+    qr = q.transpose(0, 1)
+    if q_start == 0:
+        mask, causal = None, True  # square: the fast causal kernel
+    elif n == 1:
+        mask, causal = None, False  # the last position sees every key
+    else:
+        pos = torch.arange(q_start, q_start + n, device=q.device)
+        mask, causal = torch.arange(q_start + n, device=q.device)[None, :] <= pos[:, None], False
+    o = scaled_dot_product_attention(qr.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                     is_causal=causal, scale=scale, enable_gqa=qr.shape[0] != k.shape[0])
+    return o.squeeze(0).transpose(0, 1)
+
+
 def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -48,28 +71,13 @@ def extend_attention(
         raise ValueError("req_pool_indices, prefix_lens and extend_lens differ in length")
     if sum(extends) != q.shape[0]:
         raise ValueError(f"extend_lens sum to {sum(extends)} but q has {q.shape[0]} tokens")
-    gqa = hq != hkv
     start = 0
     for row, prefix, n in zip(rows, prefixes, extends):
         if n == 0:
             continue
-        total = prefix + n
-        slots = req_to_token[row, :total]
-        k = k_cache[slots].to(q.dtype).transpose(0, 1)  # [Hkv, S, D]
-        v = v_cache[slots].to(q.dtype).transpose(0, 1)
-        qr = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-        if prefix == 0:
-            mask, causal = None, True  # square: the fast causal kernel
-        elif n == 1:
-            mask, causal = None, False  # the last position sees every key
-        else:
-            pos = torch.arange(prefix, total, device=q.device)
-            mask, causal = torch.arange(total, device=q.device)[None, :] <= pos[:, None], False
-        o = scaled_dot_product_attention(
-            qr.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=gqa,
-        )
-        out[start : start + n] = o.squeeze(0).transpose(0, 1)
+        slots = req_to_token[row, : prefix + n]
+        k, v = k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype)
+        out[start : start + n] = causal_attention(q[start : start + n], k, v, prefix, scale)
         start += n
     return out
 

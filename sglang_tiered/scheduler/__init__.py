@@ -1,1 +1,1 @@
-"""Reserved for later mechanisms; see ARCHITECTURE.md."""
+"""Policy from measured costs (no SGLang): `partition.py` (KV-Runahead partition search and lookup table)."""

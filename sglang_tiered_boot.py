@@ -1,4 +1,7 @@
-"""Interpreter-start hook (installed as `sglang_tiered_boot.pth`): a guard on `import torchvision`.
+"""Interpreter-start hook of sglang-tiered (run by `sglang_tiered_boot.pth`): a guard on `import torchvision`.
+
+A top-level module, not part of the `sglang_tiered` package, so that importing it at start-up does not pin where
+`sglang_tiered` itself is imported from.
 
 PyPI's torchvision is linked against CUDA torch; with a CPU-only torch its C extension fails to load and its import
 dies with `operator torchvision::nms does not exist` — and `import sglang` imports it before any SGLang plugin can

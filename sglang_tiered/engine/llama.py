@@ -1,0 +1,195 @@
+"""A Llama-family decoder run layer by layer with explicit KV in and out (no SGLang).
+
+The per-layer steps are public so that other executors can interleave their own work between them:
+  x = model.embed(ids)
+  for layer in range(L):
+      q, k, v = model.qkv(layer, x, positions)        # RMSNorm, projections, RoPE (k is post-RoPE, like SGLang's pool)
+      attn = <any attention over whatever keys the executor holds>
+      x = model.finish_layer(layer, x, attn)          # o_proj + residual, RMSNorm, gated MLP + residual
+  logits = model.logits(x[-1:])
+`prefill` is the single-process reference; chained prefill (KV-Runahead), fusion (CacheBlend) and partial-recompute
+loading (KVPR) reuse the same steps. KV buffers are [layers, tokens, 2 (k, v), kv_heads, head_dim].
+Supports Llama checkpoints in Hugging Face layout (safetensors), GQA and MHA, default RoPE (no rope_scaling).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from sglang_tiered.kernels.extend_attention import causal_attention
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> LlamaConfig:
+        c = json.loads((Path(path) / "config.json").read_text())
+        scaling = c.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise NotImplementedError(f"rope_scaling {scaling} is not supported by the layer-by-layer engine")
+        return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
+                   kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                   head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                   intermediate=c["intermediate_size"], vocab=c["vocab_size"],
+                   rope_theta=float(c.get("rope_theta", 10000.0)), rms_eps=float(c.get("rms_norm_eps", 1e-5)),
+                   tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    post_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [vocab], fp32, of the last prompt token
+    kv: torch.Tensor  # [layers, tokens, 2, kv_heads, head_dim]
+
+
+class LlamaModel:
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        p = "model."
+        self.embed_tokens = w[p + "embed_tokens.weight"]
+        self.norm = w[p + "norm.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed_tokens if cfg.tie_embeddings else None)
+        if self.lm_head is None:
+            raise KeyError("lm_head.weight missing and tie_word_embeddings is false")
+        self.layer_weights = [
+            LayerWeights(
+                input_norm=w[f"{p}layers.{i}.input_layernorm.weight"],
+                wq=w[f"{p}layers.{i}.self_attn.q_proj.weight"],
+                wk=w[f"{p}layers.{i}.self_attn.k_proj.weight"],
+                wv=w[f"{p}layers.{i}.self_attn.v_proj.weight"],
+                wo=w[f"{p}layers.{i}.self_attn.o_proj.weight"],
+                post_norm=w[f"{p}layers.{i}.post_attention_layernorm.weight"],
+                w_gate=w[f"{p}layers.{i}.mlp.gate_proj.weight"],
+                w_up=w[f"{p}layers.{i}.mlp.up_proj.weight"],
+                w_down=w[f"{p}layers.{i}.mlp.down_proj.weight"],
+            )
+            for i in range(cfg.layers)
+        ]
+        half = cfg.head_dim // 2
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaModel:
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        return cls(LlamaConfig.from_hf(path), weights, dtype)
+
+    @classmethod
+    def random(cls, cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaModel:
+        """Random weights with sane scales (outputs neither vanish nor explode over the layers)."""
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(*shape, fan_in):
+            return torch.randn(*shape, generator=g) / fan_in**0.5
+
+        h, d = cfg.hidden, cfg.head_dim
+        w = {"model.embed_tokens.weight": torch.randn(cfg.vocab, h, generator=g),
+             "model.norm.weight": torch.ones(h), "lm_head.weight": rnd(cfg.vocab, h, fan_in=h)}
+        for i in range(cfg.layers):
+            p = f"model.layers.{i}."
+            w.update({
+                p + "input_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                p + "self_attn.q_proj.weight": rnd(cfg.heads * d, h, fan_in=h),
+                p + "self_attn.k_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),
+                p + "self_attn.v_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),
+                p + "self_attn.o_proj.weight": rnd(h, cfg.heads * d, fan_in=cfg.heads * d),
+                p + "mlp.gate_proj.weight": rnd(cfg.intermediate, h, fan_in=h),
+                p + "mlp.up_proj.weight": rnd(cfg.intermediate, h, fan_in=h),
+                p + "mlp.down_proj.weight": rnd(h, cfg.intermediate, fan_in=cfg.intermediate),
+            })
+        return cls(cfg, w, dtype)
+
+    # ------------------------------------------------------------------ per-layer steps
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[ids]
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate [n, H, D] by absolute `positions` (Hugging Face's rotate-half convention)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None, :]
+        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None, :]
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
+        return weight * xf.to(x.dtype)
+
+    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+        """Queries [n, Hq, D], keys [n, Hkv, D] (post-RoPE) and values [n, Hkv, D] of tokens at `positions`."""
+        w, c = self.layer_weights[layer], self.cfg
+        h = self._rms(x, w.input_norm)
+        q = F.linear(h, w.wq).view(-1, c.heads, c.head_dim)
+        k = F.linear(h, w.wk).view(-1, c.kv_heads, c.head_dim)
+        v = F.linear(h, w.wv).view(-1, c.kv_heads, c.head_dim)
+        return self.rope(q, positions), self.rope(k, positions), v
+
+    def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual stream after the layer, given the attention output [n, Hq, D] of its tokens."""
+        w = self.layer_weights[layer]
+        x = x + F.linear(attn.reshape(attn.shape[0], -1), w.wo)
+        h = self._rms(x, w.post_norm)
+        return x + F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms(x, self.norm), self.lm_head).float()
+
+    def empty_kv(self, tokens: int) -> torch.Tensor:
+        c = self.cfg
+        return torch.empty(c.layers, tokens, 2, c.kv_heads, c.head_dim, dtype=self.dtype)
+
+    # ------------------------------------------------------------------ reference
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, kv: Optional[torch.Tensor] = None) -> PrefillResult:
+        """Single-process prefill of a whole prompt: last-token logits and the full KV."""
+        n = ids.shape[0]
+        kv = self.empty_kv(n) if kv is None else kv
+        positions = torch.arange(n)
+        x = self.embed(ids)
+        for layer in range(self.cfg.layers):
+            q, k, v = self.qkv(layer, x, positions)
+            kv[layer, :, 0], kv[layer, :, 1] = k, v
+            x = self.finish_layer(layer, x, causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], 0))
+        return PrefillResult(self.logits(x[-1:])[0], kv)

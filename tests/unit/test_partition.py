@@ -1,0 +1,57 @@
+"""Partition search and the lookup table against synthetic cost functions with known optima (no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_tiered.scheduler.partition import PartitionTable, binary_search_two, grid_search, search
+
+
+def bowl(optimum):
+    """A convex TTFT model with its minimum at `optimum` (noise-free), counting calls."""
+    calls = []
+
+    def measure(fractions):
+        calls.append(fractions)
+        return 1.0 + sum((f - o) ** 2 for f, o in zip(fractions, optimum))
+
+    return measure, calls
+
+
+@pytest.mark.parametrize("opt", [0.55, 0.62, 0.71, 0.9])
+def test_binary_search_finds_the_two_rank_optimum(opt):
+    measure, calls = bowl([opt, 1 - opt])
+    fractions, seconds = binary_search_two(measure)
+    assert abs(fractions[0] - opt) <= 0.015 and abs(sum(fractions) - 1) < 1e-9
+    assert len(calls) <= 20
+
+
+@pytest.mark.parametrize("opt", [[0.45, 0.33, 0.22], [0.4, 0.3, 0.2, 0.1]])
+def test_grid_search_zooms_in(opt):
+    measure, calls = bowl(opt)
+    fractions, _ = grid_search(measure, len(opt))
+    assert max(abs(f - o) for f, o in zip(fractions, opt)) <= 0.03
+    assert abs(sum(fractions) - 1) < 1e-6 and min(fractions) > 0
+
+
+def test_search_dispatch():
+    measure, _ = bowl([0.6, 0.4])
+    assert len(search(measure, 2)[0]) == 2
+    measure, _ = bowl([0.5, 0.3, 0.2])
+    assert len(search(measure, 3)[0]) == 3
+
+
+def test_table_interpolates_and_round_trips(tmp_path):
+    t = PartitionTable()
+    t.add(2, 1000, [0.6, 0.4])
+    t.add(2, 3000, [0.8, 0.2])
+    t.add(3, 2000, [2, 1, 1])  # normalised on insert
+    assert t.lookup(2, 2000) == pytest.approx([0.7, 0.3])
+    assert t.lookup(2, 1500) == pytest.approx([0.65, 0.35])
+    assert t.lookup(2, 500) == pytest.approx([0.6, 0.4]) and t.lookup(2, 9000) == pytest.approx([0.8, 0.2])
+    assert t.lookup(3, 2000) == pytest.approx([0.5, 0.25, 0.25])
+    with pytest.raises(KeyError):
+        t.lookup(4, 1000)
+    t.save(tmp_path / "t.json")
+    again = PartitionTable.load(tmp_path / "t.json")
+    assert again.entries == t.entries and again.lookup(2, 2500) == pytest.approx([0.75, 0.25])
