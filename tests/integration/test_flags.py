@@ -52,3 +52,31 @@ def test_bad_value_stops_startup_with_one_line(tmp_path, extra, flag):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
     assert len(lines) == 1 and lines[0].startswith(f"sglang-tiered: {flag}:"), r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+def test_translation_into_sglang_fields(tmp_path):
+    """SGLang's own parser and ServerArgs.from_cli_args, with the plugin's hooks applied in this process."""
+    import argparse
+    import json
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp_path),
+                            "--tiered-ssd-capacity", "2G", "--tiered-host-size", "3x", "--tiered-namespace", "t1"])
+    args = ServerArgs.from_cli_args(ns)
+    assert args.enable_hierarchical_cache and args.radix_cache_backend == "tiered"
+    assert args.hicache_storage_backend == "dynamic" and args.page_size == 64 and args.hicache_ratio == 3.0
+    assert args.model_path.endswith("SmolLM2-135M-Instruct") and args.tokenizer_path == args.model_path
+    assert (args.device, args.dtype, args.hicache_mem_layout, args.hicache_io_backend) == (
+        "cpu", "bfloat16", "layer_first", "direct")
+    extra = json.loads(args.hicache_storage_backend_extra_config)
+    assert extra["class_name"] == "TieredSSDStorage" and extra["interface_v1"] == 1
+    assert extra["prefetch_threshold"] == 64 and extra["model"].startswith("SmolLM2-135M-Instruct:")
+    assert extra["tiered"]["ssd_capacity"] == 2 << 30 and extra["tiered"]["namespace"] == "t1"
+
+    plain = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2"]))
+    assert not plain.enable_hierarchical_cache and plain.radix_cache_backend is None  # default backend untouched
