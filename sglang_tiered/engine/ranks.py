@@ -9,6 +9,7 @@ rank's process group is killed and RuntimeError/TimeoutError is raised: nothing 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -36,7 +37,8 @@ def _rank_main(rank: int, world: int, port: int, threads: int, pg_timeout_s: flo
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                              world_size=world, timeout=timedelta(seconds=pg_timeout_s))
         try:
-            results.put((rank, "ok", target(rank, world, *args)))
+            # by value: torch's queue pickler would pass tensors as shared memory owned by this (exiting) process
+            results.put((rank, "ok", pickle.dumps(target(rank, world, *args))))
         finally:
             torch.distributed.destroy_process_group()
     except BaseException:  # report every failure, including a peer's death seen as a gloo error
@@ -68,7 +70,7 @@ def run_ranks(world: int, target: Callable, args: Sequence[Any] = (), *, threads
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
         return [out[r] for r in range(world)]
     finally:
         for p in procs:
