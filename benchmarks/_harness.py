@@ -5,6 +5,8 @@ repeat so that every "cold" run is really cold, and the cache state of each step
 Per repeat r at length L (device pool 1.5 L, host tier 3x the device pool):
   cold     P_r first seen
   device   P_r again
+  device_settled  (optional) P_r again, after the write-through of P_r's cold prefill has drained (stored page count
+           stable, then 2 s): a hit without the background copy of the previous prefill competing for the CPU
   (filler F_r of about L tokens pushes P_r out of device memory; the host tier keeps it)
   host     P_r again
   (/flush_cache empties device and host; the SSD tier keeps its pages)
@@ -33,7 +35,7 @@ from sglang_tiered.server_process import ServerProcess, cached_details, essay_te
 
 RESULTS = Path(__file__).parent / "results"
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16
-STEPS = ("cold", "device", "host", "ssd", "restart")
+STEPS = ("cold", "device", "device_settled", "host", "ssd", "restart")
 
 
 class PromptSource:
@@ -131,6 +133,11 @@ def run_config(name: str, server_args: Callable[[Path, int], list[str]], lengths
                 record("cold", server, text)
                 if "device" in steps:
                     record("device", server, text)
+                if "device_settled" in steps:
+                    if stored is not None:
+                        wait_for_storage(_settled(stored, store))
+                    time.sleep(2.0)
+                    record("device_settled", server, text)
                 if "host" in steps:
                     server.generate(prompts.take(length), max_new_tokens=1)
                     record("host", server, text)

@@ -25,7 +25,7 @@ from _harness import RESULTS, PromptSource, machine, plot, run_config, save  # n
 
 from sglang_tiered.kernels.extend_attention import extend_attention  # noqa: E402
 
-STEPS = ("cold", "device", "ssd")
+STEPS = ("cold", "device", "device_settled", "ssd")
 
 
 def server_args(attention: str):
@@ -85,7 +85,8 @@ def main() -> int:
     work = Path(a.workdir or tempfile.mkdtemp(prefix="cpu-attention-"))
     kernels = kernel_times(a.lengths)
     prompts = PromptSource()
-    results = {name: run_config(name, server_args(name), a.lengths, a.repeats, work, prompts, steps=STEPS)
+    results = {name: run_config(name, server_args(name), a.lengths, a.repeats, work, prompts, steps=STEPS,
+                                stored=lambda store: sum(1 for _ in store.rglob("*.kvp")))
                for name in ("prefix_aware", "torch_native")}
     save("cpu_attention", {"machine": machine(), "repeats": a.repeats, "kernel_per_layer_s": kernels,
                            "model": "SmolLM2-135M-Instruct (bf16)", "results": results})
@@ -98,10 +99,13 @@ def verdict(results: dict) -> str:
     key = "2048" if "2048" in results["prefix_aware"] else next(iter(results["prefix_aware"]))
     ours, theirs = results["prefix_aware"][key], results["torch_native"][key]
     hit = ours["device"]["median_s"] / ours["cold"]["median_s"]
+    settled = ours["device_settled"]["median_s"] / ours["cold"]["median_s"]
     cold = ours["cold"]["median_s"] / theirs["cold"]["median_s"]
-    return (f"cpu_attention @{key} tokens: device hit {ours['device']['median_s']:.3f} s = {hit:.3f}x cold "
-            f"(target <= 0.1x: {'PASS' if hit <= 0.1 else 'MISS'}; torch_native's hit "
-            f"{theirs['device']['median_s']:.3f} s); cold {ours['cold']['median_s']:.3f} s vs torch_native "
+    return (f"cpu_attention @{key} tokens: device hit right after the cold prefill {ours['device']['median_s']:.3f} s"
+            f" = {hit:.3f}x cold (target <= 0.1x: {'PASS' if hit <= 0.1 else 'MISS'}), after write-through settled "
+            f"{ours['device_settled']['median_s']:.3f} s = {settled:.3f}x ({'PASS' if settled <= 0.1 else 'MISS'}); "
+            f"torch_native's hit {theirs['device']['median_s']:.3f} s; "
+            f"cold {ours['cold']['median_s']:.3f} s vs torch_native "
             f"{theirs['cold']['median_s']:.3f} s = {cold:.2f}x "
             f"({'PASS' if cold <= 1.05 else 'MISS'}, 5 % noise margin)")
 

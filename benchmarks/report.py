@@ -49,7 +49,7 @@ def main() -> int:
         d = json.loads(attn.read_text())
         out += ["## Prefix-aware CPU attention (`benchmarks/cpu_attention.py`)", "",
                 f"Machine: {_machine(d['machine'])}; {d['repeats']} repeats.", "", "TTFT (s):", ""]
-        out += ttft_table(d, ["cold", "device", "ssd"])
+        out += ttft_table(d, ["cold", "device", "device_settled", "ssd"])
         out += ["", "One attention layer, 64 new tokens (ms):", "", "| total tokens | prefix-aware | torch_native |",
                 "| ---: | ---: | ---: |"]
         for n, row in d["kernel_per_layer_s"].items():
