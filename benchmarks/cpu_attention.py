@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import tempfile
@@ -81,9 +82,17 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--kernels-only", action="store_true",
+                   help="re-measure only the kernel timings and update them in the existing JSON")
     a = p.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="cpu-attention-"))
     kernels = kernel_times(a.lengths)
+    if a.kernels_only:
+        path = RESULTS / "cpu_attention.json"
+        data = json.loads(path.read_text())
+        data["kernel_per_layer_s"] = kernels
+        path.write_text(json.dumps(data, indent=1))
+        return 0
     prompts = PromptSource()
     results = {name: run_config(name, server_args(name), a.lengths, a.repeats, work, prompts, steps=STEPS,
                                 stored=lambda store: sum(1 for _ in store.rglob("*.kvp")))

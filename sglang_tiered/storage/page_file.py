@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,11 +71,11 @@ def write_page(path: str, namespace: str, key: str, segments: Sequence[memoryvie
     Raises OSError (disk full, permissions, ...) after removing the temporary file.
     """
     header = encode_header(namespace, key, segments)
-    tmp = f"{path}.{os.getpid()}.{_thread_tag()}{TMP_SUFFIX}"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         total = len(header) + sum(seg.nbytes for seg in segments)
-        written = _pwritev_all(fd, [memoryview(header), *segments])
+        written = _vectored_all(os.pwritev, fd, [memoryview(header), *segments], 0)
         if written != total:
             raise OSError(f"short write to {tmp}: {written} of {total} bytes")
     except BaseException:
@@ -129,7 +130,7 @@ def read_page(path: str, namespace: str, key: str, segments: Sequence[memoryview
                 f"page {path} is ns={header.namespace} key={header.key} nbytes={header.nbytes}, "
                 f"expected ns={namespace} key={key} nbytes={expected}"
             )
-        got = _preadv_all(fd, list(segments), offset)
+        got = _vectored_all(os.preadv, fd, list(segments), offset)
     finally:
         os.close(fd)
     if got != expected:
@@ -139,25 +140,13 @@ def read_page(path: str, namespace: str, key: str, segments: Sequence[memoryview
     return expected
 
 
-def _pwritev_all(fd: int, bufs: list[memoryview]) -> int:
-    """pwritev that retries partial writes; at most IOV_MAX buffers per call."""
-    done, offset = 0, 0
-    pending = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in bufs]
-    while pending:
-        n = os.pwritev(fd, pending[:1024], offset)
-        if n == 0:
-            break
-        done += n
-        offset += n
-        pending = _advance(pending, n)
-    return done
-
-
-def _preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+def _vectored_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Run `op` (os.preadv or os.pwritev) until every buffer is done or it returns 0 (end of file); at most IOV_MAX
+    buffers per call. Returns the bytes moved."""
     done = 0
     pending = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in bufs]
     while pending:
-        n = os.preadv(fd, pending[:1024], offset)
+        n = op(fd, pending[:1024], offset)
         if n == 0:
             break
         done += n
@@ -173,12 +162,6 @@ def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
     if bufs and n:
         bufs = [bufs[0][n:], *bufs[1:]]
     return bufs
-
-
-def _thread_tag() -> int:
-    import threading
-
-    return threading.get_ident()
 
 
 def _unlink_quiet(path: str) -> None:
