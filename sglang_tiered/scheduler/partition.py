@@ -27,27 +27,40 @@ Progress = Optional[Callable[[str], None]]
 
 
 def binary_search_two(measure: Measure, lo: float = 0.5, hi: float = 0.95, tol: float = 0.01,
-                      delta: float = 0.01, progress: Progress = None) -> tuple[list[float], float]:
-    """Rank 0's fraction in [lo, hi] minimising TTFT, by bisection on the sign of the slope. Returns
-    (fractions, seconds)."""
-    seen: dict[float, float] = {}
+                      delta: float = 0.01, confirm: int = 3, progress: Progress = None) -> tuple[list[float], float]:
+    """Rank 0's fraction in [lo, hi] minimising TTFT, by bisection on the sign of the slope, then a confirmation
+    round: the `confirm` best points seen and the starting `lo` (the even split by default) are measured afresh and
+    the lowest fresh time wins, so one lucky measurement cannot pick the split. Returns (fractions, seconds)."""
+    seen: dict[float, list[float]] = {}
 
-    def t(f: float) -> float:
+    def t(f: float, again: bool = False) -> float:
         f = round(f, 4)
-        if f not in seen:
-            seen[f] = measure([f, 1 - f])
+        if f not in seen or again:
+            seen.setdefault(f, []).append(measure([f, 1 - f]))
             if progress:
-                progress(f"  split {f:.3f}/{1 - f:.3f}: {seen[f] * 1000:.1f} ms")
-        return seen[f]
+                progress(f"  split {f:.3f}/{1 - f:.3f}: {seen[f][-1] * 1000:.1f} ms")
+        return sum(seen[f]) / len(seen[f])
 
+    def mean(f: float) -> float:
+        return sum(seen[f]) / len(seen[f])
+
+    start = lo
     while hi - lo > tol:
         mid = (lo + hi) / 2
         if t(mid + delta / 2) < t(mid - delta / 2):
             lo = mid
         else:
             hi = mid
-    best = min(seen, key=seen.get)
-    return [best, 1 - best], seen[best]
+    if not confirm:
+        best = min(seen, key=mean)
+        return [best, 1 - best], mean(best)
+    finalists = {*sorted(seen, key=mean)[:confirm], round(start, 4)}
+    fresh = {}
+    for f in sorted(finalists):
+        t(f, again=True)
+        fresh[f] = seen[f][-1]
+    best = min(fresh, key=fresh.get)
+    return [best, 1 - best], fresh[best]
 
 
 def _simplex_grid(center: Sequence[float], radius: float, stride: float, floor: float) -> list[list[float]]:

@@ -26,6 +26,24 @@ def test_binary_search_finds_the_two_rank_optimum(opt):
     assert len(calls) <= 20
 
 
+def test_confirmation_round_recovers_from_a_lucky_measurement():
+    """The first probe above the midpoint measures 40 % fast once (noise), which sends the bisection the wrong way;
+    the confirmation round re-measures the finalists and the even split, and the even split (closest to the true
+    optimum 0.55 among them) wins on fresh times."""
+    lucky = {0.73: [0.6]}
+
+    def measure(fractions):
+        f = round(fractions[0], 4)
+        if lucky.get(f):
+            return lucky[f].pop()
+        return 1.0 + (f - 0.55) ** 2
+
+    fractions, seconds = binary_search_two(measure, lo=0.5, hi=0.95)
+    assert fractions[0] == 0.5 and seconds == pytest.approx(1.0025), (fractions, seconds)
+    fractions, _ = binary_search_two(lambda f: 1.0 + (f[0] - 0.55) ** 2 if f[0] != 0.73 else 0.6, confirm=0)
+    assert fractions[0] == 0.73  # without confirmation the lucky point wins: the round is what protects
+
+
 @pytest.mark.parametrize("opt", [[0.45, 0.33, 0.22], [0.4, 0.3, 0.2, 0.1]])
 def test_grid_search_zooms_in(opt):
     measure, calls = bowl(opt)
