@@ -151,8 +151,11 @@ class SSDTier:
                 self._policy.touch(key)
                 self.stats.add(dedup_pages=1)
                 return True
-            victims = self._pick_victims_locked(self._used + size - self.capacity_bytes)
-            admitted = self._used + size <= self.capacity_bytes
+            if size > self.capacity_bytes:  # would never fit: reject before evicting anything for it
+                victims, admitted = [], False
+            else:
+                victims = self._pick_victims_locked(self._used + size - self.capacity_bytes)
+                admitted = self._used + size <= self.capacity_bytes
             if admitted:
                 self._used += size
                 self._writing[key] = size

@@ -190,10 +190,13 @@ def test_capacity_is_never_exceeded_and_lru_is_evicted(tmp_path):
     tier.check_integrity()
 
 
-def test_page_larger_than_capacity_is_rejected(tmp_path):
+def test_page_larger_than_capacity_is_rejected_without_evicting(tmp_path):
     tier = SSDTier(tmp_path, ns(), capacity_bytes=PAGE // 2)
+    small = [memoryview(bytearray(b"x" * 100))]
+    assert tier.write_pages([(key(0), small)]) == [True]
     assert tier.write_pages([(key(1), page(1))]) == [False]
-    assert tier.stats.snapshot()["rejected_pages"] == 1 and len(tier) == 0
+    s = tier.stats.snapshot()
+    assert s["rejected_pages"] == 1 and s["evicted_pages"] == 0 and tier.contains(key(0)) and len(tier) == 1
 
 
 def test_disk_error_on_write_is_counted_not_raised(tmp_path, monkeypatch):
