@@ -31,7 +31,9 @@ from typing import Optional
 
 import torch
 
-from sglang_tiered.server_process import ServerProcess, cached_details, essay_texts
+from sglang_tiered.server_process import ServerProcess, cached_details, essay_texts, exit_cleanly_on_sigterm
+
+exit_cleanly_on_sigterm()  # benchmarks are scripts: a terminated run still stops its servers
 
 RESULTS = Path(__file__).parent / "results"
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16

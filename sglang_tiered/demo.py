@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from sglang_tiered.server_process import ServerProcess, cached_details, essay_texts
+from sglang_tiered.server_process import ServerProcess, cached_details, essay_texts, exit_cleanly_on_sigterm
 
 DEVICE_TOKENS = 2048
 HOST_RATIO = 2
@@ -37,6 +37,7 @@ def _fill(server: ServerProcess, fillers: list[str], tokens: int) -> int:
 
 
 def run_demo(workdir: str = "demo-run", port: int = 30123) -> int:
+    exit_cleanly_on_sigterm()
     work = Path(workdir).resolve()
     shutil.rmtree(work / "ssd", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)

@@ -125,6 +125,12 @@ class ServerProcess:
             return r.read().decode()
 
 
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit in a script's main thread, so `with ServerProcess(...)` blocks still stop their
+    servers when the script is terminated (the default SIGTERM action skips them)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def cached_details(response: dict) -> dict:
     """{'device': n, 'host': n, 'storage': n} from a /generate response (zeros when absent)."""
     details = response["meta_info"].get("cached_tokens_details") or {}
