@@ -23,7 +23,7 @@ from _harness import RESULTS, machine, save  # noqa: E402
 
 from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, chain_prefill, even_bounds, tsp_prefill  # noqa: E402
 from sglang_tiered.engine.ranks import run_ranks  # noqa: E402
-from sglang_tiered.engine.tuning import chain_measure, load_model, timed  # noqa: E402
+from sglang_tiered.engine.tuning import chain_measure, load_model, timed, tsp_time  # noqa: E402
 from sglang_tiered.models import default_model_path  # noqa: E402
 from sglang_tiered.scheduler.partition import PartitionTable, binary_search_two  # noqa: E402
 
@@ -49,13 +49,13 @@ def parallel_target(rank, world, spec, lengths, repeats, dtype):
     for n in lengths:
         ids = ids_for(n, model.cfg.vocab)
         row = {}
-        row["tsp_s"] = timed(lambda ids=ids: tsp_prefill(model, ids), repeats)
+        row["tsp_s"] = tsp_time(model, ids, repeats)
         even = even_bounds(n, world)
         row["chain_even_s"] = timed(lambda ids=ids, b=even: chain_prefill(model, ids, b), repeats)
         fractions, _ = binary_search_two(chain_measure(model, ids, 1), tol=0.02, progress=say)
         row["searched_fractions"] = fractions
         searched = bounds_from_fractions(n, fractions)
-        row["chain_searched_s"] = timed(lambda ids=ids, b=searched: chain_prefill(model, ids, b), repeats)
+        row["chain_searched_s"] = chain_measure(model, ids, repeats)(fractions)
         row["tsp_bytes_sent"] = _bytes(tsp_prefill(model, ids).bytes_sent)
         row["chain_bytes_sent"] = _bytes(chain_prefill(model, ids, searched).bytes_sent)
         rows[n] = row
@@ -73,8 +73,7 @@ def parallel_target(rank, world, spec, lengths, repeats, dtype):
         fractions = table.lookup(world, n)
         ids = ids_for(n, model.cfg.vocab)
         rows[n]["interpolated_fractions"] = fractions
-        interpolated = bounds_from_fractions(n, fractions)
-        rows[n]["chain_interpolated_s"] = timed(lambda ids=ids, b=interpolated: chain_prefill(model, ids, b), repeats)
+        rows[n]["chain_interpolated_s"] = chain_measure(model, ids, repeats)(fractions)
     return rows
 
 

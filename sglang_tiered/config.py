@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
+CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -107,9 +108,9 @@ class TieredConfig:
             raise ConfigError(f"--tiered-prefetch-threshold: must be >= 0, got {self.prefetch_threshold}")
         if self.stats_interval < 0:
             raise ConfigError(f"--tiered-stats-interval: must be >= 0, got {self.stats_interval}")
-        if self.cpu_attention not in ("prefix_aware", "torch_native"):
+        if self.cpu_attention not in CPU_ATTENTION_CHOICES:
             raise ConfigError(
-                f"--tiered-cpu-attention: expected prefix_aware or torch_native, got {self.cpu_attention}"
+                f"--tiered-cpu-attention: expected one of {CPU_ATTENTION_CHOICES}, got {self.cpu_attention}"
             )
         self.host_pool_settings()
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")

@@ -13,7 +13,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from sglang_tiered.server_process import ServerProcess, cached_details, essay_texts, exit_cleanly_on_sigterm
+from sglang_tiered.server_process import (
+    ServerProcess,
+    cached_details,
+    essay_texts,
+    exit_cleanly_on_sigterm,
+    send_until,
+)
 
 DEVICE_TOKENS = 2048
 HOST_RATIO = 2
@@ -24,16 +30,6 @@ def _server(workdir: Path, port: int, log_name: str) -> ServerProcess:
     args = ["--kv-backend", "tiered", "--max-total-tokens", str(DEVICE_TOKENS), "--tiered-host-size", f"{HOST_RATIO}x",
             "--tiered-ssd-dir", str(workdir / "ssd"), "--tiered-ssd-capacity", "1G", "--tiered-stats-interval", "0"]
     return ServerProcess(args, log_path=workdir / log_name, port=port)
-
-
-def _fill(server: ServerProcess, fillers: list[str], tokens: int) -> int:
-    """Send filler prompts until more than `tokens` new tokens went through the cache. Returns prompts used."""
-    sent, used = 0, 0
-    while sent <= tokens:
-        out = server.generate(fillers.pop(0), max_new_tokens=1)
-        sent += out["meta_info"]["prompt_tokens"]
-        used += 1
-    return used
 
 
 def run_demo(workdir: str = "demo-run", port: int = 30123) -> int:
@@ -56,9 +52,9 @@ def run_demo(workdir: str = "demo-run", port: int = 30123) -> int:
     with _server(work, port, "server-1.log") as server:
         step(server, "cold prefill", "none")
         step(server, "repeat", "device")
-        _fill(server, fillers, DEVICE_TOKENS)
+        send_until(server, fillers, DEVICE_TOKENS)
         step(server, "after device eviction", "host")
-        _fill(server, fillers, DEVICE_TOKENS * (HOST_RATIO + 1))
+        send_until(server, fillers, DEVICE_TOKENS * (HOST_RATIO + 1))
         step(server, "after host eviction", "storage")
     print("restarting server on the same SSD directory ...", flush=True)
     with _server(work, port, "server-2.log") as server:

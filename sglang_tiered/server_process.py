@@ -125,6 +125,17 @@ class ServerProcess:
             return r.read().decode()
 
 
+def send_until(server: ServerProcess, texts: list[str], tokens: int) -> int:
+    """Send prompts from `texts` (consumed from the front, greedy, 1 new token each) until more than `tokens` prompt
+    tokens went through the server: used to push an earlier prompt out of the device and host pools. Returns the
+    number of prompts sent."""
+    sent, used = 0, 0
+    while sent <= tokens:
+        sent += server.generate(texts.pop(0), max_new_tokens=1)["meta_info"]["prompt_tokens"]
+        used += 1
+    return used
+
+
 def exit_cleanly_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit in a script's main thread, so `with ServerProcess(...)` blocks still stop their
     servers when the script is terminated (the default SIGTERM action skips them)."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 
+from sglang_tiered.config import CPU_ATTENTION_CHOICES
 from sglang_tiered.kernels.extend_attention import extend_attention
 
 ENV = "SGLANG_TIERED_CPU_ATTENTION"
-CHOICES = ("prefix_aware", "torch_native")
+CHOICES = CPU_ATTENTION_CHOICES
 _TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tiered.server_process import ServerProcess, cached_details
+from sglang_tiered.server_process import ServerProcess, cached_details, send_until
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
 
 DEVICE_TOKENS = 2048
@@ -25,13 +25,6 @@ def tiered_server(tmp: Path, ssd: Path, name: str, *extra: str, model: str = "sm
     args = ["--kv-backend", "tiered", "--max-total-tokens", str(DEVICE_TOKENS), "--tiered-host-size", "2x",
             "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", *extra]
     return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model)
-
-
-def push_out(server: ServerProcess, fillers: list[str], tokens: int) -> None:
-    """Send filler prompts until more than `tokens` newer tokens went through the device and host pools."""
-    sent = 0
-    while sent <= tokens:
-        sent += server.generate(fillers.pop(0), max_new_tokens=1)["meta_info"]["prompt_tokens"]
 
 
 def ssd_stats(ssd: Path) -> dict:
@@ -66,7 +59,7 @@ def first_run(tmp_path_factory, essays):
     with tiered_server(tmp, ssd, "server-1", "--enable-metrics") as server:
         cold_a = server.generate(essays[0])
         cold_b = server.generate(essays[1])
-        push_out(server, fillers, DEVICE_TOKENS * 3)
+        send_until(server, fillers, DEVICE_TOKENS * 3)
         hit_a = server.generate(essays[0])
         metrics = server.get("/metrics")
     return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,

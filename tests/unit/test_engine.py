@@ -11,6 +11,7 @@ import torch
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, chain_prefill, even_bounds, tsp_prefill
 from sglang_tiered.engine.ranks import run_ranks
+from sglang_tiered.engine.tuning import load_model as load
 
 MHA = LlamaConfig(hidden=128, layers=3, heads=4, kv_heads=4, head_dim=32, intermediate=256, vocab=500,
                   rope_theta=10000.0, rms_eps=1e-6)
@@ -21,11 +22,6 @@ def smollm2_path() -> str:
     from sglang_tiered.models import default_model_path
 
     return str(default_model_path())
-
-
-def load(spec):
-    kind, arg = spec
-    return LlamaModel.from_pretrained(arg) if kind == "pretrained" else LlamaModel.random(arg, seed=7)
 
 
 def hf_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
