@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,14 @@ def ssd_stats(ssd: Path) -> dict:
     return json.loads(files[0].read_text())
 
 
+def wait_for_stats(ssd: Path, done: Callable[[dict], bool], timeout: float = 15.0) -> dict:
+    """The stats file is rewritten once a second while anything changes: poll it until `done(stats)` or timeout."""
+    deadline = time.monotonic() + timeout
+    while not done(stats := ssd_stats(ssd)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return stats
+
+
 def page_files(ssd: Path) -> list[Path]:
     return sorted(ssd.rglob(f"*{PAGE_SUFFIX}"))
 
@@ -50,6 +59,15 @@ def metric(text: str, name: str) -> float:
     return sum(values)
 
 
+def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: float = 15.0) -> str:
+    """Our counters are published once a second (metrics.StatsReporter): poll /metrics until `name` reaches
+    `at_least` or the timeout passes; returns the last /metrics text."""
+    deadline = time.monotonic() + timeout
+    while metric(text := server.get("/metrics"), name) < at_least and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return text
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, essays):
     """Server 1: serve A and B cold, push both out of device and host, resend A (an SSD hit)."""
@@ -61,9 +79,10 @@ def first_run(tmp_path_factory, essays):
         cold_b = server.generate(essays[1])
         send_until(server, fillers, DEVICE_TOKENS * 3)
         hit_a = server.generate(essays[0])
-        metrics = server.get("/metrics")
+        metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", 1)
+        stats = ssd_stats(ssd)  # written on the same publishing tick as the metrics
     return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,
-            "stats": ssd_stats(ssd)}
+            "stats": stats}
 
 
 def test_a_prompt_is_served(first_run):
@@ -108,7 +127,7 @@ def test_d_corrupt_page_files_are_misses_with_identical_output(first_run, essays
         p.write_bytes(bytes(data))
     with tiered_server(tmp, ssd, "server-3") as server:
         out = server.generate(essays[1])
-        stats = ssd_stats(ssd)
+        stats = wait_for_stats(ssd, lambda s: s["corrupt_pages"] >= 1)
     assert out["text"] == first_run["cold_b"]["text"]
     assert cached_details(out)["storage"] == 0
     assert stats["corrupt_pages"] >= 1 and stats["hit_pages"] == 0
