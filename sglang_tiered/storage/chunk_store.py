@@ -1,0 +1,124 @@
+"""Position-0 KV of text chunks (for fusion), found by content hash wherever the chunk appears again.
+
+Contracts
+* A chunk's KV is [layers, tokens, 2 (k, v), kv_heads, head_dim], computed as if the chunk started at position 0
+  (keys post-RoPE at positions 0 .. tokens-1). The key is a hash of the chunk's token ids; the namespace (model,
+  dtype, shapes, salt) separates everything else, as for KV pages.
+* Memory tier: bytes-bounded LRU. `put` never exceeds `memory_bytes` (a chunk larger than it is not kept in memory).
+* SSD tier (optional, an `SSDTier` with its own namespace): write-through, one page per chunk and layer
+  (key `<chunk>.<layer>`), so a loader can fetch layer by layer and every layer is checksummed on read. Writes run on
+  a background thread. A corrupt or vanished layer is a `ChunkMiss` (the SSD tier counts and removes it).
+* `layer()` returns a tensor the caller may keep; memory hits are views of the stored tensor (do not write to them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+
+class ChunkMiss(KeyError):
+    """The chunk (or one of its layers) is not available."""
+
+
+def chunk_key(token_ids: Sequence[int]) -> str:
+    """32 hex digits over the token ids (int64 little endian)."""
+    return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:32]
+
+
+def _layer_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+class ChunkStore:
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, memory_bytes: int,
+                 ssd: Optional[SSDTier] = None) -> None:
+        self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
+        self.memory_bytes = int(memory_bytes)
+        self.ssd = ssd
+        self._mem: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="chunk-store-write") if ssd is not None else None
+        self.hits = {"memory": 0, "ssd": 0}
+        self.misses = 0
+
+    # ----------------------------------------------------------------- queries
+    def in_memory(self, key: str) -> bool:
+        with self._lock:
+            return key in self._mem
+
+    def contains(self, key: str) -> bool:
+        """True if every layer of the chunk is in memory or on SSD (index lookups only, no I/O)."""
+        if self.in_memory(key):
+            return True
+        return self.ssd is not None and all(self.ssd.contains(f"{key}.{i}") for i in range(self.layers))
+
+    @property
+    def used_memory_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    # ----------------------------------------------------------------- data
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        """Store a chunk's KV [layers, tokens, 2, kv_heads, head_dim] (copied)."""
+        expect = (self.layers, 2, self.kv_heads, self.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], *kv.shape[2:]) != expect:
+            raise ValueError(f"chunk KV must be [layers, tokens, 2, kv_heads, head_dim] with {expect}, got "
+                             f"{tuple(kv.shape)}")
+        kv = kv.detach().to(self.dtype, copy=True).contiguous()
+        nbytes = kv.numel() * kv.element_size()
+        with self._lock:
+            if key not in self._mem and nbytes <= self.memory_bytes:
+                while self._used + nbytes > self.memory_bytes:
+                    _, old = self._mem.popitem(last=False)
+                    self._used -= old.numel() * old.element_size()
+                self._mem[key] = kv
+                self._used += nbytes
+        if self._writer is not None:
+            self._writer.submit(self._write_ssd, key, kv)
+
+    def _write_ssd(self, key: str, kv: torch.Tensor) -> None:
+        self.ssd.write_pages([(f"{key}.{i}", [_layer_view(kv[i])]) for i in range(self.layers)])
+
+    def layer(self, key: str, layer: int, tokens: int) -> torch.Tensor:
+        """The chunk's KV of one layer, [tokens, 2, kv_heads, head_dim]. Raises ChunkMiss."""
+        with self._lock:
+            kv = self._mem.get(key)
+            if kv is not None:
+                self._mem.move_to_end(key)
+        if kv is not None:
+            if kv.shape[1] != tokens:
+                raise ChunkMiss(f"chunk {key} has {kv.shape[1]} tokens, not {tokens}")
+            self._count("memory", layer)
+            return kv[layer]
+        if self.ssd is not None:
+            out = torch.empty(tokens, 2, self.kv_heads, self.head_dim, dtype=self.dtype)
+            if self.ssd.read_pages([(f"{key}.{layer}", [_layer_view(out)])])[0]:
+                self._count("ssd", layer)
+                return out
+        with self._lock:
+            self.misses += 1
+        raise ChunkMiss(f"chunk {key} layer {layer}")
+
+    def _count(self, tier: str, layer: int) -> None:
+        if layer == self.layers - 1:  # one hit per chunk load (every mode loads the last layer)
+            with self._lock:
+                self.hits[tier] += 1
+
+    def flush(self) -> None:
+        """Wait for pending SSD writes."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)

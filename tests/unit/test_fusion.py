@@ -1,0 +1,268 @@
+"""Fusion of stored chunk KV (selective recompute, gradual filtering), the chunk store and the loading controller.
+No SGLang: the layer-by-layer engine, real files for the SSD tier, the real SmolLM2 where quality matters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_tiered.engine.fusion import (
+    MODES,
+    Span,
+    filter_schedule,
+    fuse,
+    greedy_continue,
+    rerotate_keys,
+    top_deviation,
+)
+from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+from sglang_tiered.engine.tuning import load_model
+from sglang_tiered.scheduler.blend_controller import LoadingController
+from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore, chunk_key
+from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+GQA = LlamaConfig(hidden=96, layers=5, heads=6, kv_heads=2, head_dim=16, intermediate=192, vocab=300)
+TOL = 1e-4
+
+
+def standalone(model: LlamaModel, ids: torch.Tensor, spans: list[Span]) -> dict[int, torch.Tensor]:
+    """Position-0 KV of every stored span (what the chunk store would hold)."""
+    return {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
+
+
+def run(model, ids, spans, **kw):
+    kvs = standalone(model, ids, spans)
+    return fuse(model, ids, spans, lambda layer, i: kvs[i][layer], **kw)
+
+
+def prompt(lengths: list[int], stored: list[bool], vocab: int, seed: int = 0):
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
+    spans, pos = [], 0
+    for n, s in zip(lengths, stored):
+        spans.append(Span(pos, pos + n, s))
+        pos += n
+    return ids, spans
+
+
+def rope64(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    inv = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) / half)
+    ang = positions.double()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    xd = x.double()
+    return xd * cos + torch.cat([-xd[..., half:], xd[..., :half]], -1) * sin
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return LlamaModel.random(GQA, seed=3)
+
+
+def test_rerotated_keys_equal_keys_computed_at_the_target_position(gqa):
+    x = torch.randn(11, GQA.kv_heads, GQA.head_dim, generator=torch.Generator().manual_seed(0))
+    at_zero = gqa.rope(x, torch.arange(11))
+    for delta in (1, 37, 4000):
+        moved = rerotate_keys(gqa, at_zero, delta)
+        direct = gqa.rope(x, torch.arange(delta, delta + 11))
+        exact = rope64(x, torch.arange(delta, delta + 11), GQA.rope_theta)
+        # fp32 angles at position p are off by ~p * 2**-24 rad in both computations: compare against fp64
+        direct_err = (direct.double() - exact).abs().max().item()
+        assert (moved.double() - exact).abs().max().item() <= 2 * direct_err + 1e-5
+    assert rerotate_keys(gqa, at_zero, 0) is at_zero
+
+
+@pytest.mark.parametrize("mode", ["blend", "single"])
+def test_ratio_one_equals_full_prefill(gqa, mode):
+    ids, spans = prompt([20, 17, 23, 6], [True, True, True, False], GQA.vocab)
+    full = gqa.prefill(ids)
+    fused = run(gqa, ids, spans, mode=mode, ratio=1.0)
+    assert (fused.logits - full.logits).abs().max().item() <= TOL
+    assert (fused.kv - full.kv).abs().max().item() <= TOL
+    assert fused.computed == [ids.shape[0]] * GQA.layers
+
+
+def test_prefix_mode_is_exact_and_computes_only_the_rest(gqa):
+    ids, spans = prompt([24, 19, 5], [True, False, False], GQA.vocab)
+    full = gqa.prefill(ids)
+    fused = run(gqa, ids, spans, mode="prefix")
+    assert (fused.logits - full.logits).abs().max().item() <= TOL
+    assert (fused.kv - full.kv).abs().max().item() <= TOL
+    assert fused.computed == [24] * GQA.layers
+
+
+def test_full_reuse_computes_only_fresh_tokens_and_keeps_stored_kv(gqa):
+    ids, spans = prompt([16, 9, 21, 4], [True, False, True, False], GQA.vocab)
+    kvs = standalone(gqa, ids, spans)
+    fused = fuse(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode="reuse")
+    assert fused.computed == [13] * GQA.layers
+    # the third span's stored keys, moved from position 0 to position 25, on every layer
+    for layer in range(GQA.layers):
+        want_k = rerotate_keys(gqa, kvs[2][layer, :, 0], 25)
+        assert torch.equal(fused.kv[layer, 25:46, 0], want_k)
+        assert torch.equal(fused.kv[layer, 25:46, 1], kvs[2][layer, :, 1])
+    # layer 0 depends on the token alone: the fresh tokens' layer-0 KV equals full prefill's
+    full = gqa.prefill(ids)
+    assert (fused.kv[0, 16:25] - full.kv[0, 16:25]).abs().max().item() <= TOL
+
+
+def test_gradual_filter_schedule_and_bookkeeping(gqa):
+    sched = filter_schedule(0.15, layers=30, check_layer=1, spread=0.3)
+    assert len(sched) == 28 and math.isclose(sum(sched) / len(sched), 0.15)
+    assert sched[0] > 0.15 > sched[-1] and all(a > b for a, b in zip(sched, sched[1:]))
+    assert filter_schedule(1.0, 30, 1) == [1.0] * 28  # clamped: never above 1, mean still the ratio
+
+    lengths, stored = [30, 25, 35, 7], [True, True, True, False]
+    ids, spans = prompt(lengths, stored, GQA.vocab, seed=5)
+    n_reused, fresh = 90, 7
+    fused = run(gqa, ids, spans, mode="blend", ratio=0.3, check_layer=1)
+    sched = filter_schedule(0.3, GQA.layers, 1)
+    assert fused.computed[:2] == [97, 97]  # layers 0 and 1 compute everything
+    want = [fresh + math.ceil(f * n_reused) for f in sched]  # selection at layer l is computed on layer l + 1
+    assert fused.computed[2:] == want
+    single = run(gqa, ids, spans, mode="single", ratio=0.3, check_layer=1)
+    assert single.computed == [97, 97] + [fresh + math.ceil(0.3 * n_reused)] * (GQA.layers - 2)
+
+
+def test_top_deviation_picks_the_most_deviating_rows():
+    k_old = torch.zeros(6, 2, 4)
+    k_new = k_old.clone()
+    k_new[1] += 3.0
+    k_new[4] += 1.0
+    v = torch.zeros(6, 2, 4)
+    v_new = v.clone()
+    v_new[2] += 2.0
+    assert top_deviation(k_new, v_new, k_old, v, 2).tolist() == [1, 2]
+    assert top_deviation(k_new, v_new, k_old, v, 3).tolist() == [1, 2, 4]
+    assert top_deviation(k_new, v_new, k_old, v, 0).tolist() == []
+
+
+def test_overlapped_loading_gives_the_same_result(gqa):
+    ids, spans = prompt([18, 18, 18, 5], [True, True, True, False], GQA.vocab, seed=2)
+    a = run(gqa, ids, spans, mode="blend", ratio=0.2, overlap=True)
+    b = run(gqa, ids, spans, mode="blend", ratio=0.2, overlap=False)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.kv, b.kv)
+
+
+def test_bad_inputs_are_rejected(gqa):
+    ids, spans = prompt([10, 5], [True, False], GQA.vocab)
+    with pytest.raises(ValueError, match="mode"):
+        run(gqa, ids, spans, mode="magic")
+    with pytest.raises(ValueError, match="ratio"):
+        run(gqa, ids, spans, ratio=1.5)
+    with pytest.raises(ValueError, match="tile"):
+        run(gqa, ids, [Span(0, 10, True), Span(11, 15, False)])
+    with pytest.raises(ValueError, match="tokens"):
+        fuse(gqa, ids, spans, lambda layer, i: torch.zeros(3, 2, GQA.kv_heads, GQA.head_dim))
+    assert set(MODES) == {"full", "prefix", "reuse", "single", "blend"}
+
+
+def test_quality_on_smollm2_blend_is_closer_to_full_prefill_than_full_reuse():
+    """Real weights, real text: three essay chunks + a question. 15 % recompute must beat reusing all KV."""
+    from transformers import AutoTokenizer
+
+    from sglang_tiered.models import default_model_path
+    from sglang_tiered.server_process import essay_texts
+
+    essays = essay_texts()
+    path = default_model_path()
+    model = load_model(("pretrained", str(path)))
+    tok = AutoTokenizer.from_pretrained(str(path))
+    chunks = [tok(e[:900], add_special_tokens=False).input_ids[:160] for e in essays[:3]]
+    question = tok("\nQuestion: what did the author write about first? Answer:", add_special_tokens=False).input_ids
+    ids = torch.tensor([t for c in chunks for t in c] + question)
+    spans, pos = [], 0
+    for c in chunks:
+        spans.append(Span(pos, pos + len(c), True))
+        pos += len(c)
+    spans.append(Span(pos, pos + len(question), False))
+    full = model.prefill(ids)
+    reuse = run(model, ids, spans, mode="reuse")
+    blend = run(model, ids, spans, mode="blend", ratio=0.15)
+
+    def err(r):
+        return (torch.log_softmax(r.logits, -1) - torch.log_softmax(full.logits, -1)).abs().max().item()
+
+    assert err(blend) < err(reuse)
+    assert 0.15 < blend.recompute_fraction < 0.35  # 2 full layers of 30 + 15 % on average of the rest
+
+
+# ---------------------------------------------------------------------------------------------- chunk store
+def _store(tmp_path, memory_bytes, with_ssd=True) -> ChunkStore:
+    ssd = None
+    if with_ssd:
+        ns = Namespace(model="m", dtype="torch.float32", page_size=0, layout="chunk", layer_num=3, kv_heads=2,
+                       head_dim=4)
+        ssd = SSDTier(tmp_path, ns, 1 << 20)
+    return ChunkStore(layers=3, kv_heads=2, head_dim=4, dtype=torch.float32, memory_bytes=memory_bytes, ssd=ssd)
+
+
+def test_chunk_store_round_trip_memory_and_ssd(tmp_path):
+    kv = torch.randn(3, 7, 2, 2, 4)
+    key = chunk_key([5, 6, 7])
+    assert key == chunk_key([5, 6, 7]) and key != chunk_key([5, 6, 8])
+    store = _store(tmp_path, memory_bytes=1 << 20)
+    store.put(key, kv)
+    store.flush()
+    assert store.in_memory(key) and store.contains(key)
+    assert all(torch.equal(store.layer(key, i, 7), kv[i]) for i in range(3))
+    assert store.hits == {"memory": 1, "ssd": 0}
+    # a fresh store over the same directory (a restart): nothing in memory, all layers from SSD
+    store.close()
+    again = _store(tmp_path, memory_bytes=1 << 20)
+    assert not again.in_memory(key) and again.contains(key)
+    assert all(torch.equal(again.layer(key, i, 7), kv[i]) for i in range(3))
+    assert again.hits == {"memory": 0, "ssd": 1}
+    with pytest.raises(ChunkMiss):
+        again.layer(key, 0, 8)  # wrong length: never served
+    with pytest.raises(ChunkMiss):
+        again.layer(chunk_key([1]), 0, 1)
+
+
+def test_chunk_store_memory_is_bounded_lru_and_corrupt_layers_are_misses(tmp_path):
+    one = 3 * 7 * 2 * 2 * 4 * 4  # bytes of a 7-token chunk
+    store = _store(tmp_path, memory_bytes=2 * one)
+    kvs = {chunk_key([i]): torch.randn(3, 7, 2, 2, 4) for i in range(3)}
+    for key, kv in kvs.items():
+        store.put(key, kv)
+    store.flush()
+    keys = list(kvs)
+    assert store.used_memory_bytes == 2 * one
+    assert not store.in_memory(keys[0]) and store.in_memory(keys[1]) and store.in_memory(keys[2])
+    assert torch.equal(store.layer(keys[0], 1, 7), kvs[keys[0]][1])  # evicted from memory, still on SSD
+    page = next(p for p in tmp_path.rglob("*.kvp") if p.name.startswith(f"{keys[0]}.2"))
+    data = bytearray(page.read_bytes())
+    data[-3] ^= 0xFF
+    page.write_bytes(bytes(data))
+    with pytest.raises(ChunkMiss):
+        store.layer(keys[0], 2, 7)
+    assert store.ssd.stats.snapshot()["corrupt_pages"] == 1 and not store.contains(keys[0])
+    with pytest.raises(ValueError, match="layers"):
+        store.put("x", torch.randn(2, 7, 2, 2, 4))
+
+
+# ---------------------------------------------------------------------------------------------- controller
+def test_loading_controller_matches_load_and_compute_with_a_floor():
+    c = LoadingController(floor=0.15)
+    assert c.ratio(1000, 100) == 0.15  # nothing measured yet
+    c.observe_compute(1.0, 1_000_000)  # 1 us per token-layer
+    c.observe_load(1.0, 250_000_000)  # 4 ns per byte -> 100 bytes per token-layer = 0.4 us
+    assert c.ratio(1000, 100) == 0.4  # recompute 40 % hides exactly behind the load
+    assert c.ratio(1000, 10) == 0.15  # a fast tier: the quality floor
+    assert c.ratio(1000, 1000) == 1.0  # a slow tier: recompute everything
+    with pytest.raises(ValueError):
+        LoadingController(floor=0.0)
+
+
+def test_full_mode_and_greedy_continue_match_plain_prefill(gqa):
+    ids, spans = prompt([12, 9, 4], [True, True, False], GQA.vocab, seed=9)
+    full = run(gqa, ids, spans, mode="full")
+    ref = gqa.prefill(ids)
+    assert (full.logits - ref.logits).abs().max().item() <= TOL and full.computed == [25] * GQA.layers
+    tokens = greedy_continue(gqa, full.kv, full.logits, 4)
+    seq = ids.tolist()
+    for t in tokens:  # each greedy token is the argmax of a plain prefill over everything before it
+        assert int(gqa.prefill(torch.tensor(seq)).logits.argmax()) == t
+        seq.append(t)
