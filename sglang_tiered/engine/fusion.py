@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from sglang_tiered.engine.llama import LlamaModel
-from sglang_tiered.kernels.extend_attention import causal_attention
+from sglang_tiered.kernels.extend_attention import causal_attention, positioned_attention
 
 MODES = ("full", "prefix", "reuse", "single", "blend")
 DEFAULT_RATIO = 0.15
@@ -102,15 +102,6 @@ def top_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor,
     dev = (k_new.float() - k_old.float()).pow(2).sum((1, 2)) + (v_new.float() - v_old.float()).pow(2).sum((1, 2))
     keep = max(0, min(keep, dev.shape[0]))
     return torch.topk(dev, keep).indices.sort().values
-
-
-def scattered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """Queries [n, Hq, D] at arbitrary ascending positions `q_pos`, each attending keys 0 .. its position."""
-    mask = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return o.squeeze(0).transpose(0, 1)
 
 
 def check_spans(spans: Sequence[Span], tokens: int) -> None:
@@ -231,7 +222,7 @@ def fuse(
             if active.shape[0] == n:
                 attn = causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], 0)
             else:
-                attn = scattered_attention(q, kv[layer, :, 0], kv[layer, :, 1], active)
+                attn = positioned_attention(q, kv[layer, :, 0], kv[layer, :, 1], active)
             if trace is not None:
                 trace(layer, active, attn)
             x = model.finish_layer(layer, x, attn)

@@ -33,18 +33,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     n, total = q.shape[0], k.shape[0]
     if total < q_start + n:
         raise ValueError(f"{total} keys cannot cover queries up to position {q_start + n - 1}")
-    k = k[: q_start + n].transpose(0, 1)
-    v = v[: q_start + n].transpose(0, 1)
-    qr = q.transpose(0, 1)
-    if q_start == 0:
-        mask, causal = None, True  # square: the fast causal kernel
-    elif n == 1:
-        mask, causal = None, False  # the last position sees every key
-    else:
-        pos = torch.arange(q_start, q_start + n, device=q.device)
-        mask, causal = torch.arange(q_start + n, device=q.device)[None, :] <= pos[:, None], False
-    o = scaled_dot_product_attention(qr.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-                                     is_causal=causal, scale=scale, enable_gqa=qr.shape[0] != k.shape[0])
+    if q_start > 0 and n > 1:
+        return positioned_attention(q, k, v, torch.arange(q_start, q_start + n, device=q.device), scale)
+    # square (the fast causal kernel) or one query at the last position (sees every key): no mask
+    return _sdpa(q, k[: q_start + n], v[: q_start + n], None, q_start == 0, scale)
+
+
+def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                         scale: Optional[float] = None, block: int = 256) -> torch.Tensor:
+    """Queries [n, Hq, D] at ascending absolute positions `q_pos` (any gaps), each attending keys 0 .. its position.
+    Runs in blocks of `block` queries, each against only the keys up to its last query's position, so the masked
+    work is about half of n x S for a contiguous run (a single masked call would pay all of it)."""
+    n = q.shape[0]
+    out = q.new_empty((n, q.shape[1], v.shape[-1]))
+    pos = q_pos.tolist()
+    for i in range(0, n, block):
+        j = min(n, i + block)
+        keys = pos[j - 1] + 1
+        mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[i:j, None]
+        out[i:j] = _sdpa(q[i:j], k[:keys], v[:keys], mask, False, scale)
+    return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
+          scale: Optional[float]) -> torch.Tensor:
+    """[n, H, D] in and out around torch's [1, H, n, D] SDPA."""
+    o = scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                     v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale,
+                                     enable_gqa=q.shape[1] != k.shape[1])
     return o.squeeze(0).transpose(0, 1)
 
 

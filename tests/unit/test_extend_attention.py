@@ -7,7 +7,12 @@ import random
 import pytest
 import torch
 
-from sglang_tiered.kernels.extend_attention import extend_attention, reference_attention
+from sglang_tiered.kernels.extend_attention import (
+    causal_attention,
+    extend_attention,
+    positioned_attention,
+    reference_attention,
+)
 
 
 def paged_batch(rng: random.Random, hq: int, hkv: int, d: int, reqs: list[tuple[int, int]], dtype):
@@ -77,3 +82,20 @@ def test_bad_shapes_are_rejected():
     kv = torch.zeros(10, 3, 8)
     with pytest.raises(ValueError, match="sum"):
         extend_attention(q, kv, kv, torch.zeros(1, 10, dtype=torch.int64), [0], [0], [2])
+
+
+@pytest.mark.parametrize("block", [1, 7, 256])
+def test_positioned_attention_blocks_and_gaps_match_a_dense_masked_softmax(block):
+    """Queries at scattered positions (what fusion computes) and long offset runs (several blocks)."""
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(700, 2, 16, generator=g), torch.randn(700, 2, 16, generator=g)
+    for q_pos in (torch.arange(300, 700), torch.randperm(700, generator=g)[:150].sort().values):
+        q = torch.randn(q_pos.shape[0], 6, 16, generator=g)
+        got = positioned_attention(q, k, v, q_pos, block=block)
+        kr, vr = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kr) / 4.0
+        scores = scores.masked_fill(torch.arange(700)[None, None, :] > q_pos[None, :, None], float("-inf"))
+        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vr)
+        assert (got - want).abs().max().item() <= 1e-5
+    q = torch.randn(400, 6, 16, generator=g)
+    assert (causal_attention(q, k, v, 300) - positioned_attention(q, k, v, torch.arange(300, 700))).abs().max() == 0
