@@ -25,7 +25,7 @@ CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Perth", "Quito", "Tunis
 @dataclass(frozen=True)
 class RagQuestion:
     chunks: list[str]  # passages in prompt order
-    question: str  # the text after the chunks, ending in an answer cue
+    question: str  # the text after the chunks
     answer: str  # the gold answer (a city)
     fact_chunks: tuple[int, int]  # which chunks hold the two planted facts
 
@@ -55,9 +55,25 @@ def build(n: int, chunks: int = 6, chunk_chars: int = 2400, seed: int = 0) -> li
             a, b = b, a  # the museum's city may come before or after the person's workplace
         passages[a] = _plant(passages[a], f"{name} works at the {adj} Museum.", rng)
         passages[b] = _plant(passages[b], f"The {adj} Museum is in {city}.", rng)
-        question = f"\n\nQuestion: In which city does {name} work?\nAnswer: {name} works in the city of"
+        question = f"\n\nQuestion: In which city does {name} work?"
         out.append(RagQuestion(passages, question, city, (a, b)))
     return out
+
+
+def chat_parts(tokenizer, q: RagQuestion) -> tuple[str, list[str], str]:
+    """The question as one chat user turn: (text before the chunks, chunks, text after them up to the assistant's
+    turn), rendered with the tokenizer's own chat template."""
+    mark = "\x00CHUNKS\x00"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer the question using the documents."},
+         {"role": "user", "content": mark + q.question}], add_generation_prompt=True, tokenize=False)
+    head, tail = rendered.split(mark)
+    return head, q.chunks, tail
+
+
+def answer_em(prediction: str, gold: str) -> bool:
+    """The gold answer among the first eight words of the prediction."""
+    return gold.lower() in re.findall(r"\w+", prediction.lower())[:8]
 
 
 def f1(prediction: str, gold: str) -> float:
@@ -71,6 +87,3 @@ def f1(prediction: str, gold: str) -> float:
     return 2 * p * r / (p + r)
 
 
-def exact_match(prediction: str, gold: str) -> bool:
-    words = re.findall(r"\w+", prediction.lower())
-    return bool(words) and words[0] == gold.lower()

@@ -1,0 +1,237 @@
+"""Fusion of stored chunk KV (CacheBlend) on the layer-by-layer engine: quality and speed of every mode.
+
+Quality (real SmolLM2, `sglang_tiered.rag_questions`, chat-formatted: 6 essay chunks of 128 tokens, two holding the two
+facts a question needs): per mode, answer exact match / F1 against the gold city, agreement of the first 32 greedy
+tokens with full prefill (per position), per-layer attention deviation of the last prompt token
+(||attn - attn_full|| / ||attn_full||) and the recomputed fraction of token-layers.
+
+Speed: TTFT (prefill + first token) of 6 chunks x 512 tokens + a question for every mode, stored KV in memory, and
+`blend` with the stored KV read from the SSD tier (page cache dropped when permitted) at the fixed 15 % and at the
+loading controller's ratio. Medians of repeats, same process.
+
+    .venv/bin/python benchmarks/blend.py [--questions 16] [--repeats 5] [--dtype bfloat16] [--part both]
+
+Writes benchmarks/results/blend.json and .png; prints a one-line verdict. Targets at 15 %: >= 95 % token agreement
+with full prefill (or F1 within 0.02), better than full reuse and than single-check-layer; blend TTFT <= 1/3 of full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import RESULTS, drop_page_cache, machine, save  # noqa: E402
+
+from sglang_tiered.engine.fusion import MODES, Span, fuse, greedy_continue  # noqa: E402
+from sglang_tiered.engine.tuning import load_model  # noqa: E402
+from sglang_tiered.models import default_model_path  # noqa: E402
+from sglang_tiered.rag_questions import answer_em, build, chat_parts, f1  # noqa: E402
+from sglang_tiered.scheduler.blend_controller import LoadingController  # noqa: E402
+from sglang_tiered.storage.chunk_store import ChunkStore, chunk_key  # noqa: E402
+from sglang_tiered.storage.namespace import Namespace  # noqa: E402
+from sglang_tiered.storage.ssd_tier import SSDTier  # noqa: E402
+
+QUALITY_CHUNK_TOKENS = 128  # SmolLM2-135M loses the thread on 3k-token RAG prompts even with full prefill
+SPEED_CHUNK_TOKENS = 512
+GEN_TOKENS = 32
+
+
+def encode(tok, q, chunk_tokens: int) -> tuple[torch.Tensor, list[Span]]:
+    """Chat-formatted prompt: the template's head (fresh), each chunk tokenized on its own and cut to
+    `chunk_tokens` (stored), the question and the assistant turn (fresh)."""
+    head, chunks, tail = chat_parts(tok, q)
+    parts = [(tok(head, add_special_tokens=False).input_ids, False)]
+    parts += [(tok(c, add_special_tokens=False).input_ids[:chunk_tokens], True) for c in chunks]
+    parts.append((tok(tail, add_special_tokens=False).input_ids, False))
+    spans, pos, ids = [], 0, []
+    for toks, stored in parts:
+        spans.append(Span(pos, pos + len(toks), stored))
+        pos += len(toks)
+        ids += toks
+    return torch.tensor(ids), spans
+
+
+def quality(model, tok, n_questions: int, ratio: float) -> dict:
+    per_mode = {m: {"em": [], "f1": [], "agree": [], "dev": [], "frac": []} for m in MODES}
+    for qi, q in enumerate(build(n_questions, chunk_chars=QUALITY_CHUNK_TOKENS * 5)):
+        ids, spans = encode(tok, q, QUALITY_CHUNK_TOKENS)
+        kvs = {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
+        outs = {}
+        for mode in MODES:
+            attn: dict[int, torch.Tensor] = {}
+            r = fuse(model, ids, spans, lambda layer, i, kvs=kvs: kvs[i][layer], mode=mode, ratio=ratio,
+                     trace=lambda layer, pos, a, attn=attn: attn.__setitem__(layer, a[-1].float().clone()))
+            gen = greedy_continue(model, r.kv, r.logits, GEN_TOKENS)
+            outs[mode] = (gen, attn, r.recompute_fraction)
+        ref_gen, ref_attn, _ = outs["full"]
+        for mode, (gen, attn, frac) in outs.items():
+            text = tok.decode(gen)
+            row = per_mode[mode]
+            row["em"].append(float(answer_em(text, q.answer)))
+            row["f1"].append(f1(text, q.answer))
+            row["agree"].append(sum(a == b for a, b in zip(gen, ref_gen)) / GEN_TOKENS)
+            row["dev"].append([((attn[i] - ref_attn[i]).norm() / ref_attn[i].norm()).item() for i in sorted(attn)])
+            row["frac"].append(frac)
+        print(f"[quality] question {qi + 1}/{n_questions} ({q.answer}): "
+              + ", ".join(f"{m} f1={per_mode[m]['f1'][-1]:.2f} agree={per_mode[m]['agree'][-1]:.2f}"
+                          for m in MODES), flush=True)
+    out = {}
+    for mode, row in per_mode.items():
+        layers = len(row["dev"][0])
+        out[mode] = {"exact_match": statistics.mean(row["em"]), "f1": statistics.mean(row["f1"]),
+                     "token_agreement": statistics.mean(row["agree"]),
+                     "recompute_fraction": statistics.mean(row["frac"]),
+                     "attention_deviation_per_layer": [statistics.mean(d[i] for d in row["dev"])
+                                                       for i in range(layers)]}
+    return out
+
+
+def speed(model, tok, repeats: int, ratio: float) -> dict:
+    q = build(1, seed=7)[0]
+    ids, spans = encode(tok, q, SPEED_CHUNK_TOKENS)
+    cfg = model.cfg
+    ns = Namespace(model="smollm2-bench", dtype=str(model.dtype), page_size=0, layout="chunk-kv", layer_num=cfg.layers,
+                   kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
+    tmp = tempfile.TemporaryDirectory(prefix="blend-bench-")
+    ssd = SSDTier(Path(tmp.name), ns, 1 << 33)
+    mem = ChunkStore(layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=model.dtype,
+                     memory_bytes=1 << 33)
+    disk = ChunkStore(layers=cfg.layers, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=model.dtype,
+                      memory_bytes=0, ssd=ssd)
+    keys = {}
+    for i, s in enumerate(spans):
+        if s.stored:
+            keys[i] = chunk_key(ids[s.start : s.end].tolist())
+            kv = model.prefill(ids[s.start : s.end]).kv
+            mem.put(keys[i], kv)
+            disk.put(keys[i], kv)
+    disk.flush()
+
+    def loader(store):
+        return lambda layer, i: store.layer(keys[i], layer, spans[i].length)
+
+    controller = LoadingController(floor=ratio)
+    bytes_per_token_layer = 2 * cfg.kv_heads * cfg.head_dim * model.dtype.itemsize
+    reused = sum(s.length for s in spans if s.stored)
+
+    def run(mode, store, r, cold=False):
+        times = []
+        for _ in range(repeats):
+            if cold:
+                drop_page_cache()
+            t0 = time.perf_counter()
+            res = fuse(model, ids, spans, loader(store), mode=mode, ratio=r)
+            int(res.logits.argmax())  # the first token
+            times.append(time.perf_counter() - t0)
+            if mode == "blend":
+                controller.observe_load(res.load_s, bytes_per_token_layer * reused * len(res.computed))
+                controller.observe_compute(times[-1] - res.load_wait_s, sum(res.computed))
+        return {"median_s": statistics.median(times), "samples_s": times, "ratio": r,
+                "recompute_fraction": res.recompute_fraction, "load_wait_s": res.load_wait_s}
+
+    fuse(model, ids[:600], [Span(0, 600, False)], loader(mem), mode="full")  # warm-up
+    out = {m: run(m, mem, ratio) for m in MODES}
+    out["blend_ssd"] = run("blend", disk, ratio, cold=True)
+    chosen = controller.ratio(reused, bytes_per_token_layer)
+    out["blend_ssd_controller"] = run("blend", disk, chosen, cold=True)
+    out["tokens"] = int(ids.shape[0])
+    out["page_cache_dropped"] = drop_page_cache()
+    out["controller"] = controller.describe()
+    ssd.close()
+    tmp.cleanup()
+    for m in [*MODES, "blend_ssd", "blend_ssd_controller"]:
+        print(f"[speed] {m}: {out[m]['median_s']:.3f} s (ratio {out[m]['ratio']:.3f})", flush=True)
+    return out
+
+
+def plot(data: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    if "quality" in data:
+        qd = data["quality"]
+        ax = axes[0]
+        xs = range(len(MODES))
+        ax.bar([x - 0.2 for x in xs], [qd[m]["token_agreement"] for m in MODES], 0.4, label="token agreement")
+        ax.bar([x + 0.2 for x in xs], [qd[m]["f1"] for m in MODES], 0.4, label="answer F1")
+        ax.set_xticks(list(xs), MODES)
+        ax.set_title("quality vs full prefill")
+        ax.legend(fontsize=8)
+        for m in MODES:
+            axes[1].plot(qd[m]["attention_deviation_per_layer"], label=m)
+        axes[1].set_xlabel("layer")
+        axes[1].set_ylabel("attention deviation (last token)")
+        axes[1].set_yscale("symlog", linthresh=1e-3)
+        axes[1].legend(fontsize=8)
+    if "speed" in data:
+        sd = data["speed"]
+        names = [m for m in [*MODES, "blend_ssd", "blend_ssd_controller"] if m in sd]
+        axes[2].bar(names, [sd[m]["median_s"] for m in names])
+        axes[2].set_ylabel("TTFT, median (s)")
+        axes[2].set_title(f"{sd['tokens']} tokens")
+        axes[2].tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "blend.png", dpi=110)
+
+
+def verdict(data: dict, ratio: float) -> str:
+    parts = []
+    if "quality" in data:
+        q = data["quality"]
+        ok = ((q["blend"]["token_agreement"] >= 0.95 or abs(q["blend"]["f1"] - q["full"]["f1"]) <= 0.02)
+              and q["blend"]["token_agreement"] > q["reuse"]["token_agreement"]
+              and q["blend"]["token_agreement"] >= q["single"]["token_agreement"])
+        parts.append(f"quality {'MET' if ok else 'MISSED'}: blend agreement {q['blend']['token_agreement']:.3f} "
+                     f"(single {q['single']['token_agreement']:.3f}, reuse {q['reuse']['token_agreement']:.3f}), "
+                     f"F1 blend {q['blend']['f1']:.3f} vs full {q['full']['f1']:.3f}")
+    if "speed" in data:
+        s = data["speed"]
+        x = s["full"]["median_s"] / s["blend"]["median_s"]
+        parts.append(f"speed {'MET' if x >= 3 else 'MISSED'}: blend {x:.2f}x faster than full prefill "
+                     f"({s['blend']['median_s']:.2f} vs {s['full']['median_s']:.2f} s; prefix caching "
+                     f"{s['prefix']['median_s']:.2f} s)")
+    return f"blend @ {ratio:.0%}: " + "; ".join(parts)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ratio", type=float, default=0.15)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--quality-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--part", default="both", choices=["quality", "speed", "both"])
+    a = p.parse_args()
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    data: dict = {"machine": machine(), "ratio": a.ratio, "chunks": 6, "quality_chunk_tokens": QUALITY_CHUNK_TOKENS,
+                  "speed_chunk_tokens": SPEED_CHUNK_TOKENS,
+                  "model": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads()}
+    if a.part in ("quality", "both"):
+        model = load_model(("pretrained", str(path)), getattr(torch, a.quality_dtype))
+        data["quality"] = quality(model, tok, a.questions, a.ratio)
+        data["quality_dtype"], data["questions"] = a.quality_dtype, a.questions
+    if a.part in ("speed", "both"):
+        model = load_model(("pretrained", str(path)), getattr(torch, a.dtype))
+        data["speed"] = speed(model, tok, a.repeats, a.ratio)
+        data["speed_dtype"], data["repeats"] = a.dtype, a.repeats
+    save("blend", data)
+    plot(data)
+    print(verdict(data, a.ratio))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
