@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
+BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/fusion.py)
+CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -55,6 +57,10 @@ class TieredConfig:
     io_threads: int = 4  # parallel file reads/writes per rank
     stats_interval: float = 10.0  # seconds between stats log lines (0 = off)
     cpu_attention: str = "prefix_aware"  # without CUDA: "prefix_aware" (ours) or "torch_native" (SGLang's)
+    blend: str = "blend"  # fusion of chunk KV for prompts marked with the separator; BLEND_CHOICES
+    blend_separator: str = "<|chunk|>"  # marks chunk boundaries in a text prompt; removed before the model
+    blend_ratio: float = 0.15  # recompute ratio floor r* (the loading controller may go higher, never lower)
+    blend_memory: str = "1G"  # bytes of chunk KV kept in host memory (then the SSD directory)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -108,10 +114,18 @@ class TieredConfig:
             raise ConfigError(f"--tiered-prefetch-threshold: must be >= 0, got {self.prefetch_threshold}")
         if self.stats_interval < 0:
             raise ConfigError(f"--tiered-stats-interval: must be >= 0, got {self.stats_interval}")
-        if self.cpu_attention not in CPU_ATTENTION_CHOICES:
-            raise ConfigError(
-                f"--tiered-cpu-attention: expected one of {CPU_ATTENTION_CHOICES}, got {self.cpu_attention}"
-            )
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"--tiered-{name.replace('_', '-')}: expected one of {choices}, got "
+                                  f"{getattr(self, name)!r}")
+        if not self.blend_separator.strip():
+            raise ConfigError("--tiered-blend-separator: must contain a visible character")
+        if not 0.0 < self.blend_ratio <= 1.0:
+            raise ConfigError(f"--tiered-blend-ratio: must be in (0, 1], got {self.blend_ratio}")
+        try:
+            parse_size(self.blend_memory)
+        except ValueError as exc:
+            raise ConfigError(f"--tiered-blend-memory: {exc}") from None
         self.host_pool_settings()
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
 
@@ -144,4 +158,14 @@ FLAG_HELP: dict[str, str] = {
     "stats_interval": "Seconds between tier statistics log lines (0 = off).",
     "cpu_attention": "Without CUDA: 'prefix_aware' computes attention for the new tokens only (a cache hit costs the "
     "new tokens); 'torch_native' keeps SGLang's full-sequence attention. Default: prefix_aware.",
+    "blend": "Prompts whose text marks chunks with --tiered-blend-separator reuse each chunk's stored KV wherever "
+    "it appears: 'blend' recomputes the most deviating tokens with gradual filtering (CacheBlend), 'single' selects "
+    "them at one check layer (LMCache's scheme), 'reuse' recomputes none, 'full' recomputes all; 'prefix' and 'off' "
+    "leave the prompt to SGLang's radix cache (the separator is still removed with 'prefix'). Default: blend.",
+    "blend_separator": "Text that marks chunk boundaries; every part before the last separator is a reusable chunk, "
+    "the part after it (the question) is always computed. Default: <|chunk|>.",
+    "blend_ratio": "Fraction of reused tokens recomputed per layer, the quality floor; the loading controller raises "
+    "it when loading is slower than recomputing. Default: 0.15.",
+    "blend_memory": "Host memory for stored chunk KV (suffixes K/M/G); beyond it chunks live on the SSD directory "
+    "only. Default: 1G.",
 }

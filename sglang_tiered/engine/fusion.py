@@ -69,6 +69,7 @@ class FusionResult:
     computed: list[int] = field(default_factory=list)  # tokens computed on each layer
     load_wait_s: float = 0.0  # time the compute waited for the loader (0 when loading hides behind compute)
     load_s: float = 0.0  # time spent loading + re-rotating, summed over layers (overlapped or not)
+    hidden: Optional[torch.Tensor] = None  # [hidden] residual stream of the last token after the last layer
 
     @property
     def recompute_fraction(self) -> float:
@@ -104,8 +105,8 @@ def top_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor,
     return torch.topk(dev, keep).indices.sort().values
 
 
-def check_spans(spans: Sequence[Span], tokens: int) -> None:
-    pos = 0
+def check_spans(spans: Sequence[Span], tokens: int, start: int = 0) -> None:
+    pos = start
     for s in spans:
         if s.start != pos or s.end <= s.start:
             raise ValueError(f"spans must tile the prompt in order without gaps: {s} after position {pos}")
@@ -168,19 +169,28 @@ def fuse(
     spread: float = 0.3,
     overlap: bool = True,
     trace: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
+    prefix_len: int = 0,
+    prefix_loader: Optional[Callable[[int], torch.Tensor]] = None,
 ) -> FusionResult:
     """Prefill `ids` reusing stored span KV per `mode` (see module docstring). `ratio` is the fraction of reused
     tokens recomputed per selective layer, averaged over layers; 1.0 recomputes everything (= full prefill).
-    `trace(layer, positions, attn)` sees each layer's attention output [n, Hq, D] of the computed tokens."""
+    `trace(layer, positions, attn)` sees each layer's attention output [n, Hq, D] of the computed tokens.
+    `prefix_len` tokens at the start already have exact KV (a radix-cache hit): `prefix_loader(layer)` gives it
+    ([prefix_len, 2, kv_heads, head_dim], at its real positions); they are never recomputed and `spans` tile
+    [prefix_len, len(ids))."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
-    n, layers = ids.shape[0], model.cfg.layers
-    check_spans(spans, n)
+    n, layers, p = ids.shape[0], model.cfg.layers, prefix_len
+    check_spans(spans, n, p)
+    if p and prefix_loader is None:
+        raise ValueError("prefix_len > 0 needs a prefix_loader")
     if mode == "full":
-        spans = [Span(0, n, False)]  # nothing reused: every token on every layer
+        spans = [Span(p, n, False)]  # nothing reused: every token on every layer
     if mode == "prefix":
+        if p:
+            raise ValueError("mode 'prefix' is the radix cache itself; it takes no extra prefix")
         return _prefix_extend(model, ids, spans, loader)
     if not 0 <= check_layer < layers:
         raise ValueError(f"check_layer must be in [0, {layers}), got {check_layer}")
@@ -196,13 +206,17 @@ def fuse(
     first_loaded = check_layer if mode in ("single", "blend") else 0  # deviation needs the check layer's KV
 
     kv = model.empty_kv(n)
-    active = torch.arange(n) if full_layers else (~reused_mask).nonzero().squeeze(1)
+    fresh_mask = ~reused_mask
+    fresh_mask[:p] = False
+    active = torch.arange(p, n) if full_layers else fresh_mask.nonzero().squeeze(1)
     x = model.embed(ids[active])
     computed: list[int] = []
     waited = 0.0
     prefetch = _Prefetcher(model, spans, loader, first_loaded, overlap)
     try:
         for layer in range(layers):
+            if p:
+                kv[layer, :p] = prefix_loader(layer)
             if layer >= first_loaded:
                 loaded, w = prefetch.get(layer)
                 waited += w
@@ -219,8 +233,8 @@ def fuse(
                 keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values
             kv[layer, active, 0], kv[layer, active, 1] = k, v
             computed.append(active.shape[0])
-            if active.shape[0] == n:
-                attn = causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], 0)
+            if active.shape[0] == n - p:
+                attn = causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], p)
             else:
                 attn = positioned_attention(q, kv[layer, :, 0], kv[layer, :, 1], active)
             if trace is not None:
@@ -232,7 +246,7 @@ def fuse(
         prefetch.close()
     if active[-1] != n - 1:
         raise AssertionError("the last prompt token must stay active (it is never part of a stored span)")
-    return FusionResult(model.logits(x[-1:])[0], kv, computed, waited, prefetch.load_s)
+    return FusionResult(model.logits(x[-1:])[0], kv, computed, waited, prefetch.load_s, hidden=x[-1])
 
 
 def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], loader: LayerLoader) -> FusionResult:

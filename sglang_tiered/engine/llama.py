@@ -40,7 +40,11 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, path: str | Path) -> LlamaConfig:
-        c = json.loads((Path(path) / "config.json").read_text())
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+    @classmethod
+    def from_dict(cls, c: dict) -> LlamaConfig:
+        """From a Hugging Face config dict (config.json's content)."""
         scaling = c.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise NotImplementedError(f"rope_scaling {scaling} is not supported by the layer-by-layer engine")

@@ -9,6 +9,8 @@ Seams with SGLang (the complete list; nothing else in SGLang is touched):
 * CPU shims (`cpu_shims.py`), only when CUDA is absent.
 * `TorchNativeAttnBackend._run_sdpa_forward_extend/_decode` (AROUND hooks, `cpu_attention.py`), only when CUDA is
   absent and `--tiered-cpu-attention prefix_aware` (the default with `--kv-backend tiered`).
+* Fusion of chunk KV (`blend.py`, unless `--tiered-blend off`): `TokenizerManager._tokenize_one_request` (BEFORE),
+  `TpModelWorker.forward_batch_generation` (AROUND), `models.llama.LlamaModel.forward` (AROUND).
 """
 
 from __future__ import annotations
@@ -61,3 +63,6 @@ def register() -> None:
     from sglang_tiered.integration import cpu_attention
 
     cpu_attention.register_hooks()
+    from sglang_tiered.integration import blend
+
+    blend.register_hooks()

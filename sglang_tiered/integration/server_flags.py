@@ -16,8 +16,8 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from sglang_tiered.config import DEFAULT_PAGE_SIZE, FLAG_HELP, ConfigError, TieredConfig, parse_size
-from sglang_tiered.integration import cpu_attention, cpu_shims
+from sglang_tiered.config import CHOICES, DEFAULT_PAGE_SIZE, FLAG_HELP, ConfigError, TieredConfig, parse_size
+from sglang_tiered.integration import blend, cpu_attention, cpu_shims
 from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve_model_path
 
 logger = logging.getLogger("sglang_tiered")
@@ -54,7 +54,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             dest=f"tiered_{f.name}",
             type=kind,
             default=default,
-            choices=cpu_attention.CHOICES if f.name == "cpu_attention" else None,
+            choices=CHOICES.get(f.name),
             help=FLAG_HELP[f.name],
         )
 
@@ -142,6 +142,10 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
             ns.dtype = "bfloat16"  # this CPU has no fast fp16 path (3.6 s vs 0.58 s for a 512-token prefill)
         os.environ[cpu_attention.ENV] = cfg.cpu_attention  # read by register() in the scheduler processes
 
+    os.environ[blend.ENV] = json.dumps({  # read by the tokenizer manager and the schedulers (integration/blend.py)
+        "mode": cfg.blend, "separator": cfg.blend_separator, "ratio": cfg.blend_ratio,
+        "memory_bytes": parse_size(cfg.blend_memory), "ssd_dir": cfg.ssd_dir, "ssd_capacity": cfg.ssd_capacity,
+        "namespace": cfg.namespace, "model": model_fingerprint(ns.model_path)})
     extra = {
         "backend_name": "tiered",
         "module_path": STORAGE_MODULE,

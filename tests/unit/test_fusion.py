@@ -266,3 +266,23 @@ def test_full_mode_and_greedy_continue_match_plain_prefill(gqa):
     for t in tokens:  # each greedy token is the argmax of a plain prefill over everything before it
         assert int(gqa.prefill(torch.tensor(seq)).logits.argmax()) == t
         seq.append(t)
+
+
+def test_an_exact_radix_prefix_is_read_not_recomputed(gqa):
+    """What the server does on a radix hit: tokens [0, p) come from the KV pool at their real positions."""
+    ids, spans = prompt([10, 14, 12, 5], [False, True, True, False], GQA.vocab, seed=11)
+    full = gqa.prefill(ids)
+    p = 10
+    tail = spans[1:]
+    kvs = standalone(gqa, ids, spans)
+    for mode, ratio in (("blend", 1.0), ("single", 1.0), ("full", 0.15)):
+        r = fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], mode=mode, ratio=ratio, prefix_len=p,
+                 prefix_loader=lambda layer: full.kv[layer, :p])
+        assert (r.logits - full.logits).abs().max().item() <= TOL
+        assert r.computed == [ids.shape[0] - p] * GQA.layers
+        assert (gqa.logits(r.hidden[None])[0] - full.logits).abs().max().item() <= TOL
+    r = fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], mode="reuse", prefix_len=p,
+             prefix_loader=lambda layer: full.kv[layer, :p])
+    assert r.computed == [5] * GQA.layers
+    with pytest.raises(ValueError, match="prefix_loader"):
+        fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], prefix_len=p)

@@ -1,0 +1,286 @@
+"""Fusion of stored chunk KV (CacheBlend) inside the SGLang server.
+
+Users mark chunk boundaries in a text prompt with the separator (`--tiered-blend-separator`, default `<|chunk|>`):
+every part before the last separator is a chunk whose KV is reusable wherever it appears; the part after the last
+separator (the question) is always computed. The separator itself never reaches the model.
+
+Seams (all registered by `register_hooks`, only when `--tiered-blend` is not `off`; listed in plugin.py too):
+* `TokenizerManager._tokenize_one_request` (BEFORE, launcher process): a text prompt containing the separator is
+  split there, each part tokenized on its own (so a chunk's tokens do not depend on its neighbours), the ids
+  concatenated into `input_ids`, and the part lengths put in `sampling_params.custom_params["tiered_chunks"]`.
+  Works for `/generate`, `/v1/completions` and frontend programs (all send text).
+* `TpModelWorker.forward_batch_generation` (AROUND, scheduler): remembers the batch's requests by rid.
+* `models.llama.LlamaModel.forward` (AROUND, scheduler): an extend batch of exactly one marked request that
+  prefills its whole prompt (no chunked prefill, no input logprobs, TP = PP = 1) runs through
+  `engine.fusion.fuse` on the server's own weights (views, no copy). Tokens the radix cache already holds are read
+  from the KV pool and never recomputed. A chunk seen for the first time gets its standalone KV computed (a prefill
+  of the chunk at position 0, cost ~ the chunk's prefill) and stored in the `ChunkStore` (memory LRU of
+  `--tiered-blend-memory` bytes + write-through to the SSD directory). The fused KV is written into the request's
+  KV slots; the final hidden state of the last token goes back to SGLang's logits processor, so sampling and
+  decoding proceed normally. Anything else goes to SGLang's own forward.
+* The fused request is marked `skip_radix_cache_insert`: approximate KV never enters the radix tree, the host
+  tier or the SSD page store, so later exact prefix hits stay exact.
+
+Logs one line per fused request (`tiered blend: ...`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from sglang_tiered.engine.fusion import Span, fuse
+from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+
+logger = logging.getLogger("sglang_tiered")
+
+ENV = "SGLANG_TIERED_BLEND"
+PARAM = "tiered_chunks"
+
+
+@dataclass(frozen=True)
+class BlendSettings:
+    mode: str  # "off" or an engine.fusion mode
+    separator: str
+    ratio: float  # the quality floor r*
+    memory_bytes: int
+    ssd_dir: str
+    ssd_capacity: int
+    namespace: str
+    model: str  # model fingerprint
+
+    @classmethod
+    def from_env(cls) -> Optional[BlendSettings]:
+        raw = os.environ.get(ENV)
+        return cls(**json.loads(raw)) if raw else None
+
+
+def split_prompt(text: str, separator: str, encode) -> tuple[list[int], list[int]]:
+    """(ids, part lengths) of `text` split at `separator`, each part encoded on its own; only the first part gets
+    the tokenizer's special prefix tokens (BOS)."""
+    ids: list[int] = []
+    lengths: list[int] = []
+    for i, part in enumerate(text.split(separator)):
+        toks = encode(part, add_special_tokens=(i == 0))
+        ids += toks
+        lengths.append(len(toks))
+    return ids, lengths
+
+
+# ---------------------------------------------------------------------------------------------- launcher side
+def _before_tokenize(self, obj, *args, **kwargs):
+    settings = BlendSettings.from_env()
+    text = getattr(obj, "text", None)
+    if settings is None or not isinstance(text, str) or settings.separator not in text or obj.input_ids is not None:
+        return None
+    ids, lengths = split_prompt(text, settings.separator, self.tokenizer.encode)
+    obj.input_ids, obj.text = ids, None
+    params = dict(obj.sampling_params or {})
+    custom = dict(params.get("custom_params") or {})
+    custom[PARAM] = lengths
+    params["custom_params"] = custom
+    obj.sampling_params = params
+    return (self, obj, *args), kwargs
+
+
+# ---------------------------------------------------------------------------------------------- scheduler side
+class _Runtime:
+    """Per scheduler process: the engine over SGLang's weights, the chunk store, the loading controller."""
+
+    def __init__(self, settings: BlendSettings, module) -> None:
+        from sglang_tiered.scheduler.blend_controller import LoadingController
+        from sglang_tiered.storage.chunk_store import ChunkStore
+        from sglang_tiered.storage.namespace import Namespace
+        from sglang_tiered.storage.ssd_tier import SSDTier
+
+        self.settings = settings
+        self.engine = engine_from_sglang(module)
+        c, dtype = self.engine.cfg, self.engine.dtype
+        ns = Namespace(model=settings.model, dtype=str(dtype), page_size=0, layout="chunk-kv", layer_num=c.layers,
+                       kv_heads=c.kv_heads, head_dim=c.head_dim, salt=settings.namespace)
+        ssd = SSDTier(Path(settings.ssd_dir) / "chunks", ns, settings.ssd_capacity)
+        self.store = ChunkStore(layers=c.layers, kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=dtype,
+                                memory_bytes=settings.memory_bytes, ssd=ssd)
+        self.controller = LoadingController(floor=settings.ratio)
+        self.bytes_per_token_layer = 2 * c.kv_heads * c.head_dim * dtype.itemsize
+
+
+_runtime: Optional[_Runtime] = None
+_batch_reqs = threading.local()
+
+
+def engine_from_sglang(module) -> LlamaModel:
+    """Our layer-by-layer engine over the weights of SGLang's `LlamaModel` (views of the fused projections)."""
+    hf = module.config
+    cfg = LlamaConfig.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    embed = module.embed_tokens.weight
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed, "model.norm.weight": module.norm.weight,
+                                  "lm_head.weight": embed}  # the engine's logits are not used in the server
+    for i, layer in enumerate(module.layers):
+        qkv = layer.self_attn.qkv_proj.weight
+        if qkv.shape[0] != q + 2 * kv:
+            raise NotImplementedError("fusion needs the whole model in one rank (TP = 1)")
+        gate_up = layer.mlp.gate_up_proj.weight
+        p = f"model.layers.{i}."
+        w.update({p + "input_layernorm.weight": layer.input_layernorm.weight,
+                  p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+                  p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q : q + kv],
+                  p + "self_attn.v_proj.weight": qkv[q + kv :],
+                  p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+                  p + "mlp.gate_proj.weight": gate_up[: cfg.intermediate],
+                  p + "mlp.up_proj.weight": gate_up[cfg.intermediate :],
+                  p + "mlp.down_proj.weight": layer.mlp.down_proj.weight})
+    return LlamaModel(cfg, w, dtype=embed.dtype)
+
+
+def _around_worker(original, self, batch=None, *args, **kwargs):
+    reqs = getattr(batch, "reqs", None) or []
+    _batch_reqs.by_rid = {r.rid: r for r in reqs}
+    try:
+        return original(self, batch, *args, **kwargs)
+    finally:
+        _batch_reqs.by_rid = {}
+
+
+def _marked_req(fb) -> Any:
+    if not fb.forward_mode.is_extend() or fb.batch_size != 1 or not fb.rids:
+        return None
+    req = getattr(_batch_reqs, "by_rid", {}).get(fb.rids[0])
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+    return req if PARAM in custom else None
+
+
+def _around_llama_forward(original, self, input_ids, positions, forward_batch, input_embeds=None,
+                          pp_proxy_tensors=None, **kwargs):
+    global _runtime
+    settings = BlendSettings.from_env()
+    req = _marked_req(forward_batch) if settings and settings.mode not in ("off", "prefix") else None
+    if req is None or input_embeds is not None or pp_proxy_tensors is not None:
+        return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+    why = _unsupported(self, req, forward_batch)
+    if why:
+        logger.info("tiered blend: rid %s runs a normal prefill (%s)", req.rid, why)
+        return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+    if _runtime is None:
+        try:
+            _runtime = _Runtime(settings, self)
+        except NotImplementedError as exc:  # e.g. tensor parallelism: fusion off for this process
+            logger.warning("tiered blend: disabled in this process: %s", exc)
+            os.environ[ENV] = json.dumps({**json.loads(os.environ[ENV]), "mode": "off"})
+            return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+    return _fused_forward(_runtime, req, forward_batch)
+
+
+def _unsupported(module, req, fb) -> Optional[str]:
+    prefix, ext = fb.extend_prefix_lens_cpu[0], fb.extend_seq_lens_cpu[0]
+    if prefix + ext != len(req.origin_input_ids):
+        return "the prompt is split by chunked prefill"
+    if req.return_logprob:
+        return "input logprobs were requested"
+    if getattr(module, "start_layer", 0) != 0 or getattr(module, "end_layer", len(module.layers)) != len(module.layers):
+        return "pipeline parallelism"
+    if sum(req.sampling_params.custom_params[PARAM]) != len(req.origin_input_ids):
+        return "chunk lengths do not match the prompt"
+    return None
+
+
+def spans_after_prefix(lengths: list[int], prefix: int, stored: set[int]) -> list[Span]:
+    """Spans tiling [prefix, total): part i (all but the last) is reusable if `i in stored` and wholly after the
+    radix prefix; a part the prefix cuts through is fresh from `prefix` on."""
+    spans, pos = [], 0
+    for i, n in enumerate(lengths):
+        start, end = max(pos, prefix), pos + n
+        if end > start:
+            spans.append(Span(start, end, i in stored and start == pos))
+        pos = end
+    return spans
+
+
+@torch.inference_mode()
+def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+    from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+    from sglang_tiered.storage.chunk_store import chunk_key
+
+    t0 = time.perf_counter()
+    eng, store, s = rt.engine, rt.store, rt.settings
+    lengths = list(req.sampling_params.custom_params[PARAM])
+    ids_list = list(req.origin_input_ids)
+    ids = torch.tensor(ids_list, dtype=torch.int64)
+    prefix = int(fb.extend_prefix_lens_cpu[0])
+    pool = get_token_to_kv_pool()
+    row = get_req_to_token_pool().req_to_token[fb.req_pool_indices[0], :prefix].to(torch.int64)
+
+    # which parts are reusable chunks, their keys, and standalone KV for the ones never seen
+    keys, stored, new_chunks, pos = {}, set(), 0, 0
+    for i, n in enumerate(lengths[:-1]):
+        if pos >= prefix and n > 0:
+            keys[i] = chunk_key(ids_list[pos : pos + n])
+            if not store.contains(keys[i]):
+                store.put(keys[i], eng.prefill(ids[pos : pos + n]).kv)
+                new_chunks += 1
+            stored.add(i)
+        pos += n
+    spans = spans_after_prefix(lengths, prefix, stored)
+    part_of = {}  # span index -> part index
+    pos = 0
+    for i, n in enumerate(lengths):
+        for j, sp in enumerate(spans):
+            if sp.stored and sp.start == pos:
+                part_of[j] = i
+        pos += n
+    reused = sum(sp.length for sp in spans if sp.stored)
+    ratio = rt.controller.ratio(reused, rt.bytes_per_token_layer) if s.mode == "blend" else s.ratio
+
+    def load(layer: int, j: int) -> torch.Tensor:
+        return store.layer(keys[part_of[j]], layer, spans[j].length)
+
+    def prefix_kv(layer: int) -> torch.Tensor:
+        return torch.stack([pool.get_key_buffer(layer)[row], pool.get_value_buffer(layer)[row]], 1)
+
+    t1 = time.perf_counter()
+    res = fuse(eng, ids, spans, load, mode=s.mode, ratio=ratio, prefix_len=prefix,
+               prefix_loader=prefix_kv if prefix else None)
+    t_fuse = time.perf_counter() - t1
+    rt.controller.observe_load(res.load_s, rt.bytes_per_token_layer * reused * len(res.computed))
+    rt.controller.observe_compute(max(t_fuse - res.load_wait_s, 1e-9), sum(res.computed))
+
+    slots = fb.out_cache_loc
+    loc = KVWriteLoc(slots, physical=True)
+    for layer in range(eng.cfg.layers):
+        new = res.kv[layer, prefix:]
+        pool.set_kv_buffer(None, loc, new[:, 0], new[:, 1], layer_id_override=layer)
+    req.skip_radix_cache_insert = True
+
+    hidden = torch.zeros(fb.extend_seq_lens_cpu[0], eng.cfg.hidden, dtype=eng.dtype, device=slots.device)
+    hidden[-1] = eng._rms(res.hidden[None], eng.norm)[0]
+    logger.info(
+        "tiered blend: rid %s tokens=%d radix_prefix=%d chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
+        "computed=%.3f load_wait=%.3fs fuse=%.3fs total=%.3fs store_hits=%s",
+        req.rid, len(ids_list), prefix, len(stored), new_chunks, reused, s.mode, ratio, res.recompute_fraction,
+        res.load_wait_s, t_fuse, time.perf_counter() - t0, store.hits)
+    return hidden
+
+
+def register_hooks() -> bool:
+    settings = BlendSettings.from_env()
+    if settings is None or settings.mode == "off":
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
+                          _before_tokenize, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_worker,
+                          HookType.AROUND)
+    HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", _around_llama_forward, HookType.AROUND)
+    return True
