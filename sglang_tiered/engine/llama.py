@@ -44,15 +44,18 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, c: dict) -> LlamaConfig:
-        """From a Hugging Face config dict (config.json's content)."""
-        scaling = c.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise NotImplementedError(f"rope_scaling {scaling} is not supported by the layer-by-layer engine")
+        """From a Hugging Face config dict (config.json's content). RoPE settings are read from `rope_parameters`
+        (transformers >= 5) or the older top-level `rope_theta` / `rope_scaling`."""
+        rope = dict(c.get("rope_scaling") or {})
+        rope.update(c.get("rope_parameters") or {})
+        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            raise NotImplementedError(f"RoPE {rope} is not supported by the layer-by-layer engine")
+        theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
         return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=c["num_attention_heads"],
                    kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
                    head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
                    intermediate=c["intermediate_size"], vocab=c["vocab_size"],
-                   rope_theta=float(c.get("rope_theta", 10000.0)), rms_eps=float(c.get("rms_norm_eps", 1e-5)),
+                   rope_theta=float(theta), rms_eps=float(c.get("rms_norm_eps", 1e-5)),
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)))
 
     def kv_bytes_per_token(self, itemsize: int) -> int:

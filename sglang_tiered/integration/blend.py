@@ -26,6 +26,7 @@ Logs one line per fused request (`tiered blend: ...`).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -59,8 +60,12 @@ class BlendSettings:
 
     @classmethod
     def from_env(cls) -> Optional[BlendSettings]:
-        raw = os.environ.get(ENV)
-        return cls(**json.loads(raw)) if raw else None
+        return _parse(os.environ.get(ENV))
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(raw: Optional[str]) -> Optional[BlendSettings]:
+    return BlendSettings(**json.loads(raw)) if raw else None
 
 
 def split_prompt(text: str, separator: str, encode) -> tuple[list[int], list[int]]:
@@ -79,7 +84,9 @@ def split_prompt(text: str, separator: str, encode) -> tuple[list[int], list[int
 def _before_tokenize(self, obj, *args, **kwargs):
     settings = BlendSettings.from_env()
     text = getattr(obj, "text", None)
-    if settings is None or not isinstance(text, str) or settings.separator not in text or obj.input_ids is not None:
+    if settings is None or settings.mode == "off" or not isinstance(text, str) or obj.input_ids is not None:
+        return None
+    if settings.separator not in text:
         return None
     ids, lengths = split_prompt(text, settings.separator, self.tokenizer.encode)
     obj.input_ids, obj.text = ids, None
@@ -273,13 +280,16 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
 
 
 def register_hooks() -> bool:
-    settings = BlendSettings.from_env()
-    if settings is None or settings.mode == "off":
-        return False
+    """The tokenizer hook always: in the launcher, plugins load before the flags are parsed, so whether fusion is on
+    is only known per request (it checks the environment `translate` sets). The model hooks only in processes
+    started with fusion on (schedulers inherit the environment). Returns True if the model hooks were registered."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
                           _before_tokenize, HookType.BEFORE)
+    settings = BlendSettings.from_env()
+    if settings is None or settings.mode == "off":
+        return False
     HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_worker,
                           HookType.AROUND)
     HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", _around_llama_forward, HookType.AROUND)

@@ -119,3 +119,18 @@ def _die_mid_chain(rank: int, world: int, spec):
 def test_a_dead_rank_fails_the_chain_instead_of_hanging():
     with pytest.raises((RuntimeError, TimeoutError)):
         run_ranks(2, _die_mid_chain, (("random", MHA),), timeout_s=60, pg_timeout_s=10)
+
+
+def test_engine_matches_huggingface_loading_the_checkpoint_itself():
+    """Hugging Face reads config.json and the weights on its own (catches config fields we misread, such as
+    transformers 5's `rope_parameters`)."""
+    from transformers import LlamaForCausalLM
+
+    path = smollm2_path()
+    assert LlamaConfig.from_hf(path).rope_theta == 100000.0
+    hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    ids = torch.randint(0, 49152, (300,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, -1].float()
+    ours = load(("pretrained", path)).prefill(ids).logits
+    assert (ours - ref).abs().max().item() <= 1e-3 * max(1.0, ref.abs().max().item())
