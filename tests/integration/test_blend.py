@@ -1,0 +1,66 @@
+"""Fusion of stored chunk KV in a real SGLang server (CPU, the embedded SmolLM2, bf16, `--tiered-blend blend`).
+
+The answer needs facts from two chunks ("Alice works at the Amber Museum." / "The Amber Museum is in Lisbon.").
+1. first request: both chunks are new -> standalone KV computed and stored, then fused; the answer names Lisbon;
+2. the same prompt again: chunk KV comes from the store (no new chunk), same answer;
+3. after a restart on the same SSD directory: chunk KV is read from SSD, same answer;
+and `--tiered-blend full` (fusion machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from sglang_tiered.server_process import ServerProcess
+
+SEP = "<|chunk|>"
+FILLER = "The weather was mild that spring and the gardens along the river were full of visitors. " * 3
+CHUNK_A = "Alice works at the Amber Museum. " + FILLER
+CHUNK_B = FILLER + "The Amber Museum is in Lisbon."
+HEAD = "<|im_start|>system\nAnswer the question using the documents.<|im_end|>\n<|im_start|>user\n"
+TAIL = "\nQuestion: In which city does Alice work?<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = HEAD + SEP + CHUNK_A + SEP + CHUNK_B + SEP + TAIL
+
+
+def server(tmp: Path, name: str, *extra: str) -> ServerProcess:
+    args = ["--kv-backend", "tiered", "--max-total-tokens", "2048", "--tiered-ssd-dir", str(tmp / "ssd"),
+            "--tiered-stats-interval", "0", *extra]
+    return ServerProcess(args, log_path=tmp / f"{name}.log", model_path="smollm2")
+
+
+def blend_lines(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "tiered blend: rid" in line]
+
+
+def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path):
+    with server(tmp_path, "first") as s:
+        first = s.generate(PROMPT, max_new_tokens=16)
+        again = s.generate(PROMPT, max_new_tokens=16)
+    assert "Lisbon" in first["text"], first["text"]
+    assert again["text"] == first["text"]
+    lines = blend_lines(tmp_path / "first.log")
+    assert len(lines) == 2, lines
+    assert "chunks=3 (new 3)" in lines[0] and "chunks=3 (new 0)" in lines[1], lines
+    assert re.search(r"computed=0\.[1-3]\d\d", lines[1]), lines[1]  # 2 full layers of 30 + ~15 % of the rest
+    assert list((tmp_path / "ssd" / "chunks").rglob("*.kvp")), "chunk KV was not written through to SSD"
+
+    with server(tmp_path, "restart") as s:
+        after = s.generate(PROMPT, max_new_tokens=16)
+    assert after["text"] == first["text"]
+    lines = blend_lines(tmp_path / "restart.log")
+    assert "(new 0)" in lines[0] and "'memory': 0, 'ssd': 3" in lines[0], lines
+
+
+def test_full_mode_equals_sglang_prefill_and_off_leaves_the_separator_alone(tmp_path):
+    """fp32: our engine writing every token's KV into SGLang's pool gives SGLang's own greedy tokens."""
+    with server(tmp_path, "full", "--tiered-blend", "full", "--dtype", "float32") as s:
+        fused = s.generate(PROMPT, max_new_tokens=24)
+    with server(tmp_path, "prefix", "--tiered-blend", "prefix", "--dtype", "float32") as s:
+        native = s.generate(PROMPT, max_new_tokens=24)
+    assert len(blend_lines(tmp_path / "full.log")) == 1 and not blend_lines(tmp_path / "prefix.log")
+    assert fused["meta_info"]["prompt_tokens"] == native["meta_info"]["prompt_tokens"]  # separator removed in both
+    assert fused["text"] == native["text"]
+    with server(tmp_path, "off", "--tiered-blend", "off") as s:
+        off = s.generate(PROMPT, max_new_tokens=1)
+    assert off["meta_info"]["prompt_tokens"] > native["meta_info"]["prompt_tokens"]  # the separator is text
