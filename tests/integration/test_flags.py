@@ -17,7 +17,9 @@ def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_help_lists_our_flags():
     out = launch("--help").stdout
     for flag in ("--kv-backend {default,tiered}", "--tiered-ssd-dir", "--tiered-ssd-capacity", "--tiered-host-size",
-                 "--tiered-namespace", "--tiered-prefetch-threshold"):
+                 "--tiered-namespace", "--tiered-prefetch-threshold",
+                 "--tiered-blend {off,full,prefix,reuse,single,blend}", "--tiered-blend-separator",
+                 "--tiered-blend-ratio", "--tiered-blend-memory"):
         assert flag in out, flag
 
 
@@ -41,6 +43,9 @@ def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
         (["--disable-radix-cache"], "--disable-radix-cache"),
         (["--hicache-mem-layout", "page_first_direct"], "--hicache-mem-layout"),
+        (["--tiered-blend-ratio", "0"], "--tiered-blend-ratio"),
+        (["--tiered-blend-memory", "a lot"], "--tiered-blend-memory"),
+        (["--tiered-blend-separator", " "], "--tiered-blend-separator"),
     ],
 )
 def test_bad_value_stops_startup_with_one_line(tmp_path, extra, flag):
