@@ -18,6 +18,7 @@ with full prefill (or F1 within 0.02), better than full reuse and than single-ch
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -227,6 +228,9 @@ def main() -> int:
         model = load_model(("pretrained", str(path)), getattr(torch, a.dtype))
         data["speed"] = speed(model, tok, a.repeats, a.ratio)
         data["speed_dtype"], data["repeats"] = a.dtype, a.repeats
+    previous = RESULTS / "blend.json"
+    if a.part != "both" and previous.exists():  # keep the other part's last results
+        data = {**json.loads(previous.read_text()), **data}
     save("blend", data)
     plot(data)
     print(verdict(data, a.ratio))
