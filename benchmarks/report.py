@@ -73,6 +73,31 @@ def main() -> int:
                 f"{r['chain_searched_s'] / r['tsp_s']:.2f} | {r['chain_searched_s'] / r['single_s']:.2f} | "
                 f"{r['chain_bytes_sent'] / r['tsp_bytes_sent']:.2f} |")
         out += ["", "![runahead](benchmarks/results/runahead.png)", ""]
+    bl = RESULTS / "blend.json"
+    if bl.exists():
+        d = json.loads(bl.read_text())
+        out += ["## Fusion of chunk KV (`benchmarks/blend.py`)", "", f"Machine: {_machine(d['machine'])}; ratio "
+                f"{d['ratio']:.0%}.", ""]
+        if "quality" in d:
+            out += [f"Quality ({d.get('questions')} questions, {d['chunks']} chunks x {d['quality_chunk_tokens']} "
+                    f"tokens, {d.get('quality_dtype')}):", "",
+                    "| mode | answer EM | answer F1 | 32-token agreement with full | recomputed token-layers | "
+                    "mean attention deviation |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+            for m, r in d["quality"].items():
+                dev = sum(r["attention_deviation_per_layer"]) / len(r["attention_deviation_per_layer"])
+                out.append(f"| {m} | {r['exact_match']:.3f} | {r['f1']:.3f} | {r['token_agreement']:.3f} | "
+                           f"{r['recompute_fraction']:.3f} | {dev:.4f} |")
+            out.append("")
+        if "speed" in d:
+            sp = d["speed"]
+            out += [f"TTFT ({sp['tokens']} tokens, {d.get('speed_dtype')}, {d.get('repeats')} repeats):", "",
+                    "| mode | TTFT (s) | / full | ratio |", "| --- | ---: | ---: | ---: |"]
+            for m in ("full", "prefix", "reuse", "single", "blend", "blend_ssd", "blend_ssd_controller"):
+                if m in sp:
+                    out.append(f"| {m} | {sp[m]['median_s']:.3f} | {sp[m]['median_s'] / sp['full']['median_s']:.3f} "
+                               f"| {sp[m]['ratio']:.3f} |")
+            out.append("")
+        out += ["![blend](benchmarks/results/blend.png)", ""]
     print("\n".join(out))
     return 0
 
