@@ -84,9 +84,10 @@ def main() -> int:
                     "| mode | answer EM | answer F1 | 32-token agreement with full | recomputed token-layers | "
                     "mean attention deviation |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
             for m, r in d["quality"].items():
-                dev = sum(r["attention_deviation_per_layer"]) / len(r["attention_deviation_per_layer"])
+                devs = r["attention_deviation_per_layer"]
+                dev = f"{sum(devs) / len(devs):.4f}" if devs else "n/a (not traced)"
                 out.append(f"| {m} | {r['exact_match']:.3f} | {r['f1']:.3f} | {r['token_agreement']:.3f} | "
-                           f"{r['recompute_fraction']:.3f} | {dev:.4f} |")
+                           f"{r['recompute_fraction']:.3f} | {dev} |")
             out.append("")
         if "speed" in d:
             sp = d["speed"]

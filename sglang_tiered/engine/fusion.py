@@ -191,7 +191,7 @@ def fuse(
     if mode == "prefix":
         if p:
             raise ValueError("mode 'prefix' is the radix cache itself; it takes no extra prefix")
-        return _prefix_extend(model, ids, spans, loader)
+        return _prefix_extend(model, ids, spans, loader, trace)
     if not 0 <= check_layer < layers:
         raise ValueError(f"check_layer must be in [0, {layers}), got {check_layer}")
 
@@ -249,7 +249,8 @@ def fuse(
     return FusionResult(model.logits(x[-1:])[0], kv, computed, waited, prefetch.load_s, hidden=x[-1])
 
 
-def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], loader: LayerLoader) -> FusionResult:
+def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], loader: LayerLoader,
+                   trace: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]]) -> FusionResult:
     """Exact prefix reuse: a stored span at position 0 is the prefix; everything after it is computed."""
     n, layers = ids.shape[0], model.cfg.layers
     prefix = spans[0].end if spans[0].stored and spans[0].end < n else 0
@@ -264,8 +265,11 @@ def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], 
             t_load += time.perf_counter() - t0
         q, k, v = model.qkv(layer, x, positions)
         kv[layer, prefix:, 0], kv[layer, prefix:, 1] = k, v
-        x = model.finish_layer(layer, x, causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], prefix))
-    return FusionResult(model.logits(x[-1:])[0], kv, [n - prefix] * layers, t_load, t_load)
+        attn = causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], prefix)
+        if trace is not None:
+            trace(layer, positions, attn)
+        x = model.finish_layer(layer, x, attn)
+    return FusionResult(model.logits(x[-1:])[0], kv, [n - prefix] * layers, t_load, t_load, hidden=x[-1])
 
 
 @torch.inference_mode()

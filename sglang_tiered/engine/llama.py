@@ -180,8 +180,12 @@ class LlamaModel:
         h = self._rms(x, w.post_norm)
         return x + F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The last RMSNorm: what a serving engine's logits processor expects as the model's output."""
+        return self._rms(x, self.norm)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms(x, self.norm), self.lm_head).float()
+        return F.linear(self.final_norm(x), self.lm_head).float()
 
     def empty_kv(self, tokens: int) -> torch.Tensor:
         c = self.cfg

@@ -40,6 +40,7 @@ import torch
 
 from sglang_tiered.engine.fusion import Span, fuse
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore, chunk_key
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -104,7 +105,6 @@ class _Runtime:
 
     def __init__(self, settings: BlendSettings, module) -> None:
         from sglang_tiered.scheduler.blend_controller import LoadingController
-        from sglang_tiered.storage.chunk_store import ChunkStore
         from sglang_tiered.storage.namespace import Namespace
         from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -121,6 +121,7 @@ class _Runtime:
 
 
 _runtime: Optional[_Runtime] = None
+_runtime_error: Optional[str] = None  # why fusion cannot run in this process (set once, then normal prefill)
 _batch_reqs = threading.local()
 
 
@@ -168,23 +169,26 @@ def _marked_req(fb) -> Any:
 
 def _around_llama_forward(original, self, input_ids, positions, forward_batch, input_embeds=None,
                           pp_proxy_tensors=None, **kwargs):
-    global _runtime
+    global _runtime, _runtime_error
     settings = BlendSettings.from_env()
-    req = _marked_req(forward_batch) if settings and settings.mode not in ("off", "prefix") else None
+    on = settings is not None and settings.mode not in ("off", "prefix") and _runtime_error is None
+    req = _marked_req(forward_batch) if on else None
     if req is None or input_embeds is not None or pp_proxy_tensors is not None:
         return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
     why = _unsupported(self, req, forward_batch)
-    if why:
-        logger.info("tiered blend: rid %s runs a normal prefill (%s)", req.rid, why)
-        return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
-    if _runtime is None:
+    if why is None and _runtime is None:
         try:
             _runtime = _Runtime(settings, self)
         except NotImplementedError as exc:  # e.g. tensor parallelism: fusion off for this process
+            _runtime_error = why = str(exc)
             logger.warning("tiered blend: disabled in this process: %s", exc)
-            os.environ[ENV] = json.dumps({**json.loads(os.environ[ENV]), "mode": "off"})
-            return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
-    return _fused_forward(_runtime, req, forward_batch)
+    if why is None:
+        try:
+            return _fused_forward(_runtime, req, forward_batch)
+        except ChunkMiss as exc:  # a stored chunk vanished or failed its checksum: counted by the store
+            why = f"chunk KV unavailable: {exc}"
+    logger.info("tiered blend: rid %s runs a normal prefill (%s)", req.rid, why)
+    return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
 
 
 def _unsupported(module, req, fb) -> Optional[str]:
@@ -200,24 +204,27 @@ def _unsupported(module, req, fb) -> Optional[str]:
     return None
 
 
-def spans_after_prefix(lengths: list[int], prefix: int, stored: set[int]) -> list[Span]:
-    """Spans tiling [prefix, total): part i (all but the last) is reusable if `i in stored` and wholly after the
-    radix prefix; a part the prefix cuts through is fresh from `prefix` on."""
-    spans, pos = [], 0
+def plan_spans(lengths: list[int], prefix: int, ids: list[int]) -> tuple[list[Span], list[Optional[str]]]:
+    """Spans tiling [prefix, total) and each span's chunk key (None for fresh spans). Every part but the last is a
+    reusable chunk if it lies wholly after the radix prefix; a part the prefix cuts through, and the last part (the
+    question), are fresh."""
+    spans: list[Span] = []
+    keys: list[Optional[str]] = []
+    pos = 0
     for i, n in enumerate(lengths):
         start, end = max(pos, prefix), pos + n
         if end > start:
-            spans.append(Span(start, end, i in stored and start == pos))
+            reusable = i < len(lengths) - 1 and start == pos
+            spans.append(Span(start, end, reusable))
+            keys.append(chunk_key(ids[start:end]) if reusable else None)
         pos = end
-    return spans
+    return spans, keys
 
 
 @torch.inference_mode()
 def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
     from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
-
-    from sglang_tiered.storage.chunk_store import chunk_key
 
     t0 = time.perf_counter()
     eng, store, s = rt.engine, rt.store, rt.settings
@@ -228,29 +235,17 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
     pool = get_token_to_kv_pool()
     row = get_req_to_token_pool().req_to_token[fb.req_pool_indices[0], :prefix].to(torch.int64)
 
-    # which parts are reusable chunks, their keys, and standalone KV for the ones never seen
-    keys, stored, new_chunks, pos = {}, set(), 0, 0
-    for i, n in enumerate(lengths[:-1]):
-        if pos >= prefix and n > 0:
-            keys[i] = chunk_key(ids_list[pos : pos + n])
-            if not store.contains(keys[i]):
-                store.put(keys[i], eng.prefill(ids[pos : pos + n]).kv)
-                new_chunks += 1
-            stored.add(i)
-        pos += n
-    spans = spans_after_prefix(lengths, prefix, stored)
-    part_of = {}  # span index -> part index
-    pos = 0
-    for i, n in enumerate(lengths):
-        for j, sp in enumerate(spans):
-            if sp.stored and sp.start == pos:
-                part_of[j] = i
-        pos += n
+    spans, keys = plan_spans(lengths, prefix, ids_list)
+    new_chunks = 0
+    for sp, key in zip(spans, keys):  # a chunk seen for the first time: its standalone KV, stored
+        if key is not None and not store.contains(key):
+            store.put(key, eng.prefill(ids[sp.start : sp.end]).kv)
+            new_chunks += 1
     reused = sum(sp.length for sp in spans if sp.stored)
     ratio = rt.controller.ratio(reused, rt.bytes_per_token_layer) if s.mode == "blend" else s.ratio
 
     def load(layer: int, j: int) -> torch.Tensor:
-        return store.layer(keys[part_of[j]], layer, spans[j].length)
+        return store.layer(keys[j], layer, spans[j].length)
 
     def prefix_kv(layer: int) -> torch.Tensor:
         return torch.stack([pool.get_key_buffer(layer)[row], pool.get_value_buffer(layer)[row]], 1)
@@ -259,8 +254,7 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
     res = fuse(eng, ids, spans, load, mode=s.mode, ratio=ratio, prefix_len=prefix,
                prefix_loader=prefix_kv if prefix else None)
     t_fuse = time.perf_counter() - t1
-    rt.controller.observe_load(res.load_s, rt.bytes_per_token_layer * reused * len(res.computed))
-    rt.controller.observe_compute(max(t_fuse - res.load_wait_s, 1e-9), sum(res.computed))
+    rt.controller.observe_fusion(res, reused, rt.bytes_per_token_layer, t_fuse)
 
     slots = fb.out_cache_loc
     loc = KVWriteLoc(slots, physical=True)
@@ -270,12 +264,12 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
     req.skip_radix_cache_insert = True
 
     hidden = torch.zeros(fb.extend_seq_lens_cpu[0], eng.cfg.hidden, dtype=eng.dtype, device=slots.device)
-    hidden[-1] = eng._rms(res.hidden[None], eng.norm)[0]
+    hidden[-1] = eng.final_norm(res.hidden[None])[0]
     logger.info(
         "tiered blend: rid %s tokens=%d radix_prefix=%d chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
         "computed=%.3f load_wait=%.3fs fuse=%.3fs total=%.3fs store_hits=%s",
-        req.rid, len(ids_list), prefix, len(stored), new_chunks, reused, s.mode, ratio, res.recompute_fraction,
-        res.load_wait_s, t_fuse, time.perf_counter() - t0, store.hits)
+        req.rid, len(ids_list), prefix, sum(sp.stored for sp in spans), new_chunks, reused, s.mode, ratio,
+        res.recompute_fraction, res.load_wait_s, t_fuse, time.perf_counter() - t0, store.hits)
     return hidden
 
 

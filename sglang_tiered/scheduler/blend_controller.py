@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang_tiered.engine.fusion import DEFAULT_RATIO
+from sglang_tiered.engine.fusion import DEFAULT_RATIO, FusionResult
 
 
 @dataclass
@@ -46,6 +46,13 @@ class LoadingController:
         """`token_layers` (tokens x layers) were computed in `seconds`."""
         if token_layers > 0 and seconds >= 0:
             self._s_per_token_layer.add(seconds / token_layers)
+
+    def observe_fusion(self, result: FusionResult, reused_tokens: int, bytes_per_token_layer: int,
+                       elapsed_s: float) -> None:
+        """Both speeds from one `fuse` call that took `elapsed_s` and reused `reused_tokens` tokens of KV: loading
+        moved that KV on every loaded layer; compute is the time not spent waiting for the loader."""
+        self.observe_load(result.load_s, bytes_per_token_layer * reused_tokens * len(result.computed))
+        self.observe_compute(max(elapsed_s - result.load_wait_s, 1e-9), sum(result.computed))
 
     def ratio(self, reused_tokens: int, bytes_per_token_layer: int) -> float:
         """Recompute ratio for a request reusing `reused_tokens` tokens of KV."""

@@ -4,6 +4,7 @@ The answer needs facts from two chunks ("Alice works at the Amber Museum." / "Th
 1. first request: both chunks are new -> standalone KV computed and stored, then fused; the answer names Lisbon;
 2. the same prompt again: chunk KV comes from the store (no new chunk), same answer;
 3. after a restart on the same SSD directory: chunk KV is read from SSD, same answer;
+4. chunk pages corrupted on disk: the request falls back to SGLang's normal prefill (logged), still answered;
 and `--tiered-blend full` (fusion machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly.
 """
 
@@ -50,6 +51,16 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path):
     assert after["text"] == first["text"]
     lines = blend_lines(tmp_path / "restart.log")
     assert "(new 0)" in lines[0] and "'memory': 0, 'ssd': 3" in lines[0], lines
+
+    for page in (tmp_path / "ssd" / "chunks").rglob("*.kvp"):  # flip a byte in every stored chunk layer
+        data = bytearray(page.read_bytes())
+        data[-5] ^= 0xFF
+        page.write_bytes(bytes(data))
+    with server(tmp_path, "corrupt") as s:
+        fallback = s.generate(PROMPT, max_new_tokens=16)
+    assert fallback["text"].strip()
+    lines = blend_lines(tmp_path / "corrupt.log")
+    assert len(lines) == 1 and "runs a normal prefill (chunk KV unavailable" in lines[0], lines
 
 
 def test_full_mode_equals_sglang_prefill_and_off_leaves_the_separator_alone(tmp_path):

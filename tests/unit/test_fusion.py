@@ -286,3 +286,31 @@ def test_an_exact_radix_prefix_is_read_not_recomputed(gqa):
     assert r.computed == [5] * GQA.layers
     with pytest.raises(ValueError, match="prefix_loader"):
         fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], prefix_len=p)
+
+
+def test_server_span_plan_follows_the_radix_prefix_and_keeps_the_question_fresh():
+    from sglang_tiered.integration.blend import plan_spans
+
+    ids = list(range(100, 130))
+    lengths = [4, 10, 0, 8, 8]  # header, chunk, empty part, chunk, question
+    spans, keys = plan_spans(lengths, 0, ids)
+    assert [(s.start, s.end, s.stored) for s in spans] == [(0, 4, True), (4, 14, True), (14, 22, True),
+                                                            (22, 30, False)]
+    assert keys[1] == chunk_key(ids[4:14]) and keys[3] is None
+    spans, keys = plan_spans(lengths, 6, ids)  # the radix prefix cuts through the first chunk
+    assert [(s.start, s.end, s.stored) for s in spans] == [(6, 14, False), (14, 22, True), (22, 30, False)]
+    assert keys == [None, chunk_key(ids[14:22]), None]
+
+
+def test_loading_controller_reads_a_fusion_result():
+    from sglang_tiered.engine.fusion import FusionResult
+
+    c = LoadingController(floor=0.15)
+    res = FusionResult(torch.zeros(1), torch.zeros(30, 1000, 2, 1, 1), computed=[200] * 30, load_wait_s=0.5,
+                       load_s=0.12)
+    c.observe_fusion(res, reused_tokens=1000, bytes_per_token_layer=100, elapsed_s=1.1)
+    # load: 0.12 s / (100 B x 1000 tokens x 30 layers) = 40 ns/B; compute: (1.1 - 0.5) s / 6000 = 100 us/token-layer
+    assert math.isclose(c.describe()["s_per_byte"], 0.12 / 3_000_000)
+    assert math.isclose(c.describe()["s_per_token_layer"], 0.6 / 6000)
+    assert c.ratio(1000, 100) == 0.15  # 4 us load vs 100 us compute per token-layer: the floor
+    assert math.isclose(c.ratio(1000, 2000), 0.8)  # 80 us load vs 100 us compute
