@@ -40,13 +40,10 @@ class ServerProcess:
     ) -> None:
         if "--max-total-tokens" not in args:
             raise ValueError("bound the server's memory: pass --max-total-tokens")
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.fixed_port = port is not None
+        self.args, self.model_path = list(args), model_path
+        self._use_port(port or free_port())
         self.log_path = Path(log_path)
-        self.cmd = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-            "--host", "127.0.0.1", "--port", str(self.port), "--sleep-on-idle", *args,
-        ]
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
@@ -58,12 +55,35 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> None:
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.cmd = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+            "--host", "127.0.0.1", "--port", str(port), "--sleep-on-idle", *self.args,
+        ]
+
+    def start(self, attempts: int = 3) -> None:
+        """Start and wait for /health. `free_port` can race with other processes (SGLang picks its own internal
+        ports too): if the HTTP port turns out to be taken, the server is stopped and started again on a new free
+        port (unless the caller fixed the port)."""
+        for attempt in range(attempts):
+            if self._start_once():
+                return
+            self.stop()
+            if self.fixed_port or attempt == attempts - 1:
+                raise RuntimeError(f"port {self.port} is in use; log: {self.log_path}")
+            self._use_port(free_port())
+
+    def _start_once(self) -> bool:
+        """True when healthy, False when the HTTP port was taken; raises on any other failure."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        log_start = log.tell()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=self.env)
         log.close()
+        bind_error = f"('127.0.0.1', {self.port}): address already in use".encode()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -72,9 +92,13 @@ class ServerProcess:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return
+                        return True
             except (urllib.error.URLError, OSError):
                 pass
+            with open(self.log_path, "rb") as f:
+                f.seek(log_start)
+                if bind_error in f.read():
+                    return False
             time.sleep(1)
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout} s; log: {self.log_path}")
