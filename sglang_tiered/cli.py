@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from sglang_tiered.config import TieredConfig
+from sglang_tiered.config import TieredConfig, default_partitions_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--threads-per-rank", type=int, default=1)
     tune.add_argument("--repeats", type=int, default=3, help="timed runs per candidate (median)")
     tune.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    tune.add_argument("--out", default="runahead-partitions.json")
+    tune.add_argument("--out", default=str(default_partitions_path()),
+                      help="where to write the table; the server reads this default path (default: %(default)s)")
     args = parser.parse_args(argv)
 
     if args.command == "model-path":
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = ("pretrained", resolve_model_path(args.model_path))
         table = build_table(args.ranks, spec, args.lengths, repeats=args.repeats, threads=args.threads_per_rank,
                             dtype=args.dtype)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         table.save(args.out)
         print(f"wrote {args.out}: {table.entries}")
         return 0

@@ -61,6 +61,11 @@ class TieredConfig:
     blend_separator: str = "<|chunk|>"  # marks chunk boundaries in a text prompt; removed before the model
     blend_ratio: float = 0.15  # recompute ratio floor r* (the loading controller may go higher, never lower)
     blend_memory: str = "1G"  # bytes of chunk KV kept in host memory (then the SSD directory)
+    runahead_ranks: int = 1  # chained prefill (KV-Runahead) over this many CPU ranks; 1 = off
+    runahead_min_tokens: int = 2048  # new prompt tokens from which a prefill goes through the chain
+    runahead_timeout: float = 30.0  # seconds a chain rank may wait for its peer before the prefill falls back
+    runahead_threads: int = 0  # torch threads per helper rank; 0 = CPU cores / ranks
+    runahead_partitions: str = ""  # partition table from `sglang-tiered runahead-tune`; "" = the default path
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -126,8 +131,24 @@ class TieredConfig:
             parse_size(self.blend_memory)
         except ValueError as exc:
             raise ConfigError(f"--tiered-blend-memory: {exc}") from None
+        if self.runahead_ranks < 1:
+            raise ConfigError(f"--tiered-runahead-ranks: must be >= 1, got {self.runahead_ranks}")
+        if self.runahead_min_tokens < max(2, self.runahead_ranks):
+            raise ConfigError(f"--tiered-runahead-min-tokens: must be at least the number of ranks and 2, got "
+                              f"{self.runahead_min_tokens}")
+        if self.runahead_timeout <= 0:
+            raise ConfigError(f"--tiered-runahead-timeout: must be positive, got {self.runahead_timeout}")
+        if self.runahead_threads < 0:
+            raise ConfigError(f"--tiered-runahead-threads: must be >= 0, got {self.runahead_threads}")
+        if self.runahead_partitions and not Path(self.runahead_partitions).expanduser().is_file():
+            raise ConfigError(f"--tiered-runahead-partitions: no such file: {self.runahead_partitions}")
         self.host_pool_settings()
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
+
+
+def default_partitions_path() -> Path:
+    """Where `sglang-tiered runahead-tune` writes its table and the server looks for it by default."""
+    return default_cache_root() / "runahead-partitions.json"
 
 
 def check_writable_dir(path: str, flag: str) -> None:
@@ -168,4 +189,13 @@ FLAG_HELP: dict[str, str] = {
     "it when loading is slower than recomputing. Default: 0.15.",
     "blend_memory": "Host memory for stored chunk KV (suffixes K/M/G); beyond it chunks live on the SSD directory "
     "only. Default: 1G.",
+    "runahead_ranks": "Prefill long prompts by KV-Runahead: a chain of this many ranks (this scheduler plus N-1 helper "
+    "processes on this machine, each with a full copy of the weights) passing the KV cache along point to point. "
+    "CPU servers only, TP = PP = 1. 1 = off (default).",
+    "runahead_min_tokens": "New prompt tokens from which a prefill goes through the chain. Default: 2048.",
+    "runahead_timeout": "Seconds a chain rank waits for its peer; a dead or stalled rank makes the prefill fall back "
+    "to SGLang's own (the chain restarts in the background). Default: 30.",
+    "runahead_threads": "Torch threads per helper rank; 0 = CPU cores divided by the number of ranks.",
+    "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "
+    "~/.cache/sglang-tiered/runahead-partitions.json if present; without one, a FLOP-balanced split).",
 }

@@ -10,7 +10,8 @@ Seams (all registered by `register_hooks`, only when `--tiered-blend` is not `of
   concatenated into `input_ids`, and the part lengths put in `sampling_params.custom_params["tiered_chunks"]`.
   Works for `/generate`, `/v1/completions` and frontend programs (all send text).
 * `TpModelWorker.forward_batch_generation` (AROUND, scheduler): remembers the batch's requests by rid.
-* `models.llama.LlamaModel.forward` (AROUND, scheduler): an extend batch of exactly one marked request that
+* `models.llama.LlamaModel.forward` (AROUND, scheduler; the hook shared with chained prefill, see
+  model_forward.py): an extend batch of exactly one marked request that
   prefills its whole prompt (no chunked prefill, no input logprobs, TP = PP = 1) runs through
   `engine.fusion.fuse` on the server's own weights (views, no copy). Tokens the radix cache already holds are read
   from the KV pool and never recomputed. A chunk seen for the first time gets its standalone KV computed (a prefill
@@ -39,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 from sglang_tiered.engine.fusion import Span, fuse
-from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+from sglang_tiered.integration import model_forward
 from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore, chunk_key
 
 logger = logging.getLogger("sglang_tiered")
@@ -109,7 +110,7 @@ class _Runtime:
         from sglang_tiered.storage.ssd_tier import SSDTier
 
         self.settings = settings
-        self.engine = engine_from_sglang(module)
+        self.engine = model_forward.engine_from_sglang(module)
         c, dtype = self.engine.cfg, self.engine.dtype
         ns = Namespace(model=settings.model, dtype=str(dtype), page_size=0, layout="chunk-kv", layer_num=c.layers,
                        kv_heads=c.kv_heads, head_dim=c.head_dim, salt=settings.namespace)
@@ -123,31 +124,6 @@ class _Runtime:
 _runtime: Optional[_Runtime] = None
 _runtime_error: Optional[str] = None  # why fusion cannot run in this process (set once, then normal prefill)
 _batch_reqs = threading.local()
-
-
-def engine_from_sglang(module) -> LlamaModel:
-    """Our layer-by-layer engine over the weights of SGLang's `LlamaModel` (views of the fused projections)."""
-    hf = module.config
-    cfg = LlamaConfig.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
-    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    embed = module.embed_tokens.weight
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed, "model.norm.weight": module.norm.weight,
-                                  "lm_head.weight": embed}  # the engine's logits are not used in the server
-    for i, layer in enumerate(module.layers):
-        qkv = layer.self_attn.qkv_proj.weight
-        if qkv.shape[0] != q + 2 * kv:
-            raise NotImplementedError("fusion needs the whole model in one rank (TP = 1)")
-        gate_up = layer.mlp.gate_up_proj.weight
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": layer.input_layernorm.weight,
-                  p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-                  p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q : q + kv],
-                  p + "self_attn.v_proj.weight": qkv[q + kv :],
-                  p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-                  p + "mlp.gate_proj.weight": gate_up[: cfg.intermediate],
-                  p + "mlp.up_proj.weight": gate_up[cfg.intermediate :],
-                  p + "mlp.down_proj.weight": layer.mlp.down_proj.weight})
-    return LlamaModel(cfg, w, dtype=embed.dtype)
 
 
 def _around_worker(original, self, batch=None, *args, **kwargs):
@@ -167,28 +143,29 @@ def _marked_req(fb) -> Any:
     return req if PARAM in custom else None
 
 
-def _around_llama_forward(original, self, input_ids, positions, forward_batch, input_embeds=None,
-                          pp_proxy_tensors=None, **kwargs):
+def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
+    """The fused forward of a marked request (see the module docstring), or None: SGLang's own forward runs."""
     global _runtime, _runtime_error
     settings = BlendSettings.from_env()
-    on = settings is not None and settings.mode not in ("off", "prefix") and _runtime_error is None
-    req = _marked_req(forward_batch) if on else None
-    if req is None or input_embeds is not None or pp_proxy_tensors is not None:
-        return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
-    why = _unsupported(self, req, forward_batch)
+    if settings is None or settings.mode in ("off", "prefix") or _runtime_error is not None:
+        return None
+    req = _marked_req(fb)
+    if req is None:
+        return None
+    why = _unsupported(module, req, fb)
     if why is None and _runtime is None:
         try:
-            _runtime = _Runtime(settings, self)
+            _runtime = _Runtime(settings, module)
         except NotImplementedError as exc:  # e.g. tensor parallelism: fusion off for this process
             _runtime_error = why = str(exc)
             logger.warning("tiered blend: disabled in this process: %s", exc)
     if why is None:
         try:
-            return _fused_forward(_runtime, req, forward_batch)
+            return _fused_forward(_runtime, req, fb)
         except ChunkMiss as exc:  # a stored chunk vanished or failed its checksum: counted by the store
             why = f"chunk KV unavailable: {exc}"
     logger.info("tiered blend: rid %s runs a normal prefill (%s)", req.rid, why)
-    return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+    return None
 
 
 def _unsupported(module, req, fb) -> Optional[str]:
@@ -197,7 +174,7 @@ def _unsupported(module, req, fb) -> Optional[str]:
         return "the prompt is split by chunked prefill"
     if req.return_logprob:
         return "input logprobs were requested"
-    if getattr(module, "start_layer", 0) != 0 or getattr(module, "end_layer", len(module.layers)) != len(module.layers):
+    if not model_forward.whole_model_in_rank(module):
         return "pipeline parallelism"
     if sum(req.sampling_params.custom_params[PARAM]) != len(req.origin_input_ids):
         return "chunk lengths do not match the prompt"
@@ -223,17 +200,12 @@ def plan_spans(lengths: list[int], prefix: int, ids: list[int]) -> tuple[list[Sp
 
 @torch.inference_mode()
 def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-    from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
-
     t0 = time.perf_counter()
     eng, store, s = rt.engine, rt.store, rt.settings
     lengths = list(req.sampling_params.custom_params[PARAM])
     ids_list = list(req.origin_input_ids)
     ids = torch.tensor(ids_list, dtype=torch.int64)
     prefix = int(fb.extend_prefix_lens_cpu[0])
-    pool = get_token_to_kv_pool()
-    row = get_req_to_token_pool().req_to_token[fb.req_pool_indices[0], :prefix].to(torch.int64)
 
     spans, keys = plan_spans(lengths, prefix, ids_list)
     new_chunks = 0
@@ -247,24 +219,14 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
     def load(layer: int, j: int) -> torch.Tensor:
         return store.layer(keys[j], layer, spans[j].length)
 
-    def prefix_kv(layer: int) -> torch.Tensor:
-        return torch.stack([pool.get_key_buffer(layer)[row], pool.get_value_buffer(layer)[row]], 1)
-
     t1 = time.perf_counter()
     res = fuse(eng, ids, spans, load, mode=s.mode, ratio=ratio, prefix_len=prefix,
-               prefix_loader=prefix_kv if prefix else None)
+               prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
     t_fuse = time.perf_counter() - t1
     rt.controller.observe_fusion(res, reused, rt.bytes_per_token_layer, t_fuse)
 
-    slots = fb.out_cache_loc
-    loc = KVWriteLoc(slots, physical=True)
-    for layer in range(eng.cfg.layers):
-        new = res.kv[layer, prefix:]
-        pool.set_kv_buffer(None, loc, new[:, 0], new[:, 1], layer_id_override=layer)
+    hidden = model_forward.write_extend(fb, eng, res.kv[:, prefix:], res.hidden)
     req.skip_radix_cache_insert = True
-
-    hidden = torch.zeros(fb.extend_seq_lens_cpu[0], eng.cfg.hidden, dtype=eng.dtype, device=slots.device)
-    hidden[-1] = eng.final_norm(res.hidden[None])[0]
     logger.info(
         "tiered blend: rid %s tokens=%d radix_prefix=%d chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
         "computed=%.3f load_wait=%.3fs fuse=%.3fs total=%.3fs store_hits=%s",
@@ -286,5 +248,5 @@ def register_hooks() -> bool:
         return False
     HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_worker,
                           HookType.AROUND)
-    HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", _around_llama_forward, HookType.AROUND)
+    model_forward.add_handler(try_forward)
     return True

@@ -10,7 +10,10 @@ Seams with SGLang (the complete list; nothing else in SGLang is touched):
 * `TorchNativeAttnBackend._run_sdpa_forward_extend/_decode` (AROUND hooks, `cpu_attention.py`), only when CUDA is
   absent and `--tiered-cpu-attention prefix_aware` (the default with `--kv-backend tiered`).
 * Fusion of chunk KV (`blend.py`, unless `--tiered-blend off`): `TokenizerManager._tokenize_one_request` (BEFORE),
-  `TpModelWorker.forward_batch_generation` (AROUND), `models.llama.LlamaModel.forward` (AROUND).
+  `TpModelWorker.forward_batch_generation` (AROUND), and a handler of the `models.llama.LlamaModel.forward` hook.
+* Chained prefill (`runahead.py`, with `--tiered-runahead-ranks` >= 2): a handler of the same forward hook.
+* `models.llama.LlamaModel.forward` (AROUND, `model_forward.py`): one hook, registered with the first handler;
+  handlers that decline leave the batch to SGLang's own forward.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def register() -> None:
     from sglang_tiered.integration import cpu_attention
 
     cpu_attention.register_hooks()
-    from sglang_tiered.integration import blend
+    from sglang_tiered.integration import blend, runahead
 
-    blend.register_hooks()
+    blend.register_hooks()  # fusion first: a marked prompt is never chained
+    runahead.register_hooks()

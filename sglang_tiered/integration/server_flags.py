@@ -16,8 +16,16 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from sglang_tiered.config import CHOICES, DEFAULT_PAGE_SIZE, FLAG_HELP, ConfigError, TieredConfig, parse_size
-from sglang_tiered.integration import blend, cpu_attention, cpu_shims
+from sglang_tiered.config import (
+    CHOICES,
+    DEFAULT_PAGE_SIZE,
+    FLAG_HELP,
+    ConfigError,
+    TieredConfig,
+    default_partitions_path,
+    parse_size,
+)
+from sglang_tiered.integration import blend, cpu_attention, cpu_shims, runahead
 from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve_model_path
 
 logger = logging.getLogger("sglang_tiered")
@@ -146,6 +154,7 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         "mode": cfg.blend, "separator": cfg.blend_separator, "ratio": cfg.blend_ratio,
         "memory_bytes": parse_size(cfg.blend_memory), "ssd_dir": cfg.ssd_dir, "ssd_capacity": cfg.ssd_capacity,
         "namespace": cfg.namespace, "model": model_fingerprint(ns.model_path)})
+    _runahead_settings(ns, cfg)
     extra = {
         "backend_name": "tiered",
         "module_path": STORAGE_MODULE,
@@ -163,3 +172,24 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         "sglang-tiered: hierarchical cache on, SSD tier %s (capacity %d bytes), page size %d, prefetch threshold %d",
         cfg.ssd_dir, cfg.ssd_capacity, ns.page_size, extra["prefetch_threshold"],
     )
+
+
+def _runahead_settings(ns: argparse.Namespace, cfg: TieredConfig) -> None:
+    """Check that chained prefill can run with these SGLang settings and hand its settings to the schedulers."""
+    os.environ.pop(runahead.ENV, None)
+    if cfg.runahead_ranks < 2:
+        return
+    flag = "--tiered-runahead-ranks"
+    if not cpu_shims.cuda_absent():
+        raise ConfigError(f"{flag}: chained prefill in the server runs on CPU ranks only (this machine has CUDA)")
+    for attr, name in (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size")):
+        if (getattr(ns, attr, 1) or 1) != 1:
+            raise ConfigError(f"{flag}: needs {name} 1 (every chain rank holds the whole model)")
+    if not (Path(ns.model_path) / "config.json").is_file():
+        raise ConfigError(f"{flag}: the helper ranks load the model from a local directory; {ns.model_path} is not one")
+    table = cfg.runahead_partitions or (str(default_partitions_path()) if default_partitions_path().is_file() else "")
+    threads = cfg.runahead_threads or max(1, (os.cpu_count() or 1) // cfg.runahead_ranks)
+    os.environ[runahead.ENV] = json.dumps({
+        "ranks": cfg.runahead_ranks, "min_tokens": cfg.runahead_min_tokens, "timeout_s": cfg.runahead_timeout,
+        "threads": threads, "partitions": str(Path(table).expanduser()) if table else "",
+        "model_path": str(Path(ns.model_path).resolve())})

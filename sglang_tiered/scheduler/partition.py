@@ -152,3 +152,28 @@ class PartitionTable:
         data = json.loads(Path(path).read_text())
         entries = {int(r): {int(n): list(f) for n, f in rows.items()} for r, rows in data["entries"].items()}
         return cls(entries, data.get("meta", {}))
+
+
+def flop_balanced_bounds(prefix: int, tokens: int, ranks: int, linear_flops: float, pair_flops: float) -> list[int]:
+    """Bounds (absolute positions, [prefix, ..., prefix + tokens]) giving every rank the same FLOPs: a token costs
+    `linear_flops` (projections, MLP) plus `pair_flops` per key it attends to (itself and all before it, the prefix
+    included). The default when no measured table exists; every rank gets at least one token."""
+    import math
+
+    if tokens < ranks:
+        raise ValueError(f"cannot split {tokens} tokens over {ranks} ranks")
+
+    def cost(x: float) -> float:  # FLOPs of positions [0, x)
+        return linear_flops * x + pair_flops * x * (x + 1) / 2
+
+    def position(c: float) -> float:  # inverse of cost
+        a, b = pair_flops / 2, linear_flops + pair_flops / 2
+        return c / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * c)) / (2 * a)
+
+    base, total = cost(prefix), cost(prefix + tokens) - cost(prefix)
+    out = [prefix]
+    for r in range(1, ranks):
+        lo, hi = out[-1] + 1, prefix + tokens - (ranks - r)
+        out.append(min(max(round(position(base + total * r / ranks)), lo), hi))
+    out.append(prefix + tokens)
+    return out
