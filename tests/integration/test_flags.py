@@ -19,7 +19,9 @@ def test_help_lists_our_flags():
     for flag in ("--kv-backend {default,tiered}", "--tiered-ssd-dir", "--tiered-ssd-capacity", "--tiered-host-size",
                  "--tiered-namespace", "--tiered-prefetch-threshold",
                  "--tiered-blend {off,full,prefix,reuse,single,blend}", "--tiered-blend-separator",
-                 "--tiered-blend-ratio", "--tiered-blend-memory"):
+                 "--tiered-blend-ratio", "--tiered-blend-memory", "--tiered-runahead-ranks",
+                 "--tiered-runahead-min-tokens", "--tiered-runahead-timeout", "--tiered-runahead-threads",
+                 "--tiered-runahead-partitions"):
         assert flag in out, flag
 
 
@@ -46,6 +48,11 @@ def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
         (["--tiered-blend-ratio", "0"], "--tiered-blend-ratio"),
         (["--tiered-blend-memory", "a lot"], "--tiered-blend-memory"),
         (["--tiered-blend-separator", " "], "--tiered-blend-separator"),
+        (["--tiered-runahead-ranks", "0"], "--tiered-runahead-ranks"),
+        (["--tiered-runahead-ranks", "2", "--tp-size", "2"], "--tiered-runahead-ranks"),
+        (["--tiered-runahead-ranks", "4", "--tiered-runahead-min-tokens", "3"], "--tiered-runahead-min-tokens"),
+        (["--tiered-runahead-timeout", "0"], "--tiered-runahead-timeout"),
+        (["--tiered-runahead-partitions", "/nonexistent/table.json"], "--tiered-runahead-partitions"),
     ],
 )
 def test_bad_value_stops_startup_with_one_line(tmp_path, extra, flag):
@@ -82,6 +89,15 @@ def test_translation_into_sglang_fields(tmp_path):
     assert extra["class_name"] == "TieredSSDStorage" and extra["interface_v1"] == 1
     assert extra["prefetch_threshold"] == 64 and extra["model"].startswith("SmolLM2-135M-Instruct:")
     assert extra["tiered"]["ssd_capacity"] == 2 << 30 and extra["tiered"]["namespace"] == "t1"
+
+    assert "SGLANG_TIERED_RUNAHEAD" not in os.environ  # runahead off by default
+
+    ns = parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp_path),
+                            "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "512"])
+    ServerArgs.from_cli_args(ns)
+    runahead = json.loads(os.environ.pop("SGLANG_TIERED_RUNAHEAD"))
+    assert runahead["ranks"] == 2 and runahead["min_tokens"] == 512 and runahead["threads"] >= 1
+    assert runahead["model_path"] == args.model_path
 
     plain = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2"]))
     assert not plain.enable_hierarchical_cache and plain.radix_cache_backend is None  # default backend untouched

@@ -73,3 +73,22 @@ def test_table_interpolates_and_round_trips(tmp_path):
     t.save(tmp_path / "t.json")
     again = PartitionTable.load(tmp_path / "t.json")
     assert again.entries == t.entries and again.lookup(2, 2500) == pytest.approx([0.75, 0.25])
+
+
+def test_flop_balanced_bounds_equalise_cost():
+    from sglang_tiered.scheduler.partition import flop_balanced_bounds
+
+    lin, pair = 1000.0, 10.0
+
+    def cost(s, e):
+        return sum(lin + pair * (i + 1) for i in range(s, e))
+
+    for prefix, n, ranks in ((0, 4096, 2), (0, 3001, 3), (1000, 2048, 4)):
+        b = flop_balanced_bounds(prefix, n, ranks, lin, pair)
+        assert b[0] == prefix and b[-1] == prefix + n and all(x < y for x, y in zip(b, b[1:]))
+        costs = [cost(s, e) for s, e in zip(b, b[1:])]
+        assert max(costs) / min(costs) < 1.01
+        assert b[1] - b[0] > b[-1] - b[-2]  # later tokens attend to more keys: earlier ranks take more tokens
+    assert flop_balanced_bounds(0, 3, 3, lin, pair) == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        flop_balanced_bounds(0, 2, 3, lin, pair)

@@ -1,0 +1,95 @@
+"""Chained prefill (KV-Runahead) in a real SGLang server: CPU, the embedded SmolLM2 in fp32 (so that the engine's
+kernels and SGLang's agree to greedy-token identity), 2 ranks: this server's scheduler plus one helper process.
+
+One baseline server without runahead and one with it answer the same prompts in the same order:
+1. long prompts are prefilled through the chain (logged) and the greedy output is token-identical to the baseline,
+   also for a prompt that extends a cached radix prefix (the chain extends it);
+2. a stalled helper (SIGSTOP) -> that prefill times out and falls back to SGLang's prefill, identical output;
+3. a helper killed while the chain waits on it -> immediate fallback, identical output;
+4. after each failure the chain restarts in the background and the next long prompt is chained again;
+5. when the server stops, no helper process survives.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+from sglang_tiered.server_process import ServerProcess
+
+TIMEOUT_S = 3
+
+
+def server(tmp: Path, name: str, *extra: str) -> ServerProcess:
+    args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", "float32",
+            "--tiered-ssd-dir", str(tmp / f"ssd-{name}"), "--tiered-stats-interval", "0", *extra]
+    return ServerProcess(args, log_path=tmp / f"{name}.log", model_path="smollm2")
+
+
+def lines(log: Path, pattern: str) -> list[str]:
+    return [ln for ln in log.read_text(errors="replace").splitlines() if pattern in ln]
+
+
+def wait_ready(log: Path, count: int, timeout: float = 120.0) -> list[int]:
+    """Helper pids of the `count`-th 'chain ranks ready' line, once it is logged."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = lines(log, "chain ranks ready")
+        if len(ready) >= count:
+            return [int(p) for p in re.search(r"helper pids \[([\d, ]+)\]", ready[count - 1]).group(1).split(",")]
+        time.sleep(0.5)
+    raise TimeoutError(f"chain not ready ({count}) after {timeout} s")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, essays):
+    a, c, d, e = essays[0], essays[2], essays[3], essays[4]
+    b = a + essays[1][:1600]  # extends a's cached prefix by ~400 tokens
+    prompts = [a, b, c, d, e]
+    with server(tmp_path, "base") as s:
+        base = [s.generate(p, max_new_tokens=12)["text"] for p in prompts]
+
+    log = tmp_path / "chain.log"
+    pids_seen: list[int] = []
+    with server(tmp_path, "chain", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
+                "--tiered-runahead-timeout", str(TIMEOUT_S)) as s:
+        pids_seen += wait_ready(log, 1)
+        assert s.generate(a, max_new_tokens=12)["text"] == base[0]
+        assert s.generate(b, max_new_tokens=12)["text"] == base[1]
+        chained = lines(log, "tiered runahead: rid")
+        assert len(chained) == 2 and "radix_prefix=0" in chained[0], chained
+        assert re.search(r"radix_prefix=[1-9]\d* ranks=2", chained[1]), chained  # the chain extended a prefix
+
+        os.kill(pids_seen[0], signal.SIGSTOP)  # stall: the chain waits TIMEOUT_S, then SGLang prefills
+        t0 = time.monotonic()
+        assert s.generate(c, max_new_tokens=12)["text"] == base[2]
+        assert time.monotonic() - t0 < 60
+        assert "chain failed" in lines(log, "runs a normal prefill")[-1]
+
+        pids_seen += wait_ready(log, 2)  # restarted in the background
+        assert not alive(pids_seen[0])
+        victim = pids_seen[1]
+        os.kill(victim, signal.SIGSTOP)  # the job waits unread; the chain blocks on the victim, which then dies
+        threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        assert s.generate(d, max_new_tokens=12)["text"] == base[3]
+        fallbacks = lines(log, "runs a normal prefill")
+        assert len(fallbacks) == 2 and "chain failed" in fallbacks[-1], fallbacks
+
+        pids_seen += wait_ready(log, 3)
+        assert s.generate(e, max_new_tokens=12)["text"] == base[4]
+        assert len(lines(log, "tiered runahead: rid")) == 5 and "(chained prefills 3, fallbacks 2)" in \
+            lines(log, "tiered runahead: rid")[-1]
+    assert not any(alive(p) for p in pids_seen)
