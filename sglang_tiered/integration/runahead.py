@@ -186,7 +186,12 @@ def _chained_forward(rt: _Runtime, rid: str, input_ids: torch.Tensor, fb) -> tor
     prefix, tokens = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
     bounds = rt.bounds(prefix, tokens)
     ids = input_ids.to(torch.int64).cpu()
-    res = rt.chain.prefill(ids, bounds, model_forward.prefix_kv_reader(fb) if prefix else None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rt.settings.threads)  # the last rank gets its share of the cores, like every helper
+    try:
+        res = rt.chain.prefill(ids, bounds, model_forward.prefix_kv_reader(fb) if prefix else None)
+    finally:
+        torch.set_num_threads(threads)
     t_chain = time.perf_counter() - t0
     hidden = model_forward.write_extend(fb, rt.engine, res.kv[:, prefix:], res.last_hidden)
     rt.consecutive_failures = 0
