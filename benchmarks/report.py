@@ -73,6 +73,20 @@ def main() -> int:
                 f"{r['chain_searched_s'] / r['tsp_s']:.2f} | {r['chain_searched_s'] / r['single_s']:.2f} | "
                 f"{r['chain_bytes_sent'] / r['tsp_bytes_sent']:.2f} |")
         out += ["", "![runahead](benchmarks/results/runahead.png)", ""]
+    ras = RESULTS / "runahead_server.json"
+    if ras.exists():
+        d = json.loads(ras.read_text())
+        res = d["results"]
+        base, chain = res["sglang prefill"], res["chained, 2 ranks"]
+        lengths = [n for n in base if n != "log"]
+        out += ["## Chained prefill in the server (`benchmarks/runahead_server.py`)", "",
+                f"Machine: {_machine(d['machine'])}; {d['dtype']}, {d['ranks']} ranks (scheduler + helpers), "
+                f"{d['repeats']} repeats, TTFT (s) with max_new_tokens=1:", "",
+                "| prompt tokens | SGLang prefill | chained | chained / SGLang |", "| ---: | ---: | ---: | ---: |"]
+        for n in lengths:
+            b, c = base[n]["median_s"], chain[n]["median_s"]
+            out.append(f"| {n} | {b:.3f} | {c:.3f} | {c / b:.2f} |")
+        out += ["", "![runahead in the server](benchmarks/results/runahead_server.png)", ""]
     bl = RESULTS / "blend.json"
     if bl.exists():
         d = json.loads(bl.read_text())
