@@ -9,6 +9,10 @@ Seams (all registered by `register_hooks`, only when `--tiered-blend` is not `of
   split there, each part tokenized on its own (so a chunk's tokens do not depend on its neighbours), the ids
   concatenated into `input_ids`, and the part lengths put in `sampling_params.custom_params["tiered_chunks"]`.
   Works for `/generate`, `/v1/completions` and frontend programs (all send text).
+* `serving_chat.parallel_prompt_encode` (AROUND, launcher): `/v1/chat/completions` renders the chat template to
+  text and encodes it there; a rendered prompt containing the separator is split the same way, and the part
+  lengths are remembered by token ids (LRU of 256) until the tokenizer hook above sees those ids. (Chat templates
+  that SGLang encodes without rendering text first — lossy round trips, Python templates — are not split.)
 * `TpModelWorker.forward_batch_generation` (AROUND, scheduler): remembers the batch's requests by rid.
 * `models.llama.LlamaModel.forward` (AROUND, scheduler; the hook shared with chained prefill, see
   model_forward.py): an extend batch of exactly one marked request that
@@ -33,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -83,21 +88,58 @@ def split_prompt(text: str, separator: str, encode) -> tuple[list[int], list[int
 
 
 # ---------------------------------------------------------------------------------------------- launcher side
-def _before_tokenize(self, obj, *args, **kwargs):
-    settings = BlendSettings.from_env()
-    text = getattr(obj, "text", None)
-    if settings is None or settings.mode == "off" or not isinstance(text, str) or obj.input_ids is not None:
-        return None
-    if settings.separator not in text:
-        return None
-    ids, lengths = split_prompt(text, settings.separator, self.tokenizer.encode)
-    obj.input_ids, obj.text = ids, None
+_CHAT_MEMORY = 256  # chat prompts whose chunk lengths wait for their request (one per request in flight)
+_chat_chunks: OrderedDict[tuple, list[int]] = OrderedDict()
+_chat_lock = threading.Lock()
+
+
+def _mark(obj, lengths: list[int]) -> None:
     params = dict(obj.sampling_params or {})
     custom = dict(params.get("custom_params") or {})
     custom[PARAM] = lengths
     params["custom_params"] = custom
     obj.sampling_params = params
+
+
+def _before_tokenize(self, obj, *args, **kwargs):
+    settings = BlendSettings.from_env()
+    if settings is None or settings.mode == "off":
+        return None
+    text = getattr(obj, "text", None)
+    if obj.input_ids is not None:  # a chat prompt split by `_around_chat_encode`?
+        if not isinstance(obj.input_ids, list) or not obj.input_ids or not isinstance(obj.input_ids[0], int):
+            return None
+        with _chat_lock:  # the same ids always split the same way: kept (LRU), not popped
+            lengths = _chat_chunks.get(tuple(obj.input_ids))
+        if lengths is None:
+            return None
+        _mark(obj, lengths)
+        return (self, obj, *args), kwargs
+    if not isinstance(text, str) or settings.separator not in text:
+        return None
+    ids, lengths = split_prompt(text, settings.separator, self.tokenizer.encode)
+    obj.input_ids, obj.text = ids, None
+    _mark(obj, lengths)
     return (self, obj, *args), kwargs
+
+
+def _around_chat_encode(original, tokenizer, text, encode_kwargs=None):
+    """/v1/chat/completions renders the chat template to text, then encodes it here: split a rendered prompt at the
+    separator like a /generate text, and remember the part lengths for the request these ids will arrive in."""
+    settings = BlendSettings.from_env()
+    if settings is None or settings.mode == "off" or not isinstance(text, str) or settings.separator not in text:
+        return original(tokenizer, text, encode_kwargs)
+    first = dict(encode_kwargs or {})
+
+    def encode(part: str, add_special_tokens: bool) -> list[int]:
+        return tokenizer.encode(part, **(first if add_special_tokens else {"add_special_tokens": False}))
+
+    ids, lengths = split_prompt(text, settings.separator, encode)
+    with _chat_lock:
+        _chat_chunks[tuple(ids)] = lengths
+        while len(_chat_chunks) > _CHAT_MEMORY:
+            _chat_chunks.popitem(last=False)
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------- scheduler side
@@ -243,6 +285,8 @@ def register_hooks() -> bool:
 
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
                           _before_tokenize, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.entrypoints.openai.serving_chat.parallel_prompt_encode", _around_chat_encode,
+                          HookType.AROUND)
     settings = BlendSettings.from_env()
     if settings is None or settings.mode == "off":
         return False

@@ -2,7 +2,8 @@
 
 The answer needs facts from two chunks ("Alice works at the Amber Museum." / "The Amber Museum is in Lisbon.").
 1. first request: both chunks are new -> standalone KV computed and stored, then fused; the answer names Lisbon;
-2. the same prompt again: chunk KV comes from the store (no new chunk), same answer;
+2. the same prompt again: chunk KV comes from the store (no new chunk), same answer; the same documents through
+   /v1/chat/completions (separators in the user message) reuse the stored chunks too;
 3. after a restart on the same SSD directory: chunk KV is read from SSD, same answer;
 4. chunk pages corrupted on disk: the request falls back to SGLang's normal prefill (logged), still answered;
 and `--tiered-blend full` (fusion machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly.
@@ -10,6 +11,7 @@ and `--tiered-blend full` (fusion machinery, every token recomputed) in fp32 equ
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -19,8 +21,10 @@ SEP = "<|chunk|>"
 FILLER = "The weather was mild that spring and the gardens along the river were full of visitors. " * 3
 CHUNK_A = "Alice works at the Amber Museum. " + FILLER
 CHUNK_B = FILLER + "The Amber Museum is in Lisbon."
-HEAD = "<|im_start|>system\nAnswer the question using the documents.<|im_end|>\n<|im_start|>user\n"
-TAIL = "\nQuestion: In which city does Alice work?<|im_end|>\n<|im_start|>assistant\n"
+SYSTEM = "Answer the question using the documents."
+QUESTION = "\nQuestion: In which city does Alice work?"
+HEAD = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"  # SmolLM2's chat template, written out
+TAIL = f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 PROMPT = HEAD + SEP + CHUNK_A + SEP + CHUNK_B + SEP + TAIL
 
 
@@ -38,13 +42,19 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path):
     with server(tmp_path, "first") as s:
         first = s.generate(PROMPT, max_new_tokens=16)
         again = s.generate(PROMPT, max_new_tokens=16)
+        chat = json.loads(s.post("/v1/chat/completions", {
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": SEP + CHUNK_A + SEP + CHUNK_B + SEP + QUESTION}],
+            "max_tokens": 16, "temperature": 0}))
     assert "Lisbon" in first["text"], first["text"]
     assert again["text"] == first["text"]
     lines = blend_lines(tmp_path / "first.log")
-    assert len(lines) == 2, lines
+    assert len(lines) == 3, lines
     assert "chunks=3 (new 3)" in lines[0] and "chunks=3 (new 0)" in lines[1], lines
     assert re.search(r"computed=0\.[1-3]\d\d", lines[1]), lines[1]  # 2 full layers of 30 + ~15 % of the rest
     assert list((tmp_path / "ssd" / "chunks").rglob("*.kvp")), "chunk KV was not written through to SSD"
+    assert "Lisbon" in chat["choices"][0]["message"]["content"], chat
+    assert "chunks=3 (new 0)" in lines[2], lines  # the chat template rendered the same header: all chunks stored
 
     with server(tmp_path, "restart") as s:
         after = s.generate(PROMPT, max_new_tokens=16)
