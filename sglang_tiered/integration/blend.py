@@ -26,7 +26,7 @@ Seams (all registered by `register_hooks`, only when `--tiered-blend` is not `of
 * The fused request is marked `skip_radix_cache_insert`: approximate KV never enters the radix tree, the host
   tier or the SSD page store, so later exact prefix hits stay exact.
 
-Logs one line per fused request (`tiered blend: ...`).
+Logs one line per fused request (`tiered blend: ...`); Prometheus counters `sglang_tiered:blend_*` (metrics.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from sglang_tiered.engine.fusion import Span, fuse
-from sglang_tiered.integration import model_forward
+from sglang_tiered.integration import metrics, model_forward
 from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore, chunk_key
 
 logger = logging.getLogger("sglang_tiered")
@@ -206,6 +206,7 @@ def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
             return _fused_forward(_runtime, req, fb)
         except ChunkMiss as exc:  # a stored chunk vanished or failed its checksum: counted by the store
             why = f"chunk KV unavailable: {exc}"
+    metrics.count("blend_fallbacks")
     logger.info("tiered blend: rid %s runs a normal prefill (%s)", req.rid, why)
     return None
 
@@ -269,6 +270,9 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
 
     hidden = model_forward.write_extend(fb, eng, res.kv[:, prefix:], res.hidden)
     req.skip_radix_cache_insert = True
+    metrics.count("blend_requests")
+    metrics.count("blend_reused_tokens", reused)
+    metrics.count("blend_new_chunks", new_chunks)
     logger.info(
         "tiered blend: rid %s tokens=%d radix_prefix=%d chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
         "computed=%.3f load_wait=%.3fs fuse=%.3fs total=%.3fs store_hits=%s",

@@ -6,6 +6,11 @@ hit_pages_total, hit_tokens_total, miss_pages_total, read_bytes_total, written_p
 evicted_pages_total, corrupt_pages_total, foreign_pages_total, lost_pages_total, io_errors_total,
 rejected_pages_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
 Device and host hit tokens are SGLang's own `sglang:cached_tokens_total{source="device"|"host"|"storage"}`.
+
+Counters of the forward mechanisms (`count`, summed over scheduler processes), when SGLang's metrics are on:
+`sglang_tiered:runahead_prefills_total`, `..._runahead_tokens_total`, `..._runahead_fallbacks_total`,
+`..._runahead_bytes_sent_total`; `sglang_tiered:blend_requests_total`, `..._blend_reused_tokens_total`,
+`..._blend_new_chunks_total`, `..._blend_fallbacks_total`.
 """
 
 from __future__ import annotations
@@ -156,3 +161,29 @@ def read_stats_files(ssd_dir: str) -> list[dict]:
 def prometheus_enabled(storage_metrics_flag: bool) -> bool:
     return bool(storage_metrics_flag or os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
+
+
+EVENTS = {
+    "runahead_prefills": "Prefills computed by the chain (KV-Runahead)",
+    "runahead_tokens": "Prompt tokens prefilled by the chain",
+    "runahead_fallbacks": "Long prefills that fell back to SGLang's (chain not running, failed or timed out)",
+    "runahead_bytes_sent": "KV bytes sent between chain ranks",
+    "blend_requests": "Requests served by fusion of stored chunk KV",
+    "blend_reused_tokens": "Prompt tokens whose stored chunk KV was reused",
+    "blend_new_chunks": "Chunks seen for the first time (standalone KV computed and stored)",
+    "blend_fallbacks": "Marked requests that got SGLang's normal prefill",
+}
+_event_counters: dict = {}
+
+
+def count(event: str, value: float = 1) -> None:
+    """Add `value` to `sglang_tiered:<event>_total` if SGLang's Prometheus metrics are on (no-op otherwise)."""
+    if event not in EVENTS:
+        raise KeyError(event)
+    if not prometheus_enabled(False) or value <= 0:
+        return
+    if event not in _event_counters:
+        from prometheus_client import Counter
+
+        _event_counters[event] = Counter(f"sglang_tiered:{event}_total", EVENTS[event])
+    _event_counters[event].inc(value)

@@ -16,7 +16,7 @@ Failure: the helpers start in a background thread at the first forward (until th
 the normal path). A rank that dies or stalls longer than `--tiered-runahead-timeout` makes that prefill fall back to
 SGLang's forward (nothing was written to the pool yet); the chain is torn down and restarted in the background,
 and given up after `MAX_RESTARTS` consecutive failures. Logs: one line per chained prefill or fallback
-(`tiered runahead: rid ...`).
+(`tiered runahead: rid ...`); Prometheus counters `sglang_tiered:runahead_*` (metrics.py).
 
 Split: the measured table of `sglang-tiered runahead-tune` (interpolated between lengths) when one exists for N
 ranks, else a FLOP-balanced split (`scheduler.partition.flop_balanced_bounds`).
@@ -37,7 +37,7 @@ import torch
 
 from sglang_tiered.engine.chain_ranks import ChainRanks
 from sglang_tiered.engine.parallel_prefill import ChainError, bounds_from_fractions
-from sglang_tiered.integration import model_forward
+from sglang_tiered.integration import metrics, model_forward
 from sglang_tiered.scheduler.partition import PartitionTable, flop_balanced_bounds
 
 logger = logging.getLogger("sglang_tiered")
@@ -176,6 +176,7 @@ def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
             why = f"chain failed: {exc}"
             rt.ensure_started()
     rt.stats.fallbacks += 1
+    metrics.count("runahead_fallbacks")
     logger.info("tiered runahead: rid %s runs a normal prefill (%s)", rid, why)
     return None
 
@@ -197,6 +198,9 @@ def _chained_forward(rt: _Runtime, rid: str, input_ids: torch.Tensor, fb) -> tor
     rt.consecutive_failures = 0
     s = rt.stats
     s.prefills, s.tokens, s.bytes_sent = s.prefills + 1, s.tokens + tokens, s.bytes_sent + res.bytes_sent
+    metrics.count("runahead_prefills")
+    metrics.count("runahead_tokens", tokens)
+    metrics.count("runahead_bytes_sent", res.bytes_sent)
     logger.info("tiered runahead: rid %s tokens=%d radix_prefix=%d ranks=%d bounds=%s chain=%.3fs total=%.3fs "
                 "(chained prefills %d, fallbacks %d)", rid, tokens, prefix, rt.settings.ranks, bounds, t_chain,
                 time.perf_counter() - t0, s.prefills, s.fallbacks)

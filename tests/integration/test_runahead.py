@@ -7,7 +7,8 @@ One baseline server without runahead and one with it answer the same prompts in 
 2. a stalled helper (SIGSTOP) -> that prefill times out and falls back to SGLang's prefill, identical output;
 3. a helper killed while the chain waits on it -> immediate fallback, identical output;
 4. after each failure the chain restarts in the background and the next long prompt is chained again;
-5. when the server stops, no helper process survives.
+5. `/metrics` counts the chained prefills and the fallbacks;
+6. when the server stops, no helper process survives.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def wait_ready(log: Path, count: int, timeout: float = 120.0) -> list[int]:
     raise TimeoutError(f"chain not ready ({count}) after {timeout} s")
 
 
+def counter(text: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -64,7 +69,7 @@ def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, 
     log = tmp_path / "chain.log"
     pids_seen: list[int] = []
     with server(tmp_path, "chain", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
-                "--tiered-runahead-timeout", str(TIMEOUT_S)) as s:
+                "--tiered-runahead-timeout", str(TIMEOUT_S), "--enable-metrics") as s:
         pids_seen += wait_ready(log, 1)
         assert s.generate(a, max_new_tokens=12)["text"] == base[0]
         assert s.generate(b, max_new_tokens=12)["text"] == base[1]
@@ -92,4 +97,8 @@ def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, 
         assert s.generate(e, max_new_tokens=12)["text"] == base[4]
         assert len(lines(log, "tiered runahead: rid")) == 5 and "(chained prefills 3, fallbacks 2)" in \
             lines(log, "tiered runahead: rid")[-1]
+        text = s.get("/metrics")
+        assert counter(text, "sglang_tiered:runahead_prefills_total") == 3
+        assert counter(text, "sglang_tiered:runahead_fallbacks_total") == 2
+        assert counter(text, "sglang_tiered:runahead_bytes_sent_total") > 0
     assert not any(alive(p) for p in pids_seen)
