@@ -8,6 +8,8 @@ done the forward: the request's new KV is in its slots (`forward_batch.out_cache
 [extend tokens, hidden] tensor holds the final-normed hidden state of the last token in its last row (the rows
 before it are zeros: SGLang's logits processor reads only the last row unless input logprobs or hidden states were
 requested, which handlers must decline). A handler returns None to leave the batch to SGLang's own forward.
+On CPU-only servers every forward (also SGLang's own) is marked as foreground work, so that the SSD
+write-through yields to it (`gate_background_writes`, storage/foreground.py).
 """
 
 from __future__ import annotations
@@ -18,31 +20,47 @@ from typing import Optional
 import torch
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+from sglang_tiered.storage.foreground import FOREGROUND
 
 Handler = Callable[..., Optional[torch.Tensor]]  # (module, input_ids, positions, forward_batch) -> hidden | None
 _handlers: list[Handler] = []
 _engines: dict[int, LlamaModel] = {}
 
 
-def add_handler(handler: Handler) -> None:
-    """Register `handler` (idempotent); the forward hook itself is registered with the first handler."""
-    if handler in _handlers:
-        return
-    if not _handlers:
+_hooked = False
+
+
+def _ensure_hook() -> None:
+    global _hooked
+    if not _hooked:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", _around_forward, HookType.AROUND)
-    _handlers.append(handler)
+        _hooked = True
+
+
+def add_handler(handler: Handler) -> None:
+    """Register `handler` (idempotent); the forward hook itself is registered once."""
+    _ensure_hook()
+    if handler not in _handlers:
+        _handlers.append(handler)
+
+
+def gate_background_writes() -> None:
+    """CPU-only servers: SSD write-through waits while a forward runs (storage/foreground.py)."""
+    FOREGROUND.enabled = True
+    _ensure_hook()
 
 
 def _around_forward(original, self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None,
                     **kwargs):
-    if input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend():
-        for handler in _handlers:
-            hidden = handler(self, input_ids, positions, forward_batch)
-            if hidden is not None:
-                return hidden
-    return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+    with FOREGROUND.busy():
+        if input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend():
+            for handler in _handlers:
+                hidden = handler(self, input_ids, positions, forward_batch)
+                if hidden is not None:
+                    return hidden
+        return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
 
 
 def engine_from_sglang(module) -> LlamaModel:

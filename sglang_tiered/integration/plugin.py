@@ -12,7 +12,8 @@ Seams with SGLang (the complete list; nothing else in SGLang is touched):
 * Fusion of chunk KV (`blend.py`, unless `--tiered-blend off`): `TokenizerManager._tokenize_one_request` (BEFORE),
   `TpModelWorker.forward_batch_generation` (AROUND), and a handler of the `models.llama.LlamaModel.forward` hook.
 * Chained prefill (`runahead.py`, with `--tiered-runahead-ranks` >= 2): a handler of the same forward hook.
-* `models.llama.LlamaModel.forward` (AROUND, `model_forward.py`): one hook, registered with the first handler;
+* `models.llama.LlamaModel.forward` (AROUND, `model_forward.py`): one hook, registered with the first handler or on
+  CPU-only servers (where every forward is marked as foreground work that the SSD write-through waits for);
   handlers that decline leave the batch to SGLang's own forward.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 logger = logging.getLogger("sglang_tiered")
 _registered = False
@@ -66,6 +68,10 @@ def register() -> None:
     from sglang_tiered.integration import cpu_attention
 
     cpu_attention.register_hooks()
+    if os.environ.get(cpu_attention.ENV) and cpu_shims.cuda_absent():  # a CPU-only server with --kv-backend tiered
+        from sglang_tiered.integration import model_forward
+
+        model_forward.gate_background_writes()
     from sglang_tiered.integration import blend, runahead
 
     blend.register_hooks()  # fusion first: a marked prompt is never chained

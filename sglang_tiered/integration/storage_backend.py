@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from sglang_tiered.config import TieredConfig
 from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
+from sglang_tiered.storage.foreground import FOREGROUND
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -77,7 +78,8 @@ class TieredSSDStorage(HiCacheStorage):
                 f"--tiered-ssd-capacity: {self.config.ssd_capacity} bytes over {shards} rank(s) is smaller than one "
                 f"KV page ({page_bytes} bytes)"
             )
-        self.tier = SSDTier(self.config.ssd_dir, namespace, capacity, io_threads=self.config.io_threads)
+        self.tier = SSDTier(self.config.ssd_dir, namespace, capacity, io_threads=self.config.io_threads,
+                            before_write=FOREGROUND.wait_idle)  # a no-op unless enabled (CPU-only servers)
         self.reporter = StatsReporter(
             self.tier.stats,
             json_path=Path(self.config.ssd_dir) / "stats" / f"{namespace.id}.json",

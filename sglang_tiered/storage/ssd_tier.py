@@ -53,7 +53,9 @@ class SSDTier:
         *,
         io_threads: int = 4,
         policy: Optional[EvictionPolicy] = None,
+        before_write: Optional[Callable[[], object]] = None,
     ) -> None:
+        """`before_write` runs in the I/O thread before each page write (e.g. `ForegroundGate.wait_idle`)."""
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.root = Path(root)
@@ -63,6 +65,7 @@ class SSDTier:
         self.capacity_bytes = int(capacity_bytes)
         self.stats = TierStats()
         self._policy: EvictionPolicy = policy or LRUPolicy()
+        self._before_write = before_write
         self._index: dict[str, int] = {}  # key -> file size in bytes
         self._writing: dict[str, int] = {}  # key -> reserved bytes, writes in flight
         self._used = 0  # bytes of indexed files plus reservations
@@ -145,6 +148,8 @@ class SSDTier:
 
     def _write_one(self, page: PageIO) -> bool:
         key, segments = page
+        if self._before_write is not None:
+            self._before_write()
         size = len(encode_header(self.ns_id, key, segments[:0])) + 32 + sum(s.nbytes for s in segments)
         with self._lock:
             if key in self._index or key in self._writing:  # stored, or being stored by another thread
