@@ -118,11 +118,10 @@ class ChainRanks:
         """Kill every helper and drop the group (idempotent)."""
         self.ready = False
         for conn in self._conns:
-            if conn is not None:
-                try:
-                    conn.close()
-                except OSError:
-                    pass
+            try:
+                conn.close()
+            except OSError:
+                pass
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
