@@ -101,3 +101,35 @@ def test_translation_into_sglang_fields(tmp_path):
 
     plain = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2"]))
     assert not plain.enable_hierarchical_cache and plain.radix_cache_backend is None  # default backend untouched
+
+
+def test_runahead_tune_writes_the_table_the_server_picks_up(tmp_path, monkeypatch):
+    """`sglang-tiered runahead-tune` measures splits on real ranks (progress on stdout) and writes the table to the
+    default path, where `--tiered-runahead-ranks` finds it without `--tiered-runahead-partitions`."""
+    import argparse
+    import json
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_tiered.scheduler.partition import PartitionTable
+
+    cli = os.path.join(os.path.dirname(sys.executable), "sglang-tiered")
+    r = subprocess.run([cli, "runahead-tune", "--ranks", "2", "--lengths", "128", "256", "--repeats", "1"],
+                       capture_output=True, text=True, timeout=300, start_new_session=True,
+                       env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "best split" in r.stdout and "split 0." in r.stdout  # progress per candidate and per length
+    path = tmp_path / "sglang-tiered" / "runahead-partitions.json"
+    table = PartitionTable.load(path)
+    assert sorted(table.entries[2]) == [128, 256]
+    assert all(abs(sum(f) - 1) < 1e-9 and f[0] >= 0.5 for f in table.entries[2].values())
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered",
+                                                "--tiered-ssd-dir", str(tmp_path / "ssd"),
+                                                "--tiered-runahead-ranks", "2"]))
+    assert json.loads(os.environ.pop("SGLANG_TIERED_RUNAHEAD"))["partitions"] == str(path)
