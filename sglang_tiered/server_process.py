@@ -160,6 +160,19 @@ def send_until(server: ServerProcess, texts: list[str], tokens: int) -> int:
     return used
 
 
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not yet reaped, counts as dead). Linux."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def exit_cleanly_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit in a script's main thread, so `with ServerProcess(...)` blocks still stop their
     servers when the script is terminated (the default SIGTERM action skips them)."""

@@ -41,21 +41,9 @@ import torch.distributed as dist
 
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.engine.parallel_prefill import ChainError, ParallelResult, chain_prefill
+from sglang_tiered.engine.tuning import ModelSpec, load_model
 
 logger = logging.getLogger("sglang_tiered")
-
-ModelSpec = dict  # {"kind": "pretrained", "path": str} | {"kind": "random", "config": {...}, "seed": int}
-
-
-def load_model(spec: ModelSpec, dtype: torch.dtype) -> LlamaModel:
-    from sglang_tiered.engine.llama import LlamaConfig
-
-    if spec["kind"] == "pretrained":
-        return LlamaModel.from_pretrained(spec["path"], dtype)
-    if spec["kind"] == "random":
-        return LlamaModel.random(LlamaConfig(**spec["config"]), seed=spec.get("seed", 0), dtype=dtype)
-    raise ValueError(f"unknown model spec {spec!r}")
-
 
 class ChainRanks:
     def __init__(self, model: LlamaModel, spec: ModelSpec, world: int, *, threads: int = 1,
@@ -172,7 +160,7 @@ def helper_main(settings: dict) -> int:
     torch.set_num_threads(settings["threads"])
     conn = Connection(settings["control_fd"])
     try:
-        model = load_model(settings["spec"], getattr(torch, settings["dtype"]))
+        model = load_model(tuple(settings["spec"]), getattr(torch, settings["dtype"]))  # JSON made it a list
         conn.send(("loaded", os.getpid()))
         if conn.recv() != "join":
             return 0

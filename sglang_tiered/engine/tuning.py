@@ -18,7 +18,7 @@ from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, chain_prefill, tsp_prefill
 from sglang_tiered.scheduler.partition import PartitionTable, search
 
-ModelSpec = tuple  # ("pretrained", path) | ("random", LlamaConfig)
+ModelSpec = tuple  # ("pretrained", path) | ("random", LlamaConfig or its fields as a dict)
 
 
 def load_model(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> LlamaModel:

@@ -66,12 +66,9 @@ def _parse(raw: Optional[str]) -> Optional[RunaheadSettings]:
 
 
 @dataclass
-class RunaheadStats:
+class RunaheadStats:  # for the log line; tokens and bytes are Prometheus counters (metrics.count)
     prefills: int = 0
-    tokens: int = 0
     fallbacks: int = 0
-    failures: int = 0
-    bytes_sent: int = 0
 
 
 class _Runtime:
@@ -80,9 +77,8 @@ class _Runtime:
     def __init__(self, settings: RunaheadSettings, module) -> None:
         self.settings = settings
         self.engine = model_forward.engine_from_sglang(module)
-        spec = {"kind": "pretrained", "path": settings.model_path}
-        self.chain = ChainRanks(self.engine, spec, settings.ranks, threads=settings.threads,
-                                timeout_s=settings.timeout_s)
+        self.chain = ChainRanks(self.engine, ("pretrained", settings.model_path), settings.ranks,
+                                threads=settings.threads, timeout_s=settings.timeout_s)
         self.table = self._load_table(settings)
         c = self.engine.cfg
         self.linear_flops = 2.0 * (c.hidden * (c.heads + 2 * c.kv_heads) * c.head_dim
@@ -171,7 +167,6 @@ def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
         try:
             return _chained_forward(rt, rid, input_ids, fb)
         except ChainError as exc:  # the chain stopped itself; nothing was written to the pool
-            rt.stats.failures += 1
             rt.consecutive_failures += 1
             why = f"chain failed: {exc}"
             rt.ensure_started()
@@ -197,7 +192,7 @@ def _chained_forward(rt: _Runtime, rid: str, input_ids: torch.Tensor, fb) -> tor
     hidden = model_forward.write_extend(fb, rt.engine, res.kv[:, prefix:], res.last_hidden)
     rt.consecutive_failures = 0
     s = rt.stats
-    s.prefills, s.tokens, s.bytes_sent = s.prefills + 1, s.tokens + tokens, s.bytes_sent + res.bytes_sent
+    s.prefills += 1
     metrics.count("runahead_prefills")
     metrics.count("runahead_tokens", tokens)
     metrics.count("runahead_bytes_sent", res.bytes_sent)

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_tiered.server_process import ServerProcess
+from sglang_tiered.server_process import ServerProcess, process_alive
 
 TIMEOUT_S = 3
 
@@ -50,15 +50,6 @@ def counter(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
 def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, essays):
     a, c, d, e = essays[0], essays[2], essays[3], essays[4]
     b = a + essays[1][:1600]  # extends a's cached prefix by ~400 tokens
@@ -84,7 +75,7 @@ def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, 
         assert "chain failed" in lines(log, "runs a normal prefill")[-1]
 
         pids_seen += wait_ready(log, 2)  # restarted in the background
-        assert not alive(pids_seen[0])
+        assert not process_alive(pids_seen[0])
         victim = pids_seen[1]
         os.kill(victim, signal.SIGSTOP)  # the job waits unread; the chain blocks on the victim, which then dies
         threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
@@ -101,4 +92,4 @@ def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, 
         assert counter(text, "sglang_tiered:runahead_prefills_total") == 3
         assert counter(text, "sglang_tiered:runahead_fallbacks_total") == 2
         assert counter(text, "sglang_tiered:runahead_bytes_sent_total") > 0
-    assert not any(alive(p) for p in pids_seen)
+    assert not any(process_alive(p) for p in pids_seen)

@@ -12,21 +12,13 @@ import time
 import pytest
 import torch
 
-from sglang_tiered.engine.chain_ranks import ChainRanks, load_model
+from sglang_tiered.engine.chain_ranks import ChainRanks
 from sglang_tiered.engine.parallel_prefill import ChainError, even_bounds
+from sglang_tiered.engine.tuning import load_model
+from sglang_tiered.server_process import process_alive
 
-SPEC = {"kind": "random", "seed": 3,
-        "config": dict(hidden=96, layers=4, heads=6, kv_heads=2, head_dim=16, intermediate=192, vocab=300)}
+SPEC = ("random", dict(hidden=96, layers=4, heads=6, kv_heads=2, head_dim=16, intermediate=192, vocab=300))
 TOL = 1e-4
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
-        return f.read().split()[2] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +59,7 @@ def test_stalled_helper_times_out_then_restart_works(model, chain):
     with pytest.raises(ChainError):
         chain.prefill(ids, even_bounds(40, 3))
     assert time.monotonic() - t0 < 3.0 * 2 + 2  # one timed-out wait, then teardown
-    assert not chain.ready and not any(alive(p) for p in pids)
+    assert not chain.ready and not any(process_alive(p) for p in pids)
     chain.start()
     res = chain.prefill(ids, even_bounds(40, 3))
     assert (res.logits - model.prefill(ids).logits).abs().max() <= TOL
@@ -89,11 +81,11 @@ def test_killed_helper_mid_chain_fails_fast(model, chain):
     with pytest.raises(ChainError):
         chain.prefill(ids, even_bounds(40, 3))
     assert time.monotonic() - t0 < 3.0  # a closed connection is seen at once, well before the timeout chain
-    assert not any(alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
 
 
 def test_helper_that_cannot_load_fails_start(model):
-    bad = ChainRanks(model, {"kind": "pretrained", "path": "/nonexistent"}, 2, timeout_s=3.0)
+    bad = ChainRanks(model, ("pretrained", "/nonexistent"), 2, timeout_s=3.0)
     with pytest.raises(ChainError, match="failed to start"):
         bad.start()
     assert not bad.ready and bad.helper_pids == []
@@ -101,8 +93,8 @@ def test_helper_that_cannot_load_fails_start(model):
 
 def test_stop_leaves_no_process(chain):
     pids = chain.helper_pids
-    assert pids and all(alive(p) for p in pids)
+    assert pids and all(process_alive(p) for p in pids)
     chain.stop()
-    assert not any(alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
     with pytest.raises(ChainError):
         chain.prefill(torch.zeros(8, dtype=torch.int64), even_bounds(8, 3))
