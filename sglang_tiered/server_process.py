@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -158,6 +159,11 @@ def send_until(server: ServerProcess, texts: list[str], tokens: int) -> int:
         sent += server.generate(texts.pop(0), max_new_tokens=1)["meta_info"]["prompt_tokens"]
         used += 1
     return used
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of a Prometheus counter over all its label sets in a /metrics page."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
 def process_alive(pid: int) -> bool:

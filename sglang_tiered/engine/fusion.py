@@ -46,11 +46,15 @@ DEFAULT_RATIO = 0.15
 
 @dataclass(frozen=True)
 class Span:
-    """Tokens [start, end) of the prompt; `stored` says whether position-0 KV of exactly these tokens is available."""
+    """Tokens [start, end) of the prompt; `stored` says whether stored KV of these tokens is available: tokens
+    offset .. offset + length - 1 of a chunk whose KV was computed at positions 0 .. (so the span's keys are re-rotated
+    by start - offset). A chunk cut by a cached prefix or by a prefill piece boundary is a span with offset > 0 or
+    a shorter length: causal attention makes the first k tokens' stored KV independent of the rest."""
 
     start: int
     end: int
     stored: bool
+    offset: int = 0
 
     @property
     def length(self) -> int:
@@ -58,7 +62,7 @@ class Span:
 
 
 # (layer, span index) -> that stored span's KV of that layer, [span tokens, 2, kv_heads, head_dim], computed at
-# positions 0 .. n-1. Called only for spans with `stored=True`, possibly from a loader thread.
+# positions offset .. offset + length - 1. Called only for spans with `stored=True`, possibly from a loader thread.
 LayerLoader = Callable[[int, int], torch.Tensor]
 
 
@@ -135,7 +139,7 @@ class _Prefetcher:
             if kv.shape[0] != span.length:
                 raise ValueError(f"stored KV has {kv.shape[0]} tokens for a span of {span.length}")
             kv = kv.to(self.model.dtype)
-            parts.append(torch.stack([rerotate_keys(self.model, kv[:, 0], span.start), kv[:, 1]], 1))
+            parts.append(torch.stack([rerotate_keys(self.model, kv[:, 0], span.start - span.offset), kv[:, 1]], 1))
         out = torch.cat(parts) if parts else self.model.empty_kv(0)[0]
         self.load_s += time.perf_counter() - t0
         return out
@@ -273,12 +277,16 @@ def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], 
 
 
 @torch.inference_mode()
-def greedy_continue(model: LlamaModel, kv: torch.Tensor, logits: torch.Tensor, steps: int) -> list[int]:
-    """`steps` greedy tokens after a prefill that produced `kv` [layers, n, ...] and last-token `logits`."""
+def greedy_continue(model: LlamaModel, kv: torch.Tensor, logits: torch.Tensor, steps: int,
+                    stop: frozenset[int] = frozenset()) -> list[int]:
+    """At most `steps` greedy tokens after a prefill that produced `kv` [layers, n, ...] and last-token `logits`;
+    ends after the first token in `stop` (included), as a server's output does."""
     n = kv.shape[1]
     cache = torch.cat([kv, model.empty_kv(steps)[:, :]], 1)
     out = [int(logits.argmax())]
     for t in range(steps - 1):
+        if out[-1] in stop:
+            break
         pos = n + t
         x = model.embed(torch.tensor([out[-1]]))
         for layer in range(model.cfg.layers):

@@ -14,11 +14,17 @@ Seams (all registered by `register_hooks`, only when `--tiered-blend` is not `of
   lengths are remembered by token ids (LRU of 256) until the tokenizer hook above sees those ids. (Chat templates
   that SGLang encodes without rendering text first — lossy round trips, Python templates — are not split.)
 * `TpModelWorker.forward_batch_generation` (AROUND, scheduler): remembers the batch's requests by rid.
+* `PrefillAdder.add_one_req` (AROUND, scheduler): a marked request prefills alone -- it joins no prefill batch that
+  already has a request and nothing joins its batch (the refused request waits for the next round) -- so concurrent
+  marked requests are each fused instead of falling back. Not with `--enable-mixed-chunk` (decode rows share the
+  batch: falls back).
 * `models.llama.LlamaModel.forward` (AROUND, scheduler; the hook shared with chained prefill, see
-  model_forward.py): an extend batch of exactly one marked request that
-  prefills its whole prompt (no chunked prefill, no input logprobs, TP = PP = 1) runs through
-  `engine.fusion.fuse` on the server's own weights (views, no copy). Tokens the radix cache already holds are read
-  from the KV pool and never recomputed. A chunk seen for the first time gets its standalone KV computed (a prefill
+  model_forward.py): an extend batch of exactly one marked request (no input logprobs, TP = PP = 1) runs through
+  `engine.fusion.fuse` on the server's own weights (views, no copy). Tokens already in the request's KV slots --
+  a radix-cache hit, or the earlier pieces of a chunked prefill -- are read from the KV pool and never recomputed;
+  a chunk they cut through is reused from its first token after them, and a chunk cut by the end of a piece up to
+  it (the stored KV of a chunk's first k tokens does not depend on the rest). The piece's last token is always
+  computed. A chunk seen for the first time gets its standalone KV computed (a prefill
   of the chunk at position 0, cost ~ the chunk's prefill) and stored in the `ChunkStore` (memory LRU of
   `--tiered-blend-memory` bytes + write-through to the SSD directory). The fused KV is written into the request's
   KV slots; the final hidden state of the last token goes back to SGLang's logits processor, so sampling and
@@ -177,12 +183,28 @@ def _around_worker(original, self, batch=None, *args, **kwargs):
         _batch_reqs.by_rid = {}
 
 
-def _marked_req(fb) -> Any:
-    if not fb.forward_mode.is_extend() or fb.batch_size != 1 or not fb.rids:
-        return None
-    req = getattr(_batch_reqs, "by_rid", {}).get(fb.rids[0])
+def _is_marked(req) -> bool:
     custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    return req if PARAM in custom else None
+    return PARAM in custom
+
+
+def _around_add_one_req(original, self, req, *args, **kwargs):
+    """A marked request prefills alone (fusion runs on extend batches of one request): it does not join a prefill
+    batch that already has a request, and nothing joins one it is in. The refused request waits for the next round,
+    as when the token budget runs out."""
+    if self.can_run_list and (_is_marked(req) or any(_is_marked(r) for r in self.can_run_list)):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.OTHER
+    return original(self, req, *args, **kwargs)
+
+
+def _marked_reqs(fb) -> list[Any]:
+    """The marked requests of an extend batch (fused only if it is the batch's one request)."""
+    if not fb.forward_mode.is_extend() or not fb.rids:
+        return []
+    by_rid = getattr(_batch_reqs, "by_rid", {})
+    return [r for r in (by_rid.get(rid) for rid in fb.rids) if _is_marked(r)]
 
 
 def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
@@ -191,10 +213,11 @@ def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
     settings = BlendSettings.from_env()
     if settings is None or settings.mode in ("off", "prefix") or _runtime_error is not None:
         return None
-    req = _marked_req(fb)
-    if req is None:
+    marked = _marked_reqs(fb)
+    if not marked:
         return None
-    why = _unsupported(module, req, fb)
+    req = marked[0]
+    why = f"its prefill batch holds {fb.batch_size} requests" if fb.batch_size > 1 else _unsupported(module, req, fb)
     if why is None and _runtime is None:
         try:
             _runtime = _Runtime(settings, module)
@@ -206,15 +229,12 @@ def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
             return _fused_forward(_runtime, req, fb)
         except ChunkMiss as exc:  # a stored chunk vanished or failed its checksum: counted by the store
             why = f"chunk KV unavailable: {exc}"
-    metrics.count("blend_fallbacks")
-    logger.info("tiered blend: rid %s runs a normal prefill (%s)", req.rid, why)
+    metrics.count("blend_fallbacks", len(marked))
+    logger.info("tiered blend: rid %s runs a normal prefill (%s)", " ".join(r.rid for r in marked), why)
     return None
 
 
 def _unsupported(module, req, fb) -> Optional[str]:
-    prefix, ext = fb.extend_prefix_lens_cpu[0], fb.extend_seq_lens_cpu[0]
-    if prefix + ext != len(req.origin_input_ids):
-        return "the prompt is split by chunked prefill"
     if req.return_logprob:
         return "input logprobs were requested"
     if not model_forward.whole_model_in_rank(module):
@@ -224,21 +244,40 @@ def _unsupported(module, req, fb) -> Optional[str]:
     return None
 
 
-def plan_spans(lengths: list[int], prefix: int, ids: list[int]) -> tuple[list[Span], list[Optional[str]]]:
-    """Spans tiling [prefix, total) and each span's chunk key (None for fresh spans). Every part but the last is a
-    reusable chunk if it lies wholly after the radix prefix; a part the prefix cuts through, and the last part (the
-    question), are fresh."""
+@dataclass(frozen=True)
+class ChunkRef:
+    """A reusable chunk of the prompt: its store key (hash of all its tokens) and where it lies in the prompt."""
+
+    key: str
+    start: int  # the chunk's first token (prompt position)
+    length: int  # all of the chunk's tokens, also those outside the piece being prefilled
+
+
+def plan_spans(lengths: list[int], prefix: int, end: int,
+               ids: list[int]) -> tuple[list[Span], list[Optional[ChunkRef]]]:
+    """Spans tiling [prefix, end) -- the tokens this forward prefills: the whole prompt after its cached prefix, or
+    one piece of a chunked prefill -- and each span's chunk (None for fresh spans). Every part but the last is a
+    reusable chunk: its tokens inside [prefix, end) are a stored span (`offset` = its tokens before `prefix`). The last
+    part (the question) is fresh, and so is the forward's last token (its hidden state gives the logits)."""
     spans: list[Span] = []
-    keys: list[Optional[str]] = []
+    refs: list[Optional[ChunkRef]] = []
     pos = 0
     for i, n in enumerate(lengths):
-        start, end = max(pos, prefix), pos + n
-        if end > start:
-            reusable = i < len(lengths) - 1 and start == pos
-            spans.append(Span(start, end, reusable))
-            keys.append(chunk_key(ids[start:end]) if reusable else None)
-        pos = end
-    return spans, keys
+        lo, hi = max(pos, prefix), min(pos + n, end)
+        if hi > lo and i < len(lengths) - 1:
+            ref = ChunkRef(chunk_key(ids[pos : pos + n]), pos, n)
+            cut = hi - 1 if hi == end else hi
+            if cut > lo:
+                spans.append(Span(lo, cut, True, lo - pos))
+                refs.append(ref)
+            if cut < hi:
+                spans.append(Span(cut, hi, False))
+                refs.append(None)
+        elif hi > lo:
+            spans.append(Span(lo, hi, False))
+            refs.append(None)
+        pos += n
+    return spans, refs
 
 
 @torch.inference_mode()
@@ -247,20 +286,23 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
     eng, store, s = rt.engine, rt.store, rt.settings
     lengths = list(req.sampling_params.custom_params[PARAM])
     ids_list = list(req.origin_input_ids)
-    ids = torch.tensor(ids_list, dtype=torch.int64)
     prefix = int(fb.extend_prefix_lens_cpu[0])
+    end = prefix + int(fb.extend_seq_lens_cpu[0])  # < len(ids_list) for a piece of a chunked prefill
+    ids = torch.tensor(ids_list[:end], dtype=torch.int64)
 
-    spans, keys = plan_spans(lengths, prefix, ids_list)
+    spans, refs = plan_spans(lengths, prefix, end, ids_list)
     new_chunks = 0
-    for sp, key in zip(spans, keys):  # a chunk seen for the first time: its standalone KV, stored
-        if key is not None and not store.contains(key):
-            store.put(key, eng.prefill(ids[sp.start : sp.end]).kv)
+    for ref in {r.key: r for r in refs if r is not None}.values():  # a chunk seen for the first time: stored
+        if not store.contains(ref.key):
+            chunk = torch.tensor(ids_list[ref.start : ref.start + ref.length], dtype=torch.int64)
+            store.put(ref.key, eng.prefill(chunk).kv)
             new_chunks += 1
     reused = sum(sp.length for sp in spans if sp.stored)
     ratio = rt.controller.ratio(reused, rt.bytes_per_token_layer) if s.mode == "blend" else s.ratio
 
     def load(layer: int, j: int) -> torch.Tensor:
-        return store.layer(keys[j], layer, spans[j].length)
+        sp, ref = spans[j], refs[j]
+        return store.layer(ref.key, layer, ref.length)[sp.offset : sp.offset + sp.length]
 
     t1 = time.perf_counter()
     res = fuse(eng, ids, spans, load, mode=s.mode, ratio=ratio, prefix_len=prefix,
@@ -269,14 +311,16 @@ def _fused_forward(rt: _Runtime, req, fb) -> torch.Tensor:
     rt.controller.observe_fusion(res, reused, rt.bytes_per_token_layer, t_fuse)
 
     hidden = model_forward.write_extend(fb, eng, res.kv[:, prefix:], res.hidden)
-    req.skip_radix_cache_insert = True
-    metrics.count("blend_requests")
+    req.skip_radix_cache_insert = True  # also keeps the pieces of a chunked prefill out of the tree
+    last_piece = end == len(ids_list)
+    if last_piece:
+        metrics.count("blend_requests")
     metrics.count("blend_reused_tokens", reused)
     metrics.count("blend_new_chunks", new_chunks)
     logger.info(
-        "tiered blend: rid %s tokens=%d radix_prefix=%d chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
+        "tiered blend: rid %s tokens=%d extend=[%d,%d) chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
         "computed=%.3f load_wait=%.3fs fuse=%.3fs total=%.3fs store_hits=%s",
-        req.rid, len(ids_list), prefix, sum(sp.stored for sp in spans), new_chunks, reused, s.mode, ratio,
+        req.rid, len(ids_list), prefix, end, sum(sp.stored for sp in spans), new_chunks, reused, s.mode, ratio,
         res.recompute_fraction, res.load_wait_s, t_fuse, time.perf_counter() - t0, store.hits)
     return hidden
 
@@ -296,5 +340,8 @@ def register_hooks() -> bool:
         return False
     HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_worker,
                           HookType.AROUND)
+    if settings.mode != "prefix":  # "prefix" is SGLang's own prefill: nothing to keep apart
+        HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _around_add_one_req,
+                              HookType.AROUND)
     model_forward.add_handler(try_forward)
     return True

@@ -6,6 +6,8 @@ The answer needs facts from two chunks ("Alice works at the Amber Museum." / "Th
    /v1/chat/completions (separators in the user message) reuse the stored chunks too;
 3. after a restart on the same SSD directory: chunk KV is read from SSD, same answer;
 4. chunk pages corrupted on disk: the request falls back to SGLang's normal prefill (logged), still answered;
+5. marked requests sent together with plain ones each prefill alone and are all fused (counted in /metrics, no
+   fallback); with chunked prefill in 64-token pieces a prompt is fused piece by piece;
 and `--tiered-blend full` (fusion machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly.
 """
 
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sglang_tiered.server_process import ServerProcess
+from sglang_tiered.server_process import ServerProcess, metric_total
 
 SEP = "<|chunk|>"
 FILLER = "The weather was mild that spring and the gardens along the river were full of visitors. " * 3
@@ -71,6 +74,49 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path):
     assert fallback["text"].strip()
     lines = blend_lines(tmp_path / "corrupt.log")
     assert len(lines) == 1 and "runs a normal prefill (chunk KV unavailable" in lines[0], lines
+
+
+def short_rag_prompt(name: str, museum: str, city: str) -> str:
+    """Under one 64-token page: SGLang's storage prefetch (which admits requests one by one as each lookup ends)
+    does not start, so requests that arrive together are batched together."""
+    return (HEAD + SEP + f"{name} works at the {museum} Museum." + SEP + f"The {museum} Museum is in {city}." + SEP
+            + f"\nQuestion: In which city does {name} work?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_concurrent_marked_requests_each_prefill_alone_and_are_all_fused(tmp_path):
+    """Without keeping them apart, SGLang batches requests that arrive together, and fusion (one request per extend
+    batch) would fall back for every marked request in a shared batch."""
+    marked = [short_rag_prompt(*x) for x in (("Alice", "Amber", "Lisbon"), ("Bruno", "Cedar", "Oslo"),
+                                              ("Chiara", "Granite", "Quito"), ("Dev", "Harbor", "Lima"))]
+    prompts = [*marked, "The gardens along the river", "Museums in Lisbon are"]  # the last two are plain prompts
+    with server(tmp_path, "concurrent", "--enable-metrics") as s:
+        alone = s.generate(marked[0], max_new_tokens=12)
+        for _ in range(2):
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outs = list(pool.map(lambda t: s.generate(t, max_new_tokens=12), prompts))
+        metrics = s.get("/metrics")
+    log = (tmp_path / "concurrent.log").read_text()
+    assert re.search(r"Prefill batch, #new-seq: [2-9]", log), "no batch of several requests: the test shows nothing"
+    lines = blend_lines(tmp_path / "concurrent.log")
+    assert not [line for line in lines if "normal prefill" in line], lines
+    assert metric_total(metrics, "sglang_tiered:blend_requests_total") == 9
+    assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") == 0
+    assert outs[0]["text"] == alone["text"]  # the same fusion, next to other requests
+    assert all(o["text"].strip() for o in outs), outs
+
+
+def test_chunked_prefill_is_fused_piece_by_piece(tmp_path):
+    with server(tmp_path, "chunked", "--chunked-prefill-size", "64", "--enable-metrics") as s:
+        first = s.generate(PROMPT, max_new_tokens=16)
+        metrics = s.get("/metrics")
+    lines = blend_lines(tmp_path / "chunked.log")
+    pieces = [tuple(map(int, re.search(r"extend=\[(\d+),(\d+)\)", line).groups())) for line in lines]
+    total = first["meta_info"]["prompt_tokens"]
+    assert total > 128 and pieces == [(a, min(a + 64, total)) for a in range(0, total, 64)], pieces
+    new = [int(re.search(r"\(new (\d+)\)", line).group(1)) for line in lines]
+    assert sum(new) == 3 and new[0] >= 1, lines  # every chunk's KV computed once, in the piece that first meets it
+    assert "Lisbon" in first["text"], first["text"]
+    assert metric_total(metrics, "sglang_tiered:blend_requests_total") == 1  # a request, not a piece
 
 
 def test_full_mode_equals_sglang_prefill_and_off_leaves_the_separator_alone(tmp_path):

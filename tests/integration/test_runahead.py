@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_tiered.server_process import ServerProcess, process_alive
+from sglang_tiered.server_process import ServerProcess, metric_total, process_alive
 
 TIMEOUT_S = 3
 
@@ -44,10 +44,6 @@ def wait_ready(log: Path, count: int, timeout: float = 120.0) -> list[int]:
             return [int(p) for p in re.search(r"helper pids \[([\d, ]+)\]", ready[count - 1]).group(1).split(",")]
         time.sleep(0.5)
     raise TimeoutError(f"chain not ready ({count}) after {timeout} s")
-
-
-def counter(text: str, name: str) -> float:
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
 def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, essays):
@@ -89,7 +85,7 @@ def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, 
         assert len(lines(log, "tiered runahead: rid")) == 5 and "(chained prefills 3, fallbacks 2)" in \
             lines(log, "tiered runahead: rid")[-1]
         text = s.get("/metrics")
-        assert counter(text, "sglang_tiered:runahead_prefills_total") == 3
-        assert counter(text, "sglang_tiered:runahead_fallbacks_total") == 2
-        assert counter(text, "sglang_tiered:runahead_bytes_sent_total") > 0
+        assert metric_total(text, "sglang_tiered:runahead_prefills_total") == 3
+        assert metric_total(text, "sglang_tiered:runahead_fallbacks_total") == 2
+        assert metric_total(text, "sglang_tiered:runahead_bytes_sent_total") > 0
     assert not any(process_alive(p) for p in pids_seen)

@@ -266,6 +266,8 @@ def test_full_mode_and_greedy_continue_match_plain_prefill(gqa):
     for t in tokens:  # each greedy token is the argmax of a plain prefill over everything before it
         assert int(gqa.prefill(torch.tensor(seq)).logits.argmax()) == t
         seq.append(t)
+    stopped = greedy_continue(gqa, full.kv, full.logits, 4, stop=frozenset({tokens[1]}))
+    assert stopped == tokens[: tokens.index(tokens[1]) + 1]  # ends right after the first stop token
 
 
 def test_an_exact_radix_prefix_is_read_not_recomputed(gqa):
@@ -288,18 +290,60 @@ def test_an_exact_radix_prefix_is_read_not_recomputed(gqa):
         fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], prefix_len=p)
 
 
-def test_server_span_plan_follows_the_radix_prefix_and_keeps_the_question_fresh():
-    from sglang_tiered.integration.blend import plan_spans
+def test_server_span_plan_follows_the_radix_prefix_and_pieces_and_keeps_the_question_fresh():
+    from sglang_tiered.integration.blend import ChunkRef, plan_spans
 
     ids = list(range(100, 130))
     lengths = [4, 10, 0, 8, 8]  # header, chunk, empty part, chunk, question
-    spans, keys = plan_spans(lengths, 0, ids)
-    assert [(s.start, s.end, s.stored) for s in spans] == [(0, 4, True), (4, 14, True), (14, 22, True),
-                                                            (22, 30, False)]
-    assert keys[1] == chunk_key(ids[4:14]) and keys[3] is None
-    spans, keys = plan_spans(lengths, 6, ids)  # the radix prefix cuts through the first chunk
-    assert [(s.start, s.end, s.stored) for s in spans] == [(6, 14, False), (14, 22, True), (22, 30, False)]
-    assert keys == [None, chunk_key(ids[14:22]), None]
+    whole = [ChunkRef(chunk_key(ids[0:4]), 0, 4), ChunkRef(chunk_key(ids[4:14]), 4, 10),
+             ChunkRef(chunk_key(ids[14:22]), 14, 8)]
+
+    def plan(prefix, end):
+        spans, refs = plan_spans(lengths, prefix, end, ids)
+        return [(s.start, s.end, s.stored, s.offset) for s in spans], refs
+
+    spans, refs = plan(0, 30)
+    assert spans == [(0, 4, True, 0), (4, 14, True, 0), (14, 22, True, 0), (22, 30, False, 0)]
+    assert refs == [*whole, None]
+    spans, refs = plan(6, 30)  # the radix prefix cuts through the first chunk: reused from its 3rd token on
+    assert spans == [(6, 14, True, 2), (14, 22, True, 0), (22, 30, False, 0)]
+    assert refs == [whole[1], whole[2], None]  # the key is always the whole chunk's
+    spans, refs = plan(0, 10)  # a chunked prefill's first piece ends inside a chunk: its last token is computed
+    assert spans == [(0, 4, True, 0), (4, 9, True, 0), (9, 10, False, 0)]
+    assert refs == [whole[0], whole[1], None]
+    spans, refs = plan(10, 22)  # the next piece ends where a chunk ends
+    assert spans == [(10, 14, True, 6), (14, 21, True, 0), (21, 22, False, 0)]
+    spans, _ = plan(22, 30)
+    assert spans == [(22, 30, False, 0)]
+
+
+def test_chunk_spans_with_an_offset_fuse_like_whole_chunks(gqa):
+    """Fusing a prompt in two pieces cut inside a chunk, with the first piece's KV as the second's prefix, reuses the
+    same stored KV as one fusion: at ratio 1.0 both equal full prefill; in reuse mode the KV is the same too."""
+    ids, spans = prompt([6, 12, 10, 4], [False, True, True, False], GQA.vocab, seed=13)
+    kvs = standalone(gqa, ids, spans)
+    full = gqa.prefill(ids)
+    cut = 12  # inside the 12-token chunk at [6, 18)
+    first = [Span(0, 6, False), Span(6, cut - 1, True), Span(cut - 1, cut, False)]
+    second = [Span(cut, 18, True, cut - 6), Span(18, 28, True), Span(28, 32, False)]
+
+    def loader(pieces):
+        src = {0: kvs[1], 1: kvs[2]}
+        return lambda layer, i: src[0 if pieces[i].start < 18 else 1][layer][pieces[i].offset:][: pieces[i].length]
+
+    for mode, ratio in (("blend", 1.0), ("reuse", 0.0)):
+        whole = fuse(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode=mode, ratio=ratio)
+        a = fuse(gqa, ids[:cut], first, loader(first), mode=mode, ratio=ratio)
+        b = fuse(gqa, ids, second, loader(second), mode=mode, ratio=ratio, prefix_len=cut,
+                 prefix_loader=lambda layer, a=a: a.kv[layer])
+        kv = torch.cat([a.kv, b.kv[:, cut:]], 1)
+        if mode == "blend":
+            assert (b.logits - full.logits).abs().max().item() <= TOL
+            assert (kv - full.kv).abs().max().item() <= TOL
+        else:  # the pieces reuse exactly the tokens one fusion reuses, except token cut-1 (computed fresh)
+            assert (kv[:, : cut - 1] - whole.kv[:, : cut - 1]).abs().max().item() <= TOL
+            assert (kv[:, cut:18] - whole.kv[:, cut:18]).abs().max().item() <= TOL
+            assert (kv[:, cut - 1] - whole.kv[:, cut - 1]).abs().max().item() > TOL
 
 
 def test_loading_controller_reads_a_fusion_result():
