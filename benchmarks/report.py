@@ -95,13 +95,17 @@ def main() -> int:
         if "quality" in d:
             out += [f"Quality ({d.get('questions')} questions, {d['chunks']} chunks x {d['quality_chunk_tokens']} "
                     f"tokens, {d.get('quality_dtype')}):", "",
-                    "| mode | answer EM | answer F1 | 32-token agreement with full | recomputed token-layers | "
-                    "mean attention deviation |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                    "| mode | answer EM | answer F1 | F1 - full [95 % CI] | agreement with full (answer, <= 32 tokens) "
+                    "| identical answers | recomputed token-layers | mean attention deviation |",
+                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for m, r in d["quality"].items():
                 devs = r["attention_deviation_per_layer"]
                 dev = f"{sum(devs) / len(devs):.4f}" if devs else "n/a (not traced)"
-                out.append(f"| {m} | {r['exact_match']:.3f} | {r['f1']:.3f} | {r['token_agreement']:.3f} | "
-                           f"{r['recompute_fraction']:.3f} | {dev} |")
+                ci = r.get("f1_minus_full")
+                diff = f"{ci['mean']:+.3f} [{ci['low']:+.3f}, {ci['high']:+.3f}]" if ci else "n/a"
+                same = f"{r['identical_answers']:.3f}" if "identical_answers" in r else "n/a"
+                out.append(f"| {m} | {r['exact_match']:.3f} | {r['f1']:.3f} | {diff} | {r['token_agreement']:.3f} | "
+                           f"{same} | {r['recompute_fraction']:.3f} | {dev} |")
             out.append("")
         if "speed" in d:
             sp = d["speed"]

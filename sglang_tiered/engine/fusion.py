@@ -240,7 +240,9 @@ def fuse(
             if active.shape[0] == n - p:
                 attn = causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], p)
             else:
-                attn = positioned_attention(q, kv[layer, :, 0], kv[layer, :, 1], active)
+                # selected tokens are spread over the prompt: small blocks keep the masked-out keys few
+                # (460 of 3078 tokens, CPU: 17 ms per layer in blocks of 64, 20 ms in blocks of 256)
+                attn = positioned_attention(q, kv[layer, :, 0], kv[layer, :, 1], active, block=64)
             if trace is not None:
                 trace(layer, active, attn)
             x = model.finish_layer(layer, x, attn)

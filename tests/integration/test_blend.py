@@ -94,15 +94,34 @@ def test_concurrent_marked_requests_each_prefill_alone_and_are_all_fused(tmp_pat
         for _ in range(2):
             with ThreadPoolExecutor(len(prompts)) as pool:
                 outs = list(pool.map(lambda t: s.generate(t, max_new_tokens=12), prompts))
+        program = frontend_program(s.url)
         metrics = s.get("/metrics")
     log = (tmp_path / "concurrent.log").read_text()
     assert re.search(r"Prefill batch, #new-seq: [2-9]", log), "no batch of several requests: the test shows nothing"
     lines = blend_lines(tmp_path / "concurrent.log")
     assert not [line for line in lines if "normal prefill" in line], lines
-    assert metric_total(metrics, "sglang_tiered:blend_requests_total") == 9
+    assert metric_total(metrics, "sglang_tiered:blend_requests_total") == 10  # 9 + the frontend program
     assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") == 0
     assert outs[0]["text"] == alone["text"]  # the same fusion, next to other requests
     assert all(o["text"].strip() for o in outs), outs
+    # the frontend renders its own chat header (a new part) and reuses both of Bruno's stored documents
+    assert program.strip() and "chunks=3 (new 1)" in lines[-1], lines[-1]
+
+
+def frontend_program(url: str) -> str:
+    """An SGLang frontend program (its own chat template, text sent to /generate) with separators in a user turn."""
+    import sglang as sgl
+
+    @sgl.function
+    def rag(s, docs: list[str], question: str):
+        s += sgl.system(SYSTEM)
+        s += sgl.user(SEP + SEP.join(docs) + SEP + question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
+
+    docs = ["Bruno works at the Cedar Museum.", "The Cedar Museum is in Oslo."]
+    state = rag.run(docs=docs, question="\nQuestion: In which city does Bruno work?",
+                    backend=sgl.RuntimeEndpoint(url))
+    return state["answer"]
 
 
 def test_chunked_prefill_is_fused_piece_by_piece(tmp_path):
