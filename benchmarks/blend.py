@@ -7,11 +7,16 @@ the longer of the two, the share of answers identical to full prefill's, per-lay
 prompt token (||attn - attn_full|| / ||attn_full||) and the recomputed fraction of token-layers. The F1 and EM
 differences to full prefill come with a paired bootstrap 95 % interval over the questions.
 
+Fidelity (same question set, more questions, no generation): per mode, KL(full || mode) of the first answer token's
+distribution, its argmax agreement, the relative KV deviation over the whole prompt, the last token's attention
+deviation; blend - single and blend - reuse with paired bootstrap intervals.
+
 Speed: TTFT (prefill + first token) of 6 chunks x 512 tokens + a question for every mode, stored KV in memory, and
 `blend` with the stored KV read from the SSD tier (page cache dropped when permitted) at the fixed 15 % and at the
 loading controller's ratio. Medians of repeats, same process.
 
-    .venv/bin/python benchmarks/blend.py [--questions 16] [--repeats 5] [--dtype bfloat16] [--part both]
+    .venv/bin/python benchmarks/blend.py [--questions 32] [--fidelity-questions 128] [--repeats 5]
+                                         [--dtype bfloat16] [--part both|quality|fidelity|speed]
 
 Writes benchmarks/results/blend.json and .png; prints a one-line verdict. Targets at 15 %: >= 95 % token agreement
 with full prefill (or F1 within 0.02), better than full reuse and than single-check-layer; blend TTFT <= 1/3 of full.
@@ -100,6 +105,44 @@ def quality(model, tok, n_questions: int, ratio: float) -> dict:
                      "recompute_fraction": statistics.mean(row["frac"]),
                      "attention_deviation_per_layer": [statistics.mean(d[i] for d in row["dev"])
                                                        for i in range(layers)]}
+    return out
+
+
+FIDELITY_MODES = ("reuse", "single", "blend")
+
+
+def fidelity(model, tok, n_questions: int, ratio: float) -> dict:
+    """Closeness to full prefill without generating (cheap, so over many questions): per question and mode, the KL
+    divergence KL(full || mode) of the first answer token's distribution, whether its argmax matches, the relative KV
+    deviation over all layers and tokens, and the mean attention deviation of the last prompt token. Means, and the
+    paired bootstrap interval of blend - single and blend - reuse for each metric."""
+    rows = {m: {"kl": [], "top1": [], "kv_dev": [], "attn_dev": []} for m in FIDELITY_MODES}
+    for qi, q in enumerate(build(n_questions, chunk_chars=QUALITY_CHUNK_TOKENS * 5)):
+        ids, spans = encode(tok, q, QUALITY_CHUNK_TOKENS)
+        kvs = {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
+        results = {}
+        for mode in ("full", *FIDELITY_MODES):
+            attn: dict[int, torch.Tensor] = {}
+            r = fuse(model, ids, spans, lambda layer, i, kvs=kvs: kvs[i][layer], mode=mode, ratio=ratio,
+                     trace=lambda layer, pos, a, attn=attn: attn.__setitem__(layer, a[-1].float().clone()))
+            results[mode] = (r, attn)
+        ref, ref_attn = results["full"]
+        ref_logp = ref.logits.float().log_softmax(-1)
+        for mode in FIDELITY_MODES:
+            r, attn = results[mode]
+            logp = r.logits.float().log_softmax(-1)
+            row = rows[mode]
+            row["kl"].append(float((ref_logp.exp() * (ref_logp - logp)).sum()))
+            row["top1"].append(float(int(r.logits.argmax()) == int(ref.logits.argmax())))
+            row["kv_dev"].append(float((r.kv.float() - ref.kv.float()).norm() / ref.kv.float().norm()))
+            row["attn_dev"].append(statistics.mean(float((attn[i] - ref_attn[i]).norm() / ref_attn[i].norm())
+                                                   for i in sorted(attn)))
+        if (qi + 1) % 16 == 0:
+            print(f"[fidelity] {qi + 1}/{n_questions} questions", flush=True)
+    out: dict = {m: {k: statistics.mean(v) for k, v in row.items()} for m, row in rows.items()}
+    for other in ("single", "reuse"):
+        out[f"blend_minus_{other}"] = {k: paired_interval(rows["blend"][k], rows[other][k]) for k in rows["blend"]}
+    out["questions"] = n_questions
     return out
 
 
@@ -217,11 +260,18 @@ def verdict(data: dict, ratio: float) -> str:
             "better than single check layer": b["token_agreement"] > single["token_agreement"]
             or (b["token_agreement"] == single["token_agreement"] and dev["blend"] < dev["single"]),
         }
+        fid = data.get("fidelity")
+        if fid:  # many questions, paired: blend's KL and KV deviation both below single's, interval below 0
+            vs = fid["blend_minus_single"]
+            checks["better than single check layer"] = vs["kl"]["high"] < 0 and vs["kv_dev"]["high"] < 0
         verdicts = ", ".join(f"{k} {'MET' if v else 'MISSED'}" for k, v in checks.items())
         parts.append(f"quality {'MET' if all(checks.values()) else 'MISSED'} ({verdicts}): blend agreement "
                      f"{b['token_agreement']:.3f} (single {single['token_agreement']:.3f}, reuse "
                      f"{reuse['token_agreement']:.3f}), F1 blend - full {d['mean']:+.3f} "
-                     f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+                     f"[{d['low']:+.3f}, {d['high']:+.3f}]"
+                     + (f", first-token KL blend {fid['blend']['kl']:.4f} vs single {fid['single']['kl']:.4f} "
+                        f"(difference [{vs['kl']['low']:+.4f}, {vs['kl']['high']:+.4f}], {fid['questions']} "
+                        f"questions)" if fid else ""))
     if "speed" in data:
         s = data["speed"]
         x = s["full"]["median_s"] / s["blend"]["median_s"]
@@ -234,11 +284,13 @@ def verdict(data: dict, ratio: float) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--questions", type=int, default=32)
+    p.add_argument("--fidelity-questions", type=int, default=128, help="questions for the no-generation metrics")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ratio", type=float, default=0.15)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--quality-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--part", default="both", choices=["quality", "speed", "both"])
+    p.add_argument("--part", default="both", choices=["quality", "fidelity", "speed", "both"],
+                   help="quality = generation + fidelity; both = everything")
     a = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -247,10 +299,12 @@ def main() -> int:
     data: dict = {"machine": machine(), "ratio": a.ratio, "chunks": 6, "quality_chunk_tokens": QUALITY_CHUNK_TOKENS,
                   "speed_chunk_tokens": SPEED_CHUNK_TOKENS,
                   "model": "SmolLM2-135M-Instruct", "threads": torch.get_num_threads()}
-    if a.part in ("quality", "both"):
+    if a.part in ("quality", "fidelity", "both"):
         model = load_model(("pretrained", str(path)), getattr(torch, a.quality_dtype))
-        data["quality"] = quality(model, tok, a.questions, a.ratio)
-        data["quality_dtype"], data["questions"] = a.quality_dtype, a.questions
+        if a.part != "fidelity":
+            data["quality"] = quality(model, tok, a.questions, a.ratio)
+            data["quality_dtype"], data["questions"] = a.quality_dtype, a.questions
+        data["fidelity"] = {**fidelity(model, tok, a.fidelity_questions, a.ratio), "dtype": a.quality_dtype}
     if a.part in ("speed", "both"):
         model = load_model(("pretrained", str(path)), getattr(torch, a.dtype))
         data["speed"] = speed(model, tok, a.repeats, a.ratio)

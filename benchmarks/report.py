@@ -107,6 +107,21 @@ def main() -> int:
                 out.append(f"| {m} | {r['exact_match']:.3f} | {r['f1']:.3f} | {diff} | {r['token_agreement']:.3f} | "
                            f"{same} | {r['recompute_fraction']:.3f} | {dev} |")
             out.append("")
+        if "fidelity" in d:
+            fd = d["fidelity"]
+            out += [f"Fidelity to full prefill without generating ({fd['questions']} questions, "
+                    f"{fd.get('dtype')}):", "",
+                    "| mode | first-token KL (nats) | first token = full's | KV deviation | attention deviation |",
+                    "| --- | ---: | ---: | ---: | ---: |"]
+            for m in ("reuse", "single", "blend"):
+                r = fd[m]
+                out.append(f"| {m} | {r['kl']:.4f} | {r['top1']:.3f} | {r['kv_dev']:.4f} | {r['attn_dev']:.4f} |")
+            for other in ("single", "reuse"):
+                cis = fd[f"blend_minus_{other}"]
+                out.append(f"| blend − {other} [95 % CI] | " + " | ".join(
+                    f"{cis[k]['mean']:+.4f} [{cis[k]['low']:+.4f}, {cis[k]['high']:+.4f}]"
+                    for k in ("kl", "top1", "kv_dev", "attn_dev")) + " |")
+            out.append("")
         if "speed" in d:
             sp = d["speed"]
             out += [f"TTFT ({sp['tokens']} tokens, {d.get('speed_dtype')}, {d.get('repeats')} repeats):", "",
