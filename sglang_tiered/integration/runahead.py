@@ -87,6 +87,7 @@ class _Runtime:
         self.stats = RunaheadStats()
         self.consecutive_failures = 0
         self._starter: Optional[threading.Thread] = None
+        self._gave_up = False
 
     @staticmethod
     def _load_table(settings: RunaheadSettings) -> Optional[PartitionTable]:
@@ -108,6 +109,10 @@ class _Runtime:
         if self.chain.ready or (self._starter is not None and self._starter.is_alive()):
             return
         if self.consecutive_failures > MAX_RESTARTS:
+            if not self._gave_up:
+                self._gave_up = True
+                logger.warning("tiered runahead: giving up after %d consecutive chain failures; long prompts use "
+                               "SGLang's prefill until the server restarts", self.consecutive_failures)
             return
         self._starter = threading.Thread(target=self._start, name="tiered-runahead-start", daemon=True)
         self._starter.start()

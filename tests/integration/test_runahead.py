@@ -8,7 +8,9 @@ One baseline server without runahead and one with it answer the same prompts in 
 3. a helper killed while the chain waits on it -> immediate fallback, identical output;
 4. after each failure the chain restarts in the background and the next long prompt is chained again;
 5. `/metrics` counts the chained prefills and the fallbacks;
-6. when the server stops, no helper process survives.
+6. when the server stops, no helper process survives;
+and a chain whose helpers cannot restart (weights gone from the model directory) is given up after MAX_RESTARTS + 1
+consecutive failures, logged once, while the server keeps answering.
 """
 
 from __future__ import annotations
@@ -89,3 +91,41 @@ def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, 
         assert metric_total(text, "sglang_tiered:runahead_fallbacks_total") == 2
         assert metric_total(text, "sglang_tiered:runahead_bytes_sent_total") > 0
     assert not any(process_alive(p) for p in pids_seen)
+
+
+def test_a_chain_that_keeps_failing_is_given_up_and_the_server_keeps_answering(tmp_path, model_dir, essays):
+    """Helpers load the weights from the model directory whenever they (re)start. Take the weights away after the
+    first start and kill the helper: the chain fails, every restart fails, and after MAX_RESTARTS + 1 consecutive
+    failures the server stops trying; every request is still answered by SGLang's own prefill."""
+    from sglang_tiered.integration.runahead import MAX_RESTARTS
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file():
+            os.symlink(f, model / f.name)
+    log = tmp_path / "giveup.log"
+    args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--tiered-ssd-dir", str(tmp_path / "ssd"),
+            "--tiered-stats-interval", "0", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
+            "--tiered-runahead-timeout", str(TIMEOUT_S)]
+    with ServerProcess(args, log_path=log, model_path=str(model)) as s:
+        helper = wait_ready(log, 1)[0]
+        for f in model.glob("*.safetensors"):
+            f.unlink()
+        os.kill(helper, signal.SIGKILL)
+        assert s.generate(essays[0], max_new_tokens=4)["text"].strip()  # the chain fails: a normal prefill
+        assert "chain failed" in lines(log, "runs a normal prefill")[-1]
+        deadline = time.monotonic() + 180
+        while not lines(log, f"failed to start ({MAX_RESTARTS + 1}/{MAX_RESTARTS + 1})"):
+            assert time.monotonic() < deadline, lines(log, "failed to start")
+            s.generate("A short prompt keeps the scheduler stepping", max_new_tokens=4)  # restarts need forwards
+            time.sleep(1.0)
+        attempts = len(lines(log, "failed to start"))
+        assert attempts == MAX_RESTARTS  # the first failure was the chain itself, then the restarts
+        for essay in essays[1:3]:
+            assert s.generate(essay, max_new_tokens=4)["text"].strip()
+        assert "(given up)" in lines(log, "runs a normal prefill")[-1]
+        assert len(lines(log, f"giving up after {MAX_RESTARTS + 1} consecutive chain failures")) == 1
+        assert len(lines(log, "failed to start")) == attempts  # no further attempt
+        assert len(lines(log, "chain ranks ready")) == 1
+    assert not process_alive(helper)
