@@ -219,7 +219,7 @@ def plot(data: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     if "quality" in data:
         qd = data["quality"]
         ax = axes[0]
@@ -242,6 +242,11 @@ def plot(data: dict) -> None:
         axes[2].set_ylabel("TTFT, median (s)")
         axes[2].set_title(f"{sd['tokens']} tokens")
         axes[2].tick_params(axis="x", rotation=30)
+    if "fidelity" in data:
+        fd = data["fidelity"]
+        axes[3].bar(FIDELITY_MODES, [fd[m]["kl"] for m in FIDELITY_MODES])
+        axes[3].set_ylabel("first-token KL(full || mode), nats")
+        axes[3].set_title(f"fidelity, {fd['questions']} questions")
     fig.tight_layout()
     fig.savefig(RESULTS / "blend.png", dpi=110)
 
