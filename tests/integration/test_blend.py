@@ -97,7 +97,9 @@ def test_concurrent_marked_requests_each_prefill_alone_and_are_all_fused(tmp_pat
         program = frontend_program(s.url)
         metrics = s.get("/metrics")
     log = (tmp_path / "concurrent.log").read_text()
-    assert re.search(r"Prefill batch, #new-seq: [2-9]", log), "no batch of several requests: the test shows nothing"
+    # requests were waiting while one was admitted: SGLang would have put them in the same batch (the token budget
+    # holds them all); without the scheduler hook this test fuses 3 of 9 (checked)
+    assert re.search(r"Prefill batch, #new-seq: 1, .*#queue-req: [1-9]", log), "no request ever waited: shows nothing"
     lines = blend_lines(tmp_path / "concurrent.log")
     assert not [line for line in lines if "normal prefill" in line], lines
     assert metric_total(metrics, "sglang_tiered:blend_requests_total") == 10  # 9 + the frontend program
