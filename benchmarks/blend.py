@@ -66,19 +66,31 @@ def encode(tok, q, chunk_tokens: int) -> tuple[torch.Tensor, list[Span]]:
     return torch.tensor(ids), spans
 
 
+def traced_fusions(model, tok, q, modes, ratio: float) -> dict:
+    """mode -> (FusionResult, {layer: attention output of the last prompt token}) for question `q`'s prompt, the
+    chunks' KV computed standalone (what the chunk store would hold)."""
+    ids, spans = encode(tok, q, QUALITY_CHUNK_TOKENS)
+    kvs = {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
+    out = {}
+    for mode in modes:
+        attn: dict[int, torch.Tensor] = {}
+        r = fuse(model, ids, spans, lambda layer, i: kvs[i][layer], mode=mode, ratio=ratio,
+                 trace=lambda layer, pos, a, attn=attn: attn.__setitem__(layer, a[-1].float().clone()))
+        out[mode] = (r, attn)
+    return out
+
+
+def attention_deviation(attn: dict, ref_attn: dict) -> list[float]:
+    """Per layer: ||attn - attn_full|| / ||attn_full|| of the last prompt token."""
+    return [float((attn[i] - ref_attn[i]).norm() / ref_attn[i].norm()) for i in sorted(attn)]
+
+
 def quality(model, tok, n_questions: int, ratio: float) -> dict:
     per_mode = {m: {"em": [], "f1": [], "agree": [], "same": [], "dev": [], "frac": [], "text": []} for m in MODES}
+    stop = frozenset(t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None)
     for qi, q in enumerate(build(n_questions, chunk_chars=QUALITY_CHUNK_TOKENS * 5)):
-        ids, spans = encode(tok, q, QUALITY_CHUNK_TOKENS)
-        kvs = {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
-        outs = {}
-        stop = frozenset(t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None)
-        for mode in MODES:
-            attn: dict[int, torch.Tensor] = {}
-            r = fuse(model, ids, spans, lambda layer, i, kvs=kvs: kvs[i][layer], mode=mode, ratio=ratio,
-                     trace=lambda layer, pos, a, attn=attn: attn.__setitem__(layer, a[-1].float().clone()))
-            gen = greedy_continue(model, r.kv, r.logits, GEN_TOKENS, stop)
-            outs[mode] = (gen, attn, r.recompute_fraction)
+        outs = {mode: (greedy_continue(model, r.kv, r.logits, GEN_TOKENS, stop), attn, r.recompute_fraction)
+                for mode, (r, attn) in traced_fusions(model, tok, q, MODES, ratio).items()}
         ref_gen, ref_attn, _ = outs["full"]
         for mode, (gen, attn, frac) in outs.items():
             text = tok.decode(gen)
@@ -88,7 +100,7 @@ def quality(model, tok, n_questions: int, ratio: float) -> dict:
             row["agree"].append(sum(a == b for a, b in zip(gen, ref_gen)) / max(len(gen), len(ref_gen)))
             row["same"].append(float(gen == ref_gen))
             row["text"].append(text)
-            row["dev"].append([((attn[i] - ref_attn[i]).norm() / ref_attn[i].norm()).item() for i in sorted(attn)])
+            row["dev"].append(attention_deviation(attn, ref_attn))
             row["frac"].append(frac)
         print(f"[quality] question {qi + 1}/{n_questions} ({q.answer}): "
               + ", ".join(f"{m} f1={per_mode[m]['f1'][-1]:.2f} agree={per_mode[m]['agree'][-1]:.2f}"
@@ -118,14 +130,7 @@ def fidelity(model, tok, n_questions: int, ratio: float) -> dict:
     paired bootstrap interval of blend - single and blend - reuse for each metric."""
     rows = {m: {"kl": [], "top1": [], "kv_dev": [], "attn_dev": []} for m in FIDELITY_MODES}
     for qi, q in enumerate(build(n_questions, chunk_chars=QUALITY_CHUNK_TOKENS * 5)):
-        ids, spans = encode(tok, q, QUALITY_CHUNK_TOKENS)
-        kvs = {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
-        results = {}
-        for mode in ("full", *FIDELITY_MODES):
-            attn: dict[int, torch.Tensor] = {}
-            r = fuse(model, ids, spans, lambda layer, i, kvs=kvs: kvs[i][layer], mode=mode, ratio=ratio,
-                     trace=lambda layer, pos, a, attn=attn: attn.__setitem__(layer, a[-1].float().clone()))
-            results[mode] = (r, attn)
+        results = traced_fusions(model, tok, q, ("full", *FIDELITY_MODES), ratio)
         ref, ref_attn = results["full"]
         ref_logp = ref.logits.float().log_softmax(-1)
         for mode in FIDELITY_MODES:
@@ -135,8 +140,7 @@ def fidelity(model, tok, n_questions: int, ratio: float) -> dict:
             row["kl"].append(float((ref_logp.exp() * (ref_logp - logp)).sum()))
             row["top1"].append(float(int(r.logits.argmax()) == int(ref.logits.argmax())))
             row["kv_dev"].append(float((r.kv.float() - ref.kv.float()).norm() / ref.kv.float().norm()))
-            row["attn_dev"].append(statistics.mean(float((attn[i] - ref_attn[i]).norm() / ref_attn[i].norm())
-                                                   for i in sorted(attn)))
+            row["attn_dev"].append(statistics.mean(attention_deviation(attn, ref_attn)))
         if (qi + 1) % 16 == 0:
             print(f"[fidelity] {qi + 1}/{n_questions} questions", flush=True)
     out: dict = {m: {k: statistics.mean(v) for k, v in row.items()} for m, row in rows.items()}
