@@ -162,7 +162,6 @@ def prometheus_enabled(storage_metrics_flag: bool) -> bool:
     return bool(storage_metrics_flag or os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
-
 EVENTS = {
     "runahead_prefills": "Prefills computed by the chain (KV-Runahead)",
     "runahead_tokens": "Prompt tokens prefilled by the chain",

@@ -9,8 +9,10 @@ Seams with SGLang (the complete list; nothing else in SGLang is touched):
 * CPU shims (`cpu_shims.py`), only when CUDA is absent.
 * `TorchNativeAttnBackend._run_sdpa_forward_extend/_decode` (AROUND hooks, `cpu_attention.py`), only when CUDA is
   absent and `--tiered-cpu-attention prefix_aware` (the default with `--kv-backend tiered`).
-* Fusion of chunk KV (`blend.py`, unless `--tiered-blend off`): `TokenizerManager._tokenize_one_request` (BEFORE),
-  `TpModelWorker.forward_batch_generation` (AROUND), and a handler of the `models.llama.LlamaModel.forward` hook.
+* Fusion of chunk KV (`blend.py`): `TokenizerManager._tokenize_one_request` (BEFORE) and
+  `serving_chat.parallel_prompt_encode` (AROUND) always (they act only when fusion is on); unless
+  `--tiered-blend off`: `TpModelWorker.forward_batch_generation` (AROUND), `PrefillAdder.add_one_req` (AROUND, not
+  in mode `prefix`), and a handler of the `models.llama.LlamaModel.forward` hook.
 * Chained prefill (`runahead.py`, with `--tiered-runahead-ranks` >= 2): a handler of the same forward hook.
 * `models.llama.LlamaModel.forward` (AROUND, `model_forward.py`): one hook, registered with the first handler or on
   CPU-only servers (where every forward is marked as foreground work that the SSD write-through waits for);

@@ -2,8 +2,8 @@
 
 On a CPU-only server the model forward and the SSD write-through run on the same cores: a page write that lands
 during a short prefill (a cache hit recomputes one page) makes it noticeably slower. `ForegroundGate` lets the
-writers wait while a forward runs: `busy()` brackets foreground work, `wait_idle(max_wait_s)` blocks a writer until
-no foreground work is running, or at most `max_wait_s` seconds (so writes are delayed, never starved: under
+writers wait while a forward runs: `busy()` brackets foreground work, `wait_idle()` blocks a writer until no
+foreground work is running, or at most `max_wait_s` seconds (so writes are delayed, never starved: under
 continuous load every write still goes out within `max_wait_s` plus its own time). Reads are never gated: they are
 what a waiting request needs.
 
