@@ -27,10 +27,10 @@ from sglang_tiered.server_process import ServerProcess, metric_total, process_al
 TIMEOUT_S = 3
 
 
-def server(tmp: Path, name: str, *extra: str) -> ServerProcess:
+def server(tmp: Path, name: str, *extra: str, model_path: str = "smollm2") -> ServerProcess:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", "float32",
             "--tiered-ssd-dir", str(tmp / f"ssd-{name}"), "--tiered-stats-interval", "0", *extra]
-    return ServerProcess(args, log_path=tmp / f"{name}.log", model_path="smollm2")
+    return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model_path)
 
 
 def lines(log: Path, pattern: str) -> list[str]:
@@ -105,10 +105,8 @@ def test_a_chain_that_keeps_failing_is_given_up_and_the_server_keeps_answering(t
         if f.is_file():
             os.symlink(f, model / f.name)
     log = tmp_path / "giveup.log"
-    args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--tiered-ssd-dir", str(tmp_path / "ssd"),
-            "--tiered-stats-interval", "0", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
-            "--tiered-runahead-timeout", str(TIMEOUT_S)]
-    with ServerProcess(args, log_path=log, model_path=str(model)) as s:
+    with server(tmp_path, "giveup", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
+                "--tiered-runahead-timeout", str(TIMEOUT_S), model_path=str(model)) as s:
         helper = wait_ready(log, 1)[0]
         for f in model.glob("*.safetensors"):
             f.unlink()
