@@ -7,7 +7,8 @@ The answer needs facts from two chunks ("Alice works at the Amber Museum." / "Th
 3. after a restart on the same SSD directory: chunk KV is read from SSD, same answer;
 4. chunk pages corrupted on disk: the request falls back to SGLang's normal prefill (logged), still answered;
 5. marked requests sent together with plain ones each prefill alone and are all fused (counted in /metrics, no
-   fallback); with chunked prefill in 64-token pieces a prompt is fused piece by piece;
+   fallback); with chunked prefill in 64-token pieces a prompt is fused piece by piece; with --enable-mixed-chunk
+   a marked request that shares its forward with decode rows gets a normal prefill, logged and counted;
 and `--tiered-blend full` (fusion machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -138,6 +140,25 @@ def test_chunked_prefill_is_fused_piece_by_piece(tmp_path):
     assert sum(new) == 3 and new[0] >= 1, lines  # every chunk's KV computed once, in the piece that first meets it
     assert "Lisbon" in first["text"], first["text"]
     assert metric_total(metrics, "sglang_tiered:blend_requests_total") == 1  # a request, not a piece
+
+
+def test_a_marked_request_in_a_mixed_batch_falls_back_counted(tmp_path):
+    """With --enable-mixed-chunk SGLang puts a new prefill next to running decodes: fusion (one request per forward)
+    cannot run, the marked request gets SGLang's normal prefill, logged and counted, and is still answered."""
+    with server(tmp_path, "mixed", "--enable-mixed-chunk", "--enable-metrics") as s:
+        with ThreadPoolExecutor(1) as pool:
+            decoding = pool.submit(s.generate, "The gardens along the river", 400)  # decodes for seconds
+            deadline = time.monotonic() + 60
+            while "Decode batch" not in (tmp_path / "mixed.log").read_text():
+                assert time.monotonic() < deadline, "the plain request never decoded"
+                time.sleep(0.2)
+            marked = s.generate(PROMPT, max_new_tokens=8)
+            assert decoding.result()["text"].strip()
+        metrics = s.get("/metrics")
+    assert marked["text"].strip()
+    lines = blend_lines(tmp_path / "mixed.log")
+    assert any("runs a normal prefill (its prefill batch holds 2 requests)" in line for line in lines), lines
+    assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") >= 1
 
 
 def test_full_mode_equals_sglang_prefill_and_off_leaves_the_separator_alone(tmp_path):
