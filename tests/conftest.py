@@ -1,3 +1,6 @@
+"""Markers (see pyproject.toml): everything under tests/integration imports SGLang (`sglang`); modules and tests mark
+themselves `server`, `model` and `slow`. `bash scripts/test.sh --quick` runs `-m "not slow"`."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,4 +9,4 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "integration" in item.nodeid.split("/"):
-            item.add_marker(pytest.mark.integration)
+            item.add_marker(pytest.mark.sglang)

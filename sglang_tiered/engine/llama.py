@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_tiered.kernels.extend_attention import causal_attention
+from sglang_tiered.storage.geometry import KVGeometry
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class LlamaConfig:
                    rope_theta=float(theta), rms_eps=float(c.get("rms_norm_eps", 1e-5)),
                    tie_embeddings=bool(c.get("tie_word_embeddings", False)))
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * itemsize
+    def geometry(self, itemsize: int) -> KVGeometry:
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim, itemsize)
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """Prefill of one prompt split over the ranks of a `torch.distributed` process group (gloo on CPU, NCCL on GPU).
 Every rank holds the full weights; rank r owns the token slice [bounds[r], bounds[r + 1]).
 
-`chain_prefill` (KV-Runahead): per layer, rank r receives the accumulated KV of all earlier slices from rank r - 1
+`runahead_prefill` (KV-Runahead): per layer, rank r receives the accumulated KV of all earlier slices from rank r - 1
 (posted before its QKV projection, so the transfer overlaps it), writes its own K, V behind them in the same
 contiguous buffer, sends the buffer on to rank r + 1 (asynchronously, overlapping its attention) and attends its
 queries to the accumulated keys with causal offset bounds[r]. No rank waits for a whole earlier slice: the last
 rank starts layer l as soon as layer l's KV arrives. The last rank returns the first-token logits and the full KV.
 A chain can also extend a cached prefix (bounds[0] > 0, the prefix KV held by the last rank), and every wait can
-time out, so a dead or stalled peer raises ChainError instead of hanging (see engine/chain_ranks.py).
+time out, so a dead or stalled peer raises RunaheadError instead of hanging (see engine/runahead_ranks.py).
 
 `tsp_prefill` (the sequence-parallel baseline): even split, all-gather of every layer's K, V, and each rank runs
 its queries against the full gathered sequence with the causal mask (the masked upper half is wasted work).
@@ -69,7 +69,7 @@ def _check(bounds: Sequence[int], tokens: int, world: int, first: int = 0) -> No
         raise ValueError(f"every rank needs at least one token: {list(bounds)}")
 
 
-class ChainError(RuntimeError):
+class RunaheadError(RuntimeError):
     """A chained prefill could not finish: a peer died, stalled past the timeout, or the group broke. The process
     group is unusable afterwards (gloo closes the pair on a timeout)."""
 
@@ -78,13 +78,13 @@ def _wait(work, timeout_s: Optional[float], what: str) -> None:
     try:
         done = work.wait() if timeout_s is None else work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        raise ChainError(f"{what}: {exc}") from exc
+        raise RunaheadError(f"{what}: {exc}") from exc
     if done is False:
-        raise ChainError(f"{what}: not complete after {timeout_s} s")
+        raise RunaheadError(f"{what}: not complete after {timeout_s} s")
 
 
 @torch.inference_mode()
-def chain_prefill(model: LlamaModel, ids: torch.Tensor, bounds: Sequence[int],
+def runahead_prefill(model: LlamaModel, ids: torch.Tensor, bounds: Sequence[int],
                   group: Optional[dist.ProcessGroup] = None, *,
                   prefix_kv: Optional[Callable[[int], torch.Tensor]] = None,
                   timeout_s: Optional[float] = None) -> ParallelResult:
@@ -92,7 +92,7 @@ def chain_prefill(model: LlamaModel, ids: torch.Tensor, bounds: Sequence[int],
 
     `bounds[0] > 0` extends a cached prefix: the last rank (which holds it) passes `prefix_kv(layer)` ->
     [bounds[0], 2, kv_heads, head_dim] and sends it to rank 0 at the start, so the chain's accumulated KV includes
-    it. Every wait gives up after `timeout_s` seconds (None: the group's own timeout) with ChainError.
+    it. Every wait gives up after `timeout_s` seconds (None: the group's own timeout) with RunaheadError.
     `group` may be any ProcessGroup object, also one built directly (`ProcessGroupGloo(store, rank, size)`) and not
     registered with `torch.distributed`; None is the default group. Ranks are the group's own.
     """

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
-from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, chain_prefill, tsp_prefill
-from sglang_tiered.scheduler.partition import PartitionTable, search
+from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, runahead_prefill, tsp_prefill
+from sglang_tiered.policy.partition import PartitionTable, search
 
 ModelSpec = tuple  # ("pretrained", path) | ("random", LlamaConfig or its fields as a dict)
 
@@ -45,10 +45,10 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def chain_measure(model: LlamaModel, ids: torch.Tensor, repeats: int) -> Callable[[list[float]], float]:
+def runahead_measure(model: LlamaModel, ids: torch.Tensor, repeats: int) -> Callable[[list[float]], float]:
     def measure(fractions: list[float]) -> float:
         bounds = bounds_from_fractions(ids.shape[0], fractions)
-        return timed(lambda: chain_prefill(model, ids, bounds), repeats)
+        return timed(lambda: runahead_prefill(model, ids, bounds), repeats)
 
     return measure
 
@@ -68,7 +68,7 @@ def tune_target(rank: int, world: int, spec: ModelSpec, lengths: Sequence[int], 
         ids = torch.randint(0, model.cfg.vocab, (n,), generator=g)
         if say:
             say(f"[runahead-tune] {world} ranks, {n} tokens:")
-        fractions, seconds = search(chain_measure(model, ids, repeats), world, progress=say)
+        fractions, seconds = search(runahead_measure(model, ids, repeats), world, progress=say)
         found[n] = (fractions, seconds)
         if say:
             say(f"[runahead-tune] {n} tokens: best split {'/'.join(f'{f:.3f}' for f in fractions)} "

@@ -1,20 +1,20 @@
 """Routes SGLang's `torch_native` attention (the CPU fallback) through our prefix-aware kernel.
 
-Seam: AROUND hooks on `TorchNativeAttnBackend._run_sdpa_forward_extend` and `_run_sdpa_forward_decode`. Installed
-only when CUDA is absent and the launcher asked for it (`--tiered-cpu-attention prefix_aware`, the default with
-`--kv-backend tiered`; carried to scheduler processes in SGLANG_TIERED_CPU_ATTENTION). Cases the kernel does not
-cover (encoder-decoder, cross-attention, sliding windows, non-causal) go to SGLang's original code.
+Seam (listed in plugin.py): AROUND hooks on `TorchNativeAttnBackend._run_sdpa_forward_extend` and
+`_run_sdpa_forward_decode`. Installed only on servers without CUDA started with `--tiered-cpu-attention
+prefix_aware` (the default with `--kv-backend tiered`). Cases the kernel does not cover (encoder-decoder,
+cross-attention, sliding windows, non-causal) go to SGLang's original code, and so does a call in which our kernel
+raises (logged and counted in `sglang_tiered:hook_errors_total`): the batch is computed by SGLang instead.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 
-from sglang_tiered.config import CPU_ATTENTION_CHOICES
+from sglang_tiered.integration import faults, metrics, settings
 from sglang_tiered.kernels.extend_attention import extend_attention
 
-ENV = "SGLANG_TIERED_CPU_ATTENTION"
-CHOICES = CPU_ATTENTION_CHOICES
+logger = logging.getLogger("sglang_tiered")
 _TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 
 
@@ -22,12 +22,29 @@ def _supported(encoder_lens, is_cross_attn, sliding_window_size) -> bool:
     return encoder_lens is None and not is_cross_attn and (sliding_window_size is None or sliding_window_size < 0)
 
 
+_failures = 0
+
+
+def _failed() -> None:
+    global _failures
+    _failures += 1
+    metrics.count("hook_errors")
+    if _failures == 1:
+        logger.exception("tiered cpu attention: the prefix-aware kernel failed; SGLang's torch_native runs instead")
+    elif _failures % 1000 == 0:
+        logger.error("tiered cpu attention: the prefix-aware kernel failed %d times", _failures)
+
+
 def _extend(original, self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
             extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
             is_cross_attn=False, sliding_window_size=None):
     if causal and _supported(encoder_lens, is_cross_attn, sliding_window_size):
-        return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, extend_prefix_lens,
-                                extend_seq_lens, scale=scaling, out=output)
+        try:
+            faults.check("cpu_attention")
+            return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, extend_prefix_lens,
+                                    extend_seq_lens, scale=scaling, out=output)
+        except Exception:
+            _failed()
     return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                     extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
                     causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
@@ -38,8 +55,12 @@ def _decode(original, self, query, output, k_cache, v_cache, req_to_token, req_p
             sliding_window_size=None):
     if _supported(encoder_lens, is_cross_attn, sliding_window_size):
         lens = seq_lens.tolist()
-        return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, [n - 1 for n in lens],
-                                [1] * len(lens), scale=scaling, out=output)
+        try:
+            faults.check("cpu_attention")
+            return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, [n - 1 for n in lens],
+                                    [1] * len(lens), scale=scaling, out=output)
+        except Exception:
+            _failed()
     return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
                     scaling=scaling, enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
                     sliding_window_size=sliding_window_size)
@@ -49,9 +70,8 @@ def register_hooks() -> bool:
     """Register the hooks if this process should use them. Returns True if registered."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_tiered.integration.cpu_shims import cuda_absent
-
-    if os.environ.get(ENV) != "prefix_aware" or not cuda_absent():
+    current = settings.current()
+    if current is None or not current.cpu_only or current.config.cpu_attention != "prefix_aware":
         return False
     HookRegistry.register(f"{_TARGET}._run_sdpa_forward_extend", _extend, HookType.AROUND)
     HookRegistry.register(f"{_TARGET}._run_sdpa_forward_decode", _decode, HookType.AROUND)

@@ -10,7 +10,8 @@ Device and host hit tokens are SGLang's own `sglang:cached_tokens_total{source="
 Counters of the forward mechanisms (`count`, summed over scheduler processes), when SGLang's metrics are on:
 `sglang_tiered:runahead_prefills_total`, `..._runahead_tokens_total`, `..._runahead_fallbacks_total`,
 `..._runahead_bytes_sent_total`; `sglang_tiered:blend_requests_total`, `..._blend_reused_tokens_total`,
-`..._blend_new_chunks_total`, `..._blend_fallbacks_total`.
+`..._blend_new_chunks_total`, `..._blend_fallbacks_total`; `sglang_tiered:hook_errors_total` (exceptions inside our
+hooks, each answered by SGLang's own code path).
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ EVENTS = {
     "blend_reused_tokens": "Prompt tokens whose stored chunk KV was reused",
     "blend_new_chunks": "Chunks seen for the first time (standalone KV computed and stored)",
     "blend_fallbacks": "Marked requests that got SGLang's normal prefill",
+    "hook_errors": "Exceptions inside sglang-tiered hooks (the batch fell back to SGLang's own code)",
 }
 _event_counters: dict = {}
 

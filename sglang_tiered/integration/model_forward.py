@@ -1,32 +1,96 @@
-"""The one hook on SGLang's Llama forward, shared by the mechanisms that compute a prefill themselves (fusion of
-chunk KV in blend.py, chained prefill in runahead.py), and the glue they share: our layer-by-layer engine over
-SGLang's weights, reading a cached prefix's KV from SGLang's pool and writing an extend's KV into it.
+"""The one hook on SGLang's Llama forward and the base of the mechanisms that compute a prefill themselves
+(`ForwardHandler`: blend in blend.py, runahead in runahead.py), plus the glue they share: our layer-by-layer
+engine over SGLang's weights, the requests of the running batch, reading a cached prefix's KV from SGLang's pool and
+writing an extend's KV into it.
 
-Seam: `sglang.srt.models.llama.LlamaModel.forward` (AROUND, scheduler processes). For an extend batch without input
-embeddings or pipeline proxies, each registered handler is asked in order; the first that returns a tensor has
-done the forward: the request's new KV is in its slots (`forward_batch.out_cache_loc`) and the returned
-[extend tokens, hidden] tensor holds the final-normed hidden state of the last token in its last row (the rows
-before it are zeros: SGLang's logits processor reads only the last row unless input logprobs or hidden states were
-requested, which handlers must decline). A handler returns None to leave the batch to SGLang's own forward.
-On CPU-only servers every forward (also SGLang's own) is marked as foreground work, so that the SSD
-write-through yields to it (`gate_background_writes`, storage/foreground.py).
+Seams (listed with all others in plugin.py): `models.llama.LlamaModel.forward` (AROUND) and
+`managers.tp_worker.TpModelWorker.forward_batch_generation` (AROUND, remembers the batch's requests by rid), both
+in scheduler processes. For an extend batch without input embeddings or pipeline proxies, each registered handler
+is asked in order; the first that returns a tensor has done the forward: the request's new KV is in its slots
+(`forward_batch.out_cache_loc`) and the returned [extend tokens, hidden] tensor holds the final-normed hidden
+state of the last token in its last row (the rows before it are zeros: SGLang's logits processor reads only the
+last row unless input logprobs or hidden states were requested, which handlers must decline). A handler returns
+None to leave the batch to SGLang's own forward. A handler that raises is logged and counted
+(`sglang_tiered:hook_errors_total`) and the batch goes to SGLang's own forward: a failure of ours never takes the
+scheduler down (nothing a handler wrote into the request's new slots survives SGLang's forward over them).
+On CPU-only servers every forward (also SGLang's own) is marked as foreground work, so that the SSD write-through
+yields to it (`gate_background_writes`, storage/foreground.py).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+from sglang_tiered.integration import faults, metrics
 from sglang_tiered.storage.foreground import FOREGROUND
 
-Handler = Callable[..., Optional[torch.Tensor]]  # (module, input_ids, positions, forward_batch) -> hidden | None
-_handlers: list[Handler] = []
+logger = logging.getLogger("sglang_tiered")
+
+
+class ForwardHandler:
+    """A mechanism that may compute an extend forward itself. Subclasses set `name` (one word, the flag's:
+    "blend", "runahead") and implement `build_runtime` and `forward`.
+
+    * `build_runtime(module)`: per-process state (engine over SGLang's weights, stores, helper ranks), built at the
+      first `runtime()` call. NotImplementedError, OSError or ValueError disable the handler in this process
+      (logged once; `disabled` holds the reason).
+    * `forward(module, input_ids, positions, forward_batch)`: the hidden states (see the module docstring) or None.
+      It may raise: the hook then logs, counts and runs SGLang's forward.
+    """
+
+    name = "handler"
+
+    def __init__(self) -> None:
+        self._runtime: Any = None
+        self.disabled: Optional[str] = None
+        self._errors = 0
+
+    def build_runtime(self, module) -> Any:
+        raise NotImplementedError
+
+    def forward(self, module, input_ids: torch.Tensor, positions: torch.Tensor, fb) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def runtime(self, module) -> Any:
+        """This process's runtime (built once), or None if the handler is disabled here."""
+        if self._runtime is None and self.disabled is None:
+            try:
+                self._runtime = self.build_runtime(module)
+            except (NotImplementedError, OSError, ValueError) as exc:  # e.g. tensor parallelism
+                self.disabled = str(exc)
+                logger.warning("tiered %s: disabled in this process: %s", self.name, exc)
+        return self._runtime
+
+    def fallback(self, rids: list[str], why: str) -> None:
+        """Requests that get SGLang's normal prefill: logged and counted (`<name>_fallbacks`)."""
+        metrics.count(f"{self.name}_fallbacks", len(rids))
+        logger.info("tiered %s: rid %s runs a normal prefill (%s)", self.name, " ".join(rids) or "?", why)
+
+    def __call__(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
+        try:
+            faults.check(f"{self.name}_forward")
+            return self.forward(module, input_ids, positions, fb)
+        except Exception as exc:
+            self._errors += 1
+            metrics.count("hook_errors")
+            rids = " ".join(fb.rids or [])
+            if self._errors == 1:
+                logger.exception("tiered %s: failed on rid %s; SGLang's own forward runs instead", self.name, rids)
+            else:
+                logger.error("tiered %s: failed on rid %s (%s, failure %d); SGLang's own forward runs instead",
+                             self.name, rids, exc, self._errors)
+            return None
+
+
+_handlers: list[ForwardHandler] = []
 _engines: dict[int, LlamaModel] = {}
-
-
+_batch = threading.local()
 _hooked = False
 
 
@@ -36,13 +100,15 @@ def _ensure_hook() -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", _around_forward, HookType.AROUND)
+        HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_worker,
+                              HookType.AROUND)
         _hooked = True
 
 
-def add_handler(handler: Handler) -> None:
-    """Register `handler` (idempotent); the forward hook itself is registered once."""
+def add_handler(handler: ForwardHandler) -> None:
+    """Register `handler` (once per name); the forward hook itself is registered once."""
     _ensure_hook()
-    if handler not in _handlers:
+    if all(h.name != handler.name for h in _handlers):
         _handlers.append(handler)
 
 
@@ -50,6 +116,21 @@ def gate_background_writes() -> None:
     """CPU-only servers: SSD write-through waits while a forward runs (storage/foreground.py)."""
     FOREGROUND.enabled = True
     _ensure_hook()
+
+
+def _around_worker(original, self, batch=None, *args, **kwargs):
+    reqs = getattr(batch, "reqs", None) or []
+    _batch.by_rid = {r.rid: r for r in reqs}
+    try:
+        return original(self, batch, *args, **kwargs)
+    finally:
+        _batch.by_rid = {}
+
+
+def batch_requests(fb) -> list[Any]:
+    """SGLang's `Req` objects of the forward batch, in batch order (those the worker hook saw)."""
+    by_rid = getattr(_batch, "by_rid", {})
+    return [r for r in (by_rid.get(rid) for rid in fb.rids or []) if r is not None]
 
 
 def _around_forward(original, self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None,

@@ -1,29 +1,31 @@
 """Entry point of the `sglang.srt.plugins` group; SGLang runs `register()` in every one of its processes.
 
-Seams with SGLang (the complete list; nothing else in SGLang is touched):
-* `ServerArgs.add_cli_args` (AFTER hook): `--kv-backend` and `--tiered-*` in SGLang's parser and `--help`.
-* `ServerArgs.from_cli_args` (AROUND hook): translate `--kv-backend tiered` into SGLang fields
-  (`server_flags.translate`).
+Every seam with SGLang, in one list (nothing else in SGLang is touched; each module's docstring says what its
+hooks do). Launcher process (where plugins load before the flags are parsed):
+* `ServerArgs.add_cli_args` (AFTER): `--kv-backend` and `--tiered-*` in SGLang's parser and `--help`.
+* `ServerArgs.from_cli_args` (AROUND): translate `--kv-backend tiered` into SGLang fields, choose the CPU dtype,
+  publish our settings to every process (`server_flags.translate`, `settings.publish`).
+* `TokenizerManager._tokenize_one_request` (BEFORE) and `serving_chat.parallel_prompt_encode` (AROUND): split
+  prompts marked with the chunk separator (`blend_prompt.py`).
+* `TokenizerManager._validate_one_request` (BEFORE): bad requests get a 400 (`requests.py`).
+Every process:
 * `register_radix_cache_backend("tiered", ...)`: `radix_cache.TieredRadixCache`.
-* `--hicache-storage-backend dynamic` naming `storage_backend.TieredSSDStorage`.
+* `--hicache-storage-backend dynamic` naming `storage_backend.TieredSSDStorage` (constructed by SGLang).
 * CPU shims (`cpu_shims.py`), only when CUDA is absent.
-* `TorchNativeAttnBackend._run_sdpa_forward_extend/_decode` (AROUND hooks, `cpu_attention.py`), only when CUDA is
-  absent and `--tiered-cpu-attention prefix_aware` (the default with `--kv-backend tiered`).
-* Fusion of chunk KV (`blend.py`): `TokenizerManager._tokenize_one_request` (BEFORE) and
-  `serving_chat.parallel_prompt_encode` (AROUND) always (they act only when fusion is on); unless
-  `--tiered-blend off`: `TpModelWorker.forward_batch_generation` (AROUND), `PrefillAdder.add_one_req` (AROUND, not
-  in mode `prefix`), and a handler of the `models.llama.LlamaModel.forward` hook.
-* Chained prefill (`runahead.py`, with `--tiered-runahead-ranks` >= 2): a handler of the same forward hook.
-* `models.llama.LlamaModel.forward` (AROUND, `model_forward.py`): one hook, registered with the first handler or on
-  CPU-only servers (where every forward is marked as foreground work that the SSD write-through waits for);
-  handlers that decline leave the batch to SGLang's own forward.
+Scheduler processes of a `--kv-backend tiered` server:
+* `TorchNativeAttnBackend._run_sdpa_forward_extend/_decode` (AROUND, `cpu_attention.py`), only without CUDA and
+  with `--tiered-cpu-attention prefix_aware` (the default).
+* `models.llama.LlamaModel.forward` and `TpModelWorker.forward_batch_generation` (AROUND, `model_forward.py`): one
+  forward hook whose handlers are blend (`blend.py`, unless `--tiered-blend off|prefix`) and runahead
+  (`runahead.py`, with `--tiered-runahead-ranks` >= 2); registered with the first handler, or on CPU-only servers
+  (where every forward is marked as foreground work that the SSD write-through waits for).
+* `PrefillAdder.add_one_req` (AROUND, `blend.py`): a request marked for blending prefills alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 logger = logging.getLogger("sglang_tiered")
 _registered = False
@@ -67,14 +69,21 @@ def register() -> None:
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tiered_radix_cache)
     cpu_shims.apply_in_process()
-    from sglang_tiered.integration import cpu_attention
+    from sglang_tiered.integration import (
+        blend,
+        blend_prompt,
+        cpu_attention,
+        model_forward,
+        requests,
+        runahead,
+        settings,
+    )
 
+    blend_prompt.register_hooks()  # launcher: act per request once the flags are known
+    requests.register_hooks()
     cpu_attention.register_hooks()
-    if os.environ.get(cpu_attention.ENV) and cpu_shims.cuda_absent():  # a CPU-only server with --kv-backend tiered
-        from sglang_tiered.integration import model_forward
-
+    current = settings.current()
+    if current is not None and current.cpu_only:  # a scheduler of a CPU-only server with --kv-backend tiered
         model_forward.gate_background_writes()
-    from sglang_tiered.integration import blend, runahead
-
-    blend.register_hooks()  # fusion first: a marked prompt is never chained
+    blend.register_hooks()  # blend first: a marked prompt is never chained
     runahead.register_hooks()

@@ -1,19 +1,53 @@
-"""The `tiered` radix-cache backend: SGLang's `UnifiedRadixCache` with hierarchical cache attached.
+"""The `tiered` radix-cache backend: SGLang's `UnifiedRadixCache` with hierarchical cache attached, and the seam
+where our placement policies (`policy/placement.py`) decide which node leaves device and host memory first.
 
-Placement and load-back policy (importance-aware placement) will live in `TieredRadixCache`; today it keeps
-SGLang's own policy (LRU on device and host, write-through to host and on to the SSD tier).
+SGLang ranks eviction candidates with `tree_core.eviction_strategy.get_priority(node)`, one heap per tier (device
+leaves; host leaves), lowest first. `PlacementStrategy` is that strategy for any `Placement`: it builds a
+`NodeView` of the node and asks the policy. Only SGLang's Python tree core calls it: the default Rust core receives
+the *name* of `--radix-eviction-policy` and never runs Python strategies, so `TieredRadixCache.use_placement`
+refuses a Rust core, and a placement other than SGLang's own needs the cache built with `tree_core_backend =
+"python"`. Today the server keeps SGLang's LRU on the Rust core (placement `lru`: no adapter needed).
 """
 
 from __future__ import annotations
 
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from sglang_tiered.policy.placement import NodeView, Placement
 
 BACKEND_NAME = "tiered"
 
 
+def node_view(node) -> NodeView:
+    """Our view of an SGLang `UnifiedTreeNode`."""
+    return NodeView(node_id=int(node.id), tokens=len(node.key), last_access=float(node.last_access_time),
+                    created=float(node.creation_time), hits=int(node.hit_count), on_host=bool(node.evicted),
+                    page_keys=tuple(node.hash_value or ()))
+
+
+class PlacementStrategy(EvictionStrategy):
+    """SGLang's eviction strategy interface over a `Placement`."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def get_priority(self, node) -> tuple:
+        return self.placement.priority(node_view(node))
+
+
 class TieredRadixCache(UnifiedRadixCache):
-    """A `UnifiedRadixCache`; the subclass is the seam for placement decisions."""
+    """A `UnifiedRadixCache` whose eviction order a `Placement` can decide."""
+
+    def use_placement(self, placement: Placement) -> None:
+        """Rank eviction candidates of both tiers by `placement` from now on. Raises RuntimeError on SGLang's Rust
+        tree core, which would silently ignore it."""
+        backend = getattr(self, "_tree_core_backend", None)
+        if backend != "python":
+            raise RuntimeError(f"placement {placement.name!r} needs SGLang's Python tree core; this cache runs "
+                               f"{backend!r}, which takes only the name of a built-in eviction policy")
+        self.tree_core.eviction_strategy = PlacementStrategy(placement)
 
 
 def build_tiered_radix_cache(ctx: TreeCacheBuildContext):

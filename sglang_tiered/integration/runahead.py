@@ -1,12 +1,13 @@
 """Chained prefill (KV-Runahead) of long prompts inside the SGLang server.
 
 With `--tiered-runahead-ranks N` (N >= 2), every scheduler process (CPU, TP = PP = DP = 1) becomes the last rank of
-a chain of N ranks (`engine.chain_ranks.ChainRanks`): N - 1 helper processes on the same machine, each holding a
+a chain of N ranks (`engine.runahead_ranks.RunaheadRanks`): N - 1 helper processes on the same machine, each holding a
 full copy of the weights, compute the earlier slices of the prompt and pass the accumulated KV along point to point
 (gloo, a private process group); the scheduler computes the last slice on SGLang's own weights (views), layer by
 layer as each layer's KV arrives, and ends up with the full KV and the last token's hidden state.
 
-Seam: a handler of the shared `LlamaModel.forward` hook (model_forward.py), asked after fusion. It takes an extend
+Seam (listed in plugin.py): `RunaheadHandler` on the shared Llama forward hook (model_forward.py), asked after
+blending. It takes an extend
 batch of exactly one request with at least `--tiered-runahead-min-tokens` new tokens, no input logprobs and no
 hidden-state capture; a cached radix prefix is sent to rank 0 and extended (so each piece of a chunked prefill
 qualifies on its own). The KV lands in the request's slots and enters the radix cache (and the host / SSD tiers)
@@ -19,96 +20,74 @@ and given up after `MAX_RESTARTS` consecutive failures. Logs: one line per chain
 (`tiered runahead: rid ...`); Prometheus counters `sglang_tiered:runahead_*` (metrics.py).
 
 Split: the measured table of `sglang-tiered runahead-tune` (interpolated between lengths) when one exists for N
-ranks, else a FLOP-balanced split (`scheduler.partition.flop_balanced_bounds`).
+ranks, else a FLOP-balanced split (`policy.partition.flop_balanced_bounds`).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 
-from sglang_tiered.engine.chain_ranks import ChainRanks
-from sglang_tiered.engine.parallel_prefill import ChainError, bounds_from_fractions
-from sglang_tiered.integration import metrics, model_forward
-from sglang_tiered.scheduler.partition import PartitionTable, flop_balanced_bounds
+from sglang_tiered.engine.parallel_prefill import RunaheadError, bounds_from_fractions
+from sglang_tiered.engine.runahead_ranks import RunaheadRanks
+from sglang_tiered.integration import metrics, model_forward, settings
+from sglang_tiered.policy.partition import PartitionTable, flop_balanced_bounds
 
 logger = logging.getLogger("sglang_tiered")
 
-ENV = "SGLANG_TIERED_RUNAHEAD"
 MAX_RESTARTS = 3
-
-
-@dataclass(frozen=True)
-class RunaheadSettings:
-    ranks: int
-    min_tokens: int
-    timeout_s: float
-    threads: int  # per helper rank (resolved, >= 1)
-    partitions: str  # table path or ""
-    model_path: str
-
-    @classmethod
-    def from_env(cls) -> Optional[RunaheadSettings]:
-        return _parse(os.environ.get(ENV))
-
-
-@functools.lru_cache(maxsize=4)
-def _parse(raw: Optional[str]) -> Optional[RunaheadSettings]:
-    return RunaheadSettings(**json.loads(raw)) if raw else None
-
-
-@dataclass
-class RunaheadStats:  # for the log line; tokens and bytes are Prometheus counters (metrics.count)
-    prefills: int = 0
-    fallbacks: int = 0
 
 
 class _Runtime:
     """Per scheduler process: the chain, its split, its restarts."""
 
-    def __init__(self, settings: RunaheadSettings, module) -> None:
-        self.settings = settings
+    def __init__(self, current: settings.Settings, module) -> None:
+        cfg = current.config
+        self.ranks, self.min_tokens = cfg.runahead_ranks, cfg.runahead_min_tokens
+        self.threads = current.runahead_threads
         self.engine = model_forward.engine_from_sglang(module)
-        self.chain = ChainRanks(self.engine, ("pretrained", settings.model_path), settings.ranks,
-                                threads=settings.threads, timeout_s=settings.timeout_s)
-        self.table = self._load_table(settings)
+        self.chain = RunaheadRanks(self.engine, ("pretrained", str(Path(current.model_path).resolve())), self.ranks,
+                                   threads=self.threads, timeout_s=cfg.runahead_timeout)
+        self.table = self._load_table(current.runahead_partitions, self.ranks)
         c = self.engine.cfg
         self.linear_flops = 2.0 * (c.hidden * (c.heads + 2 * c.kv_heads) * c.head_dim
                                    + c.heads * c.head_dim * c.hidden + 3 * c.hidden * c.intermediate)
         self.pair_flops = 4.0 * c.heads * c.head_dim
-        self.stats = RunaheadStats()
+        self.prefills = 0
+        self.fallbacks = 0
         self.consecutive_failures = 0
         self._starter: Optional[threading.Thread] = None
         self._gave_up = False
 
     @staticmethod
-    def _load_table(settings: RunaheadSettings) -> Optional[PartitionTable]:
-        if not settings.partitions or not os.path.isfile(settings.partitions):
+    def _load_table(path: str, ranks: int) -> Optional[PartitionTable]:
+        if not path or not os.path.isfile(path):
             logger.info("tiered runahead: no partition table; using FLOP-balanced splits "
-                        "(run `sglang-tiered runahead-tune --ranks %d` to measure better ones)", settings.ranks)
+                        "(run `sglang-tiered runahead-tune --ranks %d` to measure better ones)", ranks)
             return None
-        table = PartitionTable.load(settings.partitions)
-        if settings.ranks not in table.entries:
+        table = PartitionTable.load(path)
+        if ranks not in table.entries:
             logger.warning("tiered runahead: %s has no partitions for %d ranks; using FLOP-balanced splits",
-                           settings.partitions, settings.ranks)
+                           path, ranks)
             return None
-        logger.info("tiered runahead: partitions from %s (lengths %s)", settings.partitions,
-                    sorted(table.entries[settings.ranks]))
+        logger.info("tiered runahead: partitions from %s (lengths %s)", path, sorted(table.entries[ranks]))
         return table
+
+    @property
+    def given_up(self) -> bool:
+        return self.consecutive_failures > MAX_RESTARTS
 
     def ensure_started(self) -> None:
         """Start (or restart) the helpers in the background unless running, starting, or given up."""
         if self.chain.ready or (self._starter is not None and self._starter.is_alive()):
             return
-        if self.consecutive_failures > MAX_RESTARTS:
+        if self.given_up:
             if not self._gave_up:
                 self._gave_up = True
                 logger.warning("tiered runahead: giving up after %d consecutive chain failures; long prompts use "
@@ -120,20 +99,16 @@ class _Runtime:
     def _start(self) -> None:
         try:
             self.chain.start()
-        except ChainError as exc:
+        except RunaheadError as exc:
             self.consecutive_failures += 1
             logger.warning("tiered runahead: chain ranks failed to start (%d/%d): %s", self.consecutive_failures,
                            MAX_RESTARTS + 1, exc)
 
     def bounds(self, prefix: int, tokens: int) -> list[int]:
         if self.table is not None:
-            fractions = self.table.lookup(self.settings.ranks, prefix + tokens)
+            fractions = self.table.lookup(self.ranks, prefix + tokens)
             return [prefix + b for b in bounds_from_fractions(tokens, fractions)]
-        return flop_balanced_bounds(prefix, tokens, self.settings.ranks, self.linear_flops, self.pair_flops)
-
-
-_runtime: Optional[_Runtime] = None
-_disabled: Optional[str] = None
+        return flop_balanced_bounds(prefix, tokens, self.ranks, self.linear_flops, self.pair_flops)
 
 
 def _unsupported(module, fb) -> Optional[str]:
@@ -147,38 +122,34 @@ def _unsupported(module, fb) -> Optional[str]:
     return None
 
 
-def try_forward(module, input_ids, positions, fb) -> Optional[torch.Tensor]:
-    """The chained prefill of a long single-request extend (see the module docstring), or None."""
-    global _runtime, _disabled
-    settings = RunaheadSettings.from_env()
-    if settings is None or settings.ranks < 2 or _disabled is not None:
-        return None
-    if _runtime is None:
-        try:
-            _runtime = _Runtime(settings, module)
-        except (NotImplementedError, OSError, ValueError) as exc:
-            _disabled = str(exc)
-            logger.warning("tiered runahead: disabled in this process: %s", exc)
+class RunaheadHandler(model_forward.ForwardHandler):
+    """The chained prefill of a long single-request extend (see the module docstring)."""
+
+    name = "runahead"
+
+    def build_runtime(self, module) -> _Runtime:
+        return _Runtime(settings.current(), module)
+
+    def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
+        rt = self.runtime(module)  # built at the first forward: the helpers start early, in the background
+        if rt is None:
             return None
-    rt = _runtime
-    rt.ensure_started()
-    if fb.batch_size != 1 or fb.extend_seq_lens_cpu[0] < settings.min_tokens:
+        rt.ensure_started()
+        if fb.batch_size != 1 or fb.extend_seq_lens_cpu[0] < rt.min_tokens:
+            return None
+        why = _unsupported(module, fb)
+        if why is None and not rt.chain.ready:
+            why = "the chain ranks are not running" + (" (given up)" if rt.given_up else "")
+        if why is None:
+            try:
+                return _chained_forward(rt, fb.rids[0] if fb.rids else "?", input_ids, fb)
+            except RunaheadError as exc:  # the chain stopped itself; nothing was written to the pool
+                rt.consecutive_failures += 1
+                why = f"chain failed: {exc}"
+                rt.ensure_started()
+        rt.fallbacks += 1
+        self.fallback(list(fb.rids or []), why)
         return None
-    rid = fb.rids[0] if fb.rids else "?"
-    why = _unsupported(module, fb)
-    if why is None and not rt.chain.ready:
-        why = "the chain ranks are not running" + (" (given up)" if rt.consecutive_failures > MAX_RESTARTS else "")
-    if why is None:
-        try:
-            return _chained_forward(rt, rid, input_ids, fb)
-        except ChainError as exc:  # the chain stopped itself; nothing was written to the pool
-            rt.consecutive_failures += 1
-            why = f"chain failed: {exc}"
-            rt.ensure_started()
-    rt.stats.fallbacks += 1
-    metrics.count("runahead_fallbacks")
-    logger.info("tiered runahead: rid %s runs a normal prefill (%s)", rid, why)
-    return None
 
 
 @torch.inference_mode()
@@ -188,7 +159,7 @@ def _chained_forward(rt: _Runtime, rid: str, input_ids: torch.Tensor, fb) -> tor
     bounds = rt.bounds(prefix, tokens)
     ids = input_ids.to(torch.int64).cpu()
     threads = torch.get_num_threads()
-    torch.set_num_threads(rt.settings.threads)  # the last rank gets its share of the cores, like every helper
+    torch.set_num_threads(rt.threads)  # the last rank gets its share of the cores, like every helper
     try:
         res = rt.chain.prefill(ids, bounds, model_forward.prefix_kv_reader(fb) if prefix else None)
     finally:
@@ -196,21 +167,20 @@ def _chained_forward(rt: _Runtime, rid: str, input_ids: torch.Tensor, fb) -> tor
     t_chain = time.perf_counter() - t0
     hidden = model_forward.write_extend(fb, rt.engine, res.kv[:, prefix:], res.last_hidden)
     rt.consecutive_failures = 0
-    s = rt.stats
-    s.prefills += 1
+    rt.prefills += 1
     metrics.count("runahead_prefills")
     metrics.count("runahead_tokens", tokens)
     metrics.count("runahead_bytes_sent", res.bytes_sent)
     logger.info("tiered runahead: rid %s tokens=%d radix_prefix=%d ranks=%d bounds=%s chain=%.3fs total=%.3fs "
-                "(chained prefills %d, fallbacks %d)", rid, tokens, prefix, rt.settings.ranks, bounds, t_chain,
-                time.perf_counter() - t0, s.prefills, s.fallbacks)
+                "(chained prefills %d, fallbacks %d)", rid, tokens, prefix, rt.ranks, bounds, t_chain,
+                time.perf_counter() - t0, rt.prefills, rt.fallbacks)
     return hidden
 
 
 def register_hooks() -> bool:
-    """Register the forward handler in processes started with runahead on (schedulers inherit the environment)."""
-    settings = RunaheadSettings.from_env()
-    if settings is None or settings.ranks < 2:
+    """Register the forward handler in processes of a server with runahead on. Returns True if registered."""
+    current = settings.current()
+    if current is None or not current.runahead_on:
         return False
-    model_forward.add_handler(try_forward)
+    model_forward.add_handler(RunaheadHandler())
     return True

@@ -1,6 +1,6 @@
 """`--kv-backend {default,tiered}` and the `--tiered-*` flags in SGLang's own parser, and their translation into
 SGLang's real settings. Runs in the launcher (`python -m sglang.launch_server`, `sglang serve`), before SGLang
-resolves its arguments; scheduler processes receive the result inside `hicache_storage_backend_extra_config`.
+resolves its arguments; every SGLang process receives the result through `settings.py` (one environment variable).
 
 A bad value stops the launcher with one line, `sglang-tiered: --flag: reason`, and exit status 2.
 """
@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import sys
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,10 @@ from sglang_tiered.config import (
     default_partitions_path,
     parse_size,
 )
-from sglang_tiered.integration import blend, cpu_attention, cpu_shims, runahead
+from sglang_tiered.integration import cpu_shims, settings
 from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve_model_path
+from sglang_tiered.policy.cpu_dtype import choose_dtype
+from sglang_tiered.storage.geometry import KVGeometry
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -84,24 +86,38 @@ def config_from_namespace(ns: argparse.Namespace) -> TieredConfig:
     return TieredConfig(**values)
 
 
-def _page_bytes(model_path: str, page_size: int, tp_size: int) -> int | None:
-    """Bytes of one KV page per rank (bf16/fp16), from config.json when the model is a local directory."""
+def _hf_config(model_path: str) -> dict | None:
+    """config.json of a local model directory, or None (a hub id, or unreadable)."""
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        return 2 * cfg["num_hidden_layers"] * max(1, heads // max(1, tp_size)) * head_dim * 2 * page_size
-    except (OSError, KeyError, ValueError, TypeError):
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
         return None
 
 
+_GENERIC_SHAPES = {"hidden_size": 2048, "num_attention_heads": 16, "intermediate_size": 8192}  # without config.json
+_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def choose_cpu_dtype(ns: argparse.Namespace, hf: dict | None) -> None:
+    """`--dtype auto` on a CPU-only server: the fastest dtype of this machine for this model, measured now
+    (policy/cpu_dtype.py) and logged with the times; an explicit `--dtype` is obeyed."""
+    if getattr(ns, "dtype", "auto") != "auto":
+        logger.info("sglang-tiered: --dtype %s (explicit)", ns.dtype)
+        return
+    choice = choose_dtype(hf or _GENERIC_SHAPES)
+    ns.dtype = choice.dtype
+    logger.info("sglang-tiered: --dtype auto on this CPU: %s", choice.describe())
+
+
 def translate(ns: argparse.Namespace) -> None:
-    """Rewrite SGLang's parsed arguments in place for `--kv-backend tiered`; no-op for `default`."""
+    """Rewrite SGLang's parsed arguments in place for `--kv-backend tiered`; no-op for `default` (which also clears
+    any settings inherited from a parent process)."""
     if getattr(ns, "model_path", None) == DEFAULT_MODEL_ALIAS:
         ns.model_path = resolve_model_path(ns.model_path)
         if getattr(ns, "tokenizer_path", None) in (None, DEFAULT_MODEL_ALIAS):
             ns.tokenizer_path = ns.model_path
     if getattr(ns, "kv_backend", "default") != "tiered":
+        settings.clear()
         return
     try:
         _translate_tiered(ns)
@@ -129,40 +145,32 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         ns.page_size = DEFAULT_PAGE_SIZE
     if ns.page_size < 1:
         raise ConfigError(f"--page-size: must be >= 1, got {ns.page_size}")
-    cfg.validate(_page_bytes(ns.model_path, ns.page_size, getattr(ns, "tp_size", 1) or 1))
+    hf = _hf_config(ns.model_path)
+    cpu_only = cpu_shims.cuda_absent()
+    if cpu_only:
+        _cpu_settings(ns)
+        choose_cpu_dtype(ns, hf)
+    tp_size = getattr(ns, "tp_size", 1) or 1
+    page_bytes = None
+    if hf is not None:
+        try:
+            itemsize = _ITEMSIZE.get(str(ns.dtype), 2)
+            page_bytes = KVGeometry.from_hf_config(hf, itemsize, tp_size).page_bytes(ns.page_size)
+        except (KeyError, TypeError, ZeroDivisionError):
+            page_bytes = None
+    cfg.validate(page_bytes)
     for field, value in cfg.host_pool_settings().items():
         setattr(ns, field, value)
-
-    if cpu_shims.cuda_absent():
-        if getattr(ns, "device", None) in (None, "cpu"):
-            ns.device = "cpu"
-        else:
-            raise ConfigError(f"--device: {ns.device} requested but this machine has no CUDA")
-        if ns.hicache_io_backend not in ("kernel", cpu_shims.CPU_IO_BACKEND):  # "kernel" is SGLang's default
-            raise ConfigError(f"--hicache-io-backend: only 'direct' works without CUDA, got {ns.hicache_io_backend}")
-        if ns.hicache_mem_layout not in ("page_first", cpu_shims.CPU_MEM_LAYOUT):  # "page_first" is the default
-            raise ConfigError(
-                f"--hicache-mem-layout: only 'layer_first' works without CUDA, got {ns.hicache_mem_layout}"
-            )
-        ns.hicache_io_backend = cpu_shims.CPU_IO_BACKEND
-        ns.hicache_mem_layout = cpu_shims.CPU_MEM_LAYOUT
-        if getattr(ns, "dtype", "auto") == "auto":
-            ns.dtype = "bfloat16"  # this CPU has no fast fp16 path (3.6 s vs 0.58 s for a 512-token prefill)
-        os.environ[cpu_attention.ENV] = cfg.cpu_attention  # read by register() in the scheduler processes
-
-    os.environ[blend.ENV] = json.dumps({  # read by the tokenizer manager and the schedulers (integration/blend.py)
-        "mode": cfg.blend, "separator": cfg.blend_separator, "ratio": cfg.blend_ratio,
-        "memory_bytes": parse_size(cfg.blend_memory), "ssd_dir": cfg.ssd_dir, "ssd_capacity": cfg.ssd_capacity,
-        "namespace": cfg.namespace, "model": model_fingerprint(ns.model_path)})
-    _runahead_settings(ns, cfg)
-    extra = {
+    threads, partitions = _runahead_settings(ns, cfg, hf)
+    settings.publish(settings.Settings(
+        config=cfg, model=model_fingerprint(ns.model_path), model_path=str(ns.model_path), cpu_only=cpu_only,
+        runahead_threads=threads, runahead_partitions=partitions, vocab_size=int((hf or {}).get("vocab_size") or 0)))
+    extra = {  # only what SGLang itself reads; our settings travel in `settings`
         "backend_name": "tiered",
         "module_path": STORAGE_MODULE,
         "class_name": STORAGE_CLASS,
         "interface_v1": 1,
         "prefetch_threshold": cfg.prefetch_threshold or ns.page_size,
-        "model": model_fingerprint(ns.model_path),
-        "tiered": asdict(cfg),
     }
     ns.enable_hierarchical_cache = True
     ns.radix_cache_backend = "tiered"
@@ -174,22 +182,32 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
     )
 
 
-def _runahead_settings(ns: argparse.Namespace, cfg: TieredConfig) -> None:
-    """Check that chained prefill can run with these SGLang settings and hand its settings to the schedulers."""
-    os.environ.pop(runahead.ENV, None)
+def _cpu_settings(ns: argparse.Namespace) -> None:
+    """Device, host-tier layout and I/O backend of a machine without CUDA (what the CPU shims support)."""
+    if getattr(ns, "device", None) in (None, "cpu"):
+        ns.device = "cpu"
+    else:
+        raise ConfigError(f"--device: {ns.device} requested but this machine has no CUDA")
+    if ns.hicache_io_backend not in ("kernel", cpu_shims.CPU_IO_BACKEND):  # "kernel" is SGLang's default
+        raise ConfigError(f"--hicache-io-backend: only 'direct' works without CUDA, got {ns.hicache_io_backend}")
+    if ns.hicache_mem_layout not in ("page_first", cpu_shims.CPU_MEM_LAYOUT):  # "page_first" is the default
+        raise ConfigError(f"--hicache-mem-layout: only 'layer_first' works without CUDA, got {ns.hicache_mem_layout}")
+    ns.hicache_io_backend = cpu_shims.CPU_IO_BACKEND
+    ns.hicache_mem_layout = cpu_shims.CPU_MEM_LAYOUT
+
+
+def _runahead_settings(ns: argparse.Namespace, cfg: TieredConfig, hf: dict | None) -> tuple[int, str]:
+    """Check that chained prefill can run with these SGLang settings; (threads per helper rank, partition table)."""
     if cfg.runahead_ranks < 2:
-        return
+        return 1, ""
     flag = "--tiered-runahead-ranks"
     if not cpu_shims.cuda_absent():
         raise ConfigError(f"{flag}: chained prefill in the server runs on CPU ranks only (this machine has CUDA)")
     for attr, name in (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size")):
         if (getattr(ns, attr, 1) or 1) != 1:
             raise ConfigError(f"{flag}: needs {name} 1 (every chain rank holds the whole model)")
-    if not (Path(ns.model_path) / "config.json").is_file():
+    if hf is None:
         raise ConfigError(f"{flag}: the helper ranks load the model from a local directory; {ns.model_path} is not one")
     table = cfg.runahead_partitions or (str(default_partitions_path()) if default_partitions_path().is_file() else "")
     threads = cfg.runahead_threads or max(1, (os.cpu_count() or 1) // cfg.runahead_ranks)
-    os.environ[runahead.ENV] = json.dumps({
-        "ranks": cfg.runahead_ranks, "min_tokens": cfg.runahead_min_tokens, "timeout_s": cfg.runahead_timeout,
-        "threads": threads, "partitions": str(Path(table).expanduser()) if table else "",
-        "model_path": str(Path(ns.model_path).resolve())})
+    return threads, str(Path(table).expanduser()) if table else ""

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from sglang_tiered.config import TieredConfig
+from sglang_tiered.integration import settings
 from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
 from sglang_tiered.storage.foreground import FOREGROUND
 from sglang_tiered.storage.namespace import Namespace
@@ -33,9 +33,11 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 class TieredSSDStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
-        extra = dict(storage_config.extra_config or {})
-        self.config = TieredConfig.from_dict(extra.get("tiered", {}))
-        self.model_id = str(extra.get("model") or storage_config.model_name or "unknown-model")
+        current = settings.current()
+        if current is None:
+            raise RuntimeError("TieredSSDStorage needs the server to be started with --kv-backend tiered")
+        self.config = current.config
+        self.model_id = current.model
         self.storage_config = storage_config
         self.tier: Optional[SSDTier] = None
         self.reporter: Optional[StatsReporter] = None

@@ -14,6 +14,7 @@ Contracts
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ class ChunkMiss(KeyError):
 
 def chunk_key(token_ids: Sequence[int]) -> str:
     """32 hex digits over the token ids (int64 little endian)."""
-    return hashlib.sha256(torch.as_tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:32]
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()[:32]
 
 
 def _layer_view(t: torch.Tensor) -> memoryview:

@@ -11,6 +11,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from sglang_tiered.storage.geometry import KVGeometry
+
 
 @dataclass(frozen=True)
 class Namespace:
@@ -36,6 +38,9 @@ class Namespace:
     def describe(self) -> dict:
         return {"id": self.id, **asdict(self)}
 
+    def geometry(self, itemsize: int) -> KVGeometry:
+        return KVGeometry(self.layer_num, self.kv_heads, self.head_dim, itemsize)
+
     def page_bytes(self, itemsize: int) -> int:
         """Payload bytes of one page: K and V for every layer."""
-        return 2 * self.layer_num * self.page_size * self.kv_heads * self.head_dim * itemsize
+        return self.geometry(itemsize).page_bytes(self.page_size)

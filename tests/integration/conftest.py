@@ -1,17 +1,25 @@
 """Integration tests start real SGLang servers (CPU, the embedded SmolLM2) through `ServerProcess`, which runs each
-in its own process group on 127.0.0.1 and stops it when the test ends, also on failure."""
+in its own process group on 127.0.0.1 and stops it when the test ends, also on failure.
+
+Servers that several modules need with the same flags are started once per session (the suite's cost is mostly
+server startups): `shared_server` (the default `--kv-backend tiered` configuration, `--dtype auto`, metrics on)
+and `fp32_server` (`--dtype float32 --tiered-blend prefix`, the exact reference that engine-computed prefills are
+compared with). Tests on a shared server read only the log written after their own `log_mark()`, count metric
+deltas, and `/flush_cache` where they need a cold cache.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sglang_tiered.models import default_model_path
-from sglang_tiered.server_process import essay_texts
+from sglang_tiered.server_process import ServerProcess, essay_texts
+from tests.integration.helpers import chosen_dtype, tiered_args
 
 PROMPT_CHARS = 2800  # about 700 tokens = 10 full 64-token pages
 
@@ -39,5 +47,32 @@ def other_model_dir(tmp_path_factory, model_dir) -> Path:
     return out
 
 
-def copy_tree(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, dirs_exist_ok=True)
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """The default configuration: `--kv-backend tiered`, `--dtype auto`, blending on, `--enable-metrics`."""
+    tmp = tmp_path_factory.mktemp("shared")
+    with ServerProcess(tiered_args(tmp / "ssd", "--enable-metrics"), log_path=tmp / "shared.log") as server:
+        server.ssd = tmp / "ssd"
+        yield server
+
+
+@pytest.fixture(scope="session")
+def fp32_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """SGLang's own prefill in fp32 (separators removed, `--tiered-blend prefix`): the exact reference."""
+    tmp = tmp_path_factory.mktemp("fp32")
+    args = tiered_args(tmp / "ssd", "--dtype", "float32", "--tiered-blend", "prefix", "--enable-metrics",
+                       max_tokens=8192)
+    with ServerProcess(args, log_path=tmp / "fp32.log") as server:
+        server.ssd = tmp / "ssd"
+        yield server
+
+
+@pytest.fixture(scope="session")
+def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
+    """The shared configuration with SGLang's `torch_native` CPU attention and `--tiered-blend off`, in the dtype
+    the shared server chose (so that their outputs compare token for token)."""
+    tmp = tmp_path_factory.mktemp("torch-native")
+    args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
+                       "--dtype", chosen_dtype(shared_server))
+    with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
+        yield server

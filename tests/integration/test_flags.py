@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.server  # launcher processes, no serving
+
 
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True, text=True,
@@ -26,12 +28,15 @@ def test_help_lists_our_flags():
 
 
 def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
-    """`sglang serve --help` prints before SGLang loads plugins; a real `sglang serve` run does load them."""
+    """`sglang serve --help` prints before SGLang loads plugins; a real `sglang serve` run does load them.
+    (HF_HUB_OFFLINE: `sglang serve` first asks the Hugging Face hub whether the model path names a diffusion model,
+    which on a machine without network waits ~20 s for DNS.)"""
     sglang_cli = os.path.join(os.path.dirname(sys.executable), "sglang")
     r = subprocess.run([sglang_cli, "serve", "--model-path", "smollm2", "--kv-backend", "tiered",
                         "--tiered-ssd-dir", str(tmp_path), "--tiered-ssd-capacity", "100K",
                         "--max-total-tokens", "1024"],
-                       capture_output=True, text=True, timeout=120, start_new_session=True)
+                       capture_output=True, text=True, timeout=120, start_new_session=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and "sglang-tiered: --tiered-ssd-capacity:" in r.stderr, r.stderr[-2000:]
 
 
@@ -55,30 +60,51 @@ def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
         (["--tiered-runahead-partitions", "/nonexistent/table.json"], "--tiered-runahead-partitions"),
     ],
 )
-def test_bad_value_stops_startup_with_one_line(tmp_path, extra, flag):
+def test_bad_value_stops_startup_with_one_line(tmp_path, capsys, extra, flag):
+    """What `python -m sglang.launch_server` runs before it starts anything -- load the plugins, then
+    `prepare_server_args(argv)` -- in this process (a real launch of one case: the next test)."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
     args = ["--kv-backend", "tiered", "--model-path", "smollm2", "--max-total-tokens", "1024"]
     if "--tiered-ssd-dir" not in extra:
         args += ["--tiered-ssd-dir", str(tmp_path / "ssd")]
-    r = launch(*args, *extra)
+    load_plugins()
+    with pytest.raises(SystemExit) as stopped:
+        prepare_server_args([*args, *extra])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("sglang-tiered:")]
+    assert len(lines) == 1 and lines[0].startswith(f"sglang-tiered: {flag}:"), err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_a_real_launch_with_a_bad_value_exits_2_with_one_line(tmp_path):
+    r = launch("--kv-backend", "tiered", "--model-path", "smollm2", "--max-total-tokens", "1024",
+               "--tiered-ssd-dir", str(tmp_path / "ssd"), "--tiered-blend-ratio", "0")
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
-    assert len(lines) == 1 and lines[0].startswith(f"sglang-tiered: {flag}:"), r.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("sglang-tiered: --tiered-blend-ratio:"), r.stderr[-2000:]
     assert "Traceback" not in r.stderr
 
 
 def test_translation_into_sglang_fields(tmp_path):
-    """SGLang's own parser and ServerArgs.from_cli_args, with the plugin's hooks applied in this process."""
+    """SGLang's own parser and ServerArgs.from_cli_args, with the plugin's hooks applied in this process; our
+    settings reach SGLang's processes through one channel (integration/settings.py)."""
     import argparse
     import json
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
+    from sglang_tiered.integration import settings
+
     load_plugins()
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp_path),
-                            "--tiered-ssd-capacity", "2G", "--tiered-host-size", "3x", "--tiered-namespace", "t1"])
+                            "--tiered-ssd-capacity", "2G", "--tiered-host-size", "3x", "--tiered-namespace", "t1",
+                            "--dtype", "bfloat16"])
     args = ServerArgs.from_cli_args(ns)
     assert args.enable_hierarchical_cache and args.radix_cache_backend == "tiered"
     assert args.hicache_storage_backend == "dynamic" and args.page_size == 64 and args.hicache_ratio == 3.0
@@ -87,32 +113,35 @@ def test_translation_into_sglang_fields(tmp_path):
         "cpu", "bfloat16", "layer_first", "direct")
     extra = json.loads(args.hicache_storage_backend_extra_config)
     assert extra["class_name"] == "TieredSSDStorage" and extra["interface_v1"] == 1
-    assert extra["prefetch_threshold"] == 64 and extra["model"].startswith("SmolLM2-135M-Instruct:")
-    assert extra["tiered"]["ssd_capacity"] == 2 << 30 and extra["tiered"]["namespace"] == "t1"
-
-    assert "SGLANG_TIERED_RUNAHEAD" not in os.environ  # runahead off by default
+    assert extra["prefetch_threshold"] == 64 and "tiered" not in extra  # only what SGLang reads
+    current = settings.current()
+    assert current.model.startswith("SmolLM2-135M-Instruct:") and current.cpu_only and current.vocab_size == 49152
+    assert current.config.ssd_capacity == 2 << 30 and current.config.namespace == "t1"
+    assert not current.runahead_on  # runahead off by default
 
     ns = parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp_path),
                             "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "512"])
     ServerArgs.from_cli_args(ns)
-    runahead = json.loads(os.environ.pop("SGLANG_TIERED_RUNAHEAD"))
-    assert runahead["ranks"] == 2 and runahead["min_tokens"] == 512 and runahead["threads"] >= 1
-    assert runahead["model_path"] == args.model_path
+    current = settings.current()
+    assert current.config.runahead_ranks == 2 and current.config.runahead_min_tokens == 512
+    assert current.runahead_threads >= 1 and current.model_path == args.model_path
 
     plain = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2"]))
     assert not plain.enable_hierarchical_cache and plain.radix_cache_backend is None  # default backend untouched
+    assert settings.current() is None  # and no tiered settings reach its processes
 
 
+@pytest.mark.slow
 def test_runahead_tune_writes_the_table_the_server_picks_up(tmp_path, monkeypatch):
     """`sglang-tiered runahead-tune` measures splits on real ranks (progress on stdout) and writes the table to the
     default path, where `--tiered-runahead-ranks` finds it without `--tiered-runahead-partitions`."""
     import argparse
-    import json
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_tiered.scheduler.partition import PartitionTable
+    from sglang_tiered.integration import settings
+    from sglang_tiered.policy.partition import PartitionTable
 
     cli = os.path.join(os.path.dirname(sys.executable), "sglang-tiered")
     r = subprocess.run([cli, "runahead-tune", "--ranks", "2", "--lengths", "128", "256", "--repeats", "1"],
@@ -132,4 +161,5 @@ def test_runahead_tune_writes_the_table_the_server_picks_up(tmp_path, monkeypatc
     ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered",
                                                 "--tiered-ssd-dir", str(tmp_path / "ssd"),
                                                 "--tiered-runahead-ranks", "2"]))
-    assert json.loads(os.environ.pop("SGLANG_TIERED_RUNAHEAD"))["partitions"] == str(path)
+    assert settings.current().runahead_partitions == str(path)
+    settings.clear()

@@ -1,7 +1,8 @@
 """Chained prefill (KV-Runahead) in a real SGLang server: CPU, the embedded SmolLM2 in fp32 (so that the engine's
 kernels and SGLang's agree to greedy-token identity), 2 ranks: this server's scheduler plus one helper process.
 
-One baseline server without runahead and one with it answer the same prompts in the same order:
+The fp32 reference server (SGLang's own prefill, see conftest.py) and a server with runahead answer the same prompts
+in the same order:
 1. long prompts are prefilled through the chain (logged) and the greedy output is token-identical to the baseline,
    also for a prompt that extends a cached radix prefix (the chain extends it);
 2. a stalled helper (SIGSTOP) -> that prefill times out and falls back to SGLang's prefill, identical output;
@@ -22,7 +23,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from sglang_tiered.server_process import ServerProcess, metric_total, process_alive
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 TIMEOUT_S = 3
 
@@ -48,12 +53,12 @@ def wait_ready(log: Path, count: int, timeout: float = 120.0) -> list[int]:
     raise TimeoutError(f"chain not ready ({count}) after {timeout} s")
 
 
-def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, essays):
+def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, essays, fp32_server):
     a, c, d, e = essays[0], essays[2], essays[3], essays[4]
     b = a + essays[1][:1600]  # extends a's cached prefix by ~400 tokens
     prompts = [a, b, c, d, e]
-    with server(tmp_path, "base") as s:
-        base = [s.generate(p, max_new_tokens=12)["text"] for p in prompts]
+    fp32_server.post("/flush_cache")
+    base = [fp32_server.generate(p, max_new_tokens=12)["text"] for p in prompts]  # SGLang's own fp32 prefill
 
     log = tmp_path / "chain.log"
     pids_seen: list[int] = []

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from sglang_tiered import server_process
 from sglang_tiered.server_process import ServerProcess
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_a_taken_http_port_is_retried_on_a_new_one(tmp_path, monkeypatch):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))

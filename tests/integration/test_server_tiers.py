@@ -2,7 +2,8 @@
 
 (a) served; (b) evicted from device and host -> SSD hit, identical greedy output; (c) the same after a full restart;
 (d) a corrupted page file -> identical output, corrupt counter up; (e) a small capacity -> still serving, disk within
-capacity; (f) a different model on the same SSD directory -> nothing served from the first model's pages.
+capacity; (f) a different model on the same SSD directory -> nothing served from the first model's pages; (g) the
+same model in another dtype -> nothing served either.
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ from pathlib import Path
 import pytest
 
 from sglang_tiered.server_process import ServerProcess, cached_details, send_until
+from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
+from tests.integration.helpers import chosen_dtype
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 DEVICE_TOKENS = 2048
-PAGE_BYTES = 30 * 2 * 64 * 3 * 64 * 2  # SmolLM2 bf16, 64-token page
+
+
+def page_bytes(dtype: str) -> int:
+    """Payload of one 64-token SmolLM2 page in `dtype`."""
+    return KVGeometry(layers=30, kv_heads=3, head_dim=64, itemsize=4 if dtype == "float32" else 2).page_bytes(64)
 
 
 def tiered_server(tmp: Path, ssd: Path, name: str, *extra: str, model: str = "smollm2") -> ServerProcess:
@@ -28,16 +37,19 @@ def tiered_server(tmp: Path, ssd: Path, name: str, *extra: str, model: str = "sm
     return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model)
 
 
-def ssd_stats(ssd: Path) -> dict:
-    files = list((ssd / "stats").glob("*.json"))
-    assert len(files) == 1, files
-    return json.loads(files[0].read_text())
+def ssd_stats(ssd: Path, dtype: str = "") -> dict:
+    """The stats file of the one namespace in `ssd` (of the namespace in `dtype` if there are several)."""
+    stats = [json.loads(p.read_text()) for p in (ssd / "stats").glob("*.json")]
+    if dtype:
+        stats = [s for s in stats if s["namespace"]["dtype"] == f"torch.{dtype}"]
+    assert len(stats) == 1, stats
+    return stats[0]
 
 
-def wait_for_stats(ssd: Path, done: Callable[[dict], bool], timeout: float = 15.0) -> dict:
+def wait_for_stats(ssd: Path, done: Callable[[dict], bool], timeout: float = 15.0, dtype: str = "") -> dict:
     """The stats file is rewritten once a second while anything changes: poll it until `done(stats)` or timeout."""
     deadline = time.monotonic() + timeout
-    while not done(stats := ssd_stats(ssd)) and time.monotonic() < deadline:
+    while not done(stats := ssd_stats(ssd, dtype)) and time.monotonic() < deadline:
         time.sleep(0.25)
     return stats
 
@@ -81,8 +93,9 @@ def first_run(tmp_path_factory, essays):
         hit_a = server.generate(essays[0])
         metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", 1)
         stats = ssd_stats(ssd)  # written on the same publishing tick as the metrics
+        dtype = chosen_dtype(server)
     return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,
-            "stats": stats}
+            "stats": stats, "dtype": dtype}
 
 
 def test_a_prompt_is_served(first_run):
@@ -103,34 +116,47 @@ def test_b_evicted_prompt_is_an_ssd_hit_with_identical_output(first_run):
 def test_metrics_endpoint_has_tier_counters(first_run):
     text = first_run["metrics"]
     assert metric(text, "sglang_tiered:ssd_hit_pages_total") >= 10
-    assert metric(text, "sglang_tiered:ssd_written_bytes_total") >= 20 * PAGE_BYTES
+    assert metric(text, "sglang_tiered:ssd_written_bytes_total") >= 20 * page_bytes(first_run["dtype"])
     assert metric(text, "sglang_tiered:ssd_used_bytes") > 0
     assert "sglang:cached_tokens_total" in text
 
 
-def test_c_full_restart_serves_from_ssd(first_run, essays):
+def test_g_pages_of_another_dtype_are_never_served(first_run, essays):
+    """The namespace holds the KV dtype: a server started on the same SSD directory in the other dtype than the one
+    `--dtype auto` chose for server 1 serves none of its pages (while server 2 below, same dtype, does)."""
+    tmp, ssd = first_run["tmp"], first_run["ssd"]
+    other = "float32" if first_run["dtype"] == "bfloat16" else "bfloat16"
+    with tiered_server(tmp, ssd, "server-other-dtype", "--dtype", other) as server:
+        out = server.generate(essays[2])  # written through by server 1, pages intact
+        assert server.log_lines(f"--dtype {other} (explicit)")
+    assert cached_details(out)["storage"] == 0 and out["text"].strip()
+    namespaces = {json.loads(p.read_text())["dtype"] for p in ssd.glob("*/NAMESPACE.json")}
+    assert namespaces == {f"torch.{first_run['dtype']}", f"torch.{other}"}, namespaces
+
+
+def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, essays):
+    """(c) a full restart serves A from SSD, identical output; (d) then every page file is corrupted: B (never sent
+    to this server, so it can only come from SSD) is a miss with identical output, and the corrupt counter rises."""
     tmp, ssd = first_run["tmp"], first_run["ssd"]
     with tiered_server(tmp, ssd, "server-2") as server:
         again = server.generate(essays[0])
-    d = cached_details(again)
-    assert d["storage"] >= 640 and d["device"] == 0, d
-    assert again["text"] == first_run["cold_a"]["text"]
+        d = cached_details(again)
+        assert d["storage"] >= 640 and d["device"] == 0, d
+        assert again["text"] == first_run["cold_a"]["text"]
+        dtype = first_run["dtype"]
+        hits = wait_for_stats(ssd, lambda s: s["hit_pages"] >= 10, dtype=dtype)["hit_pages"]
 
-
-def test_d_corrupt_page_files_are_misses_with_identical_output(first_run, essays):
-    tmp, ssd = first_run["tmp"], first_run["ssd"]
-    files = page_files(ssd)
-    assert len(files) >= 20
-    for p in files:  # flip one byte in the middle of every page file
-        data = bytearray(p.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        p.write_bytes(bytes(data))
-    with tiered_server(tmp, ssd, "server-3") as server:
+        files = page_files(ssd)
+        assert len(files) >= 20
+        for p in files:  # flip one byte in the middle of every page file
+            data = bytearray(p.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            p.write_bytes(bytes(data))
         out = server.generate(essays[1])
-        stats = wait_for_stats(ssd, lambda s: s["corrupt_pages"] >= 1)
+        stats = wait_for_stats(ssd, lambda s: s["corrupt_pages"] >= 1, dtype=dtype)
     assert out["text"] == first_run["cold_b"]["text"]
     assert cached_details(out)["storage"] == 0
-    assert stats["corrupt_pages"] >= 1 and stats["hit_pages"] == 0
+    assert stats["corrupt_pages"] >= 1 and stats["hit_pages"] == hits  # no page served after the corruption
 
 
 def test_e_f_other_model_gets_nothing_and_capacity_holds(tmp_path, essays, model_dir, other_model_dir):
@@ -139,9 +165,10 @@ def test_e_f_other_model_gets_nothing_and_capacity_holds(tmp_path, essays, model
     with tiered_server(tmp_path, ssd, "server-real") as server:
         server.generate(essays[0], max_new_tokens=1)
         real_pages = wait_for_pages(ssd, 10)
+        dtype = chosen_dtype(server)
     assert len(real_pages) >= 10
-    capacity = 12 * PAGE_BYTES + 12 * 512  # twelve pages plus headers
-    with tiered_server(tmp_path, ssd, "server-other", "--tiered-ssd-capacity", str(capacity),
+    capacity = 12 * page_bytes(dtype) + 12 * 512  # twelve pages plus headers
+    with tiered_server(tmp_path, ssd, "server-other", "--tiered-ssd-capacity", str(capacity), "--dtype", dtype,
                        model=str(other_model_dir)) as server:
         first = server.generate(essays[0])
         assert cached_details(first)["storage"] == 0  # (f) same tokens, same page keys, other model: not served

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
-from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, chain_prefill, even_bounds, tsp_prefill
+from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, even_bounds, runahead_prefill, tsp_prefill
 from sglang_tiered.engine.ranks import run_ranks
 from sglang_tiered.engine.tuning import load_model as load
 
@@ -48,7 +48,8 @@ def hf_logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
         return hf(ids[None]).logits[0, -1].float()
 
 
-@pytest.mark.parametrize("spec", [("pretrained", None), ("random", MHA)], ids=["smollm2", "random-mha"])
+@pytest.mark.parametrize("spec", [pytest.param(("pretrained", None), marks=pytest.mark.model), ("random", MHA)],
+                         ids=["smollm2", "random-mha"])
 def test_engine_matches_huggingface(spec):
     model = load(("pretrained", smollm2_path())) if spec[0] == "pretrained" else load(spec)
     ids = torch.randint(0, model.cfg.vocab, (37,), generator=torch.Generator().manual_seed(1))
@@ -72,7 +73,7 @@ def _cases(rank: int, world: int, spec, cases, method: str):
     out = []
     for ids, bounds in cases:
         if method == "chain":
-            r = chain_prefill(model, ids, bounds)
+            r = runahead_prefill(model, ids, bounds)
         else:
             r = tsp_prefill(model, ids, bounds=bounds)
         out.append((r.logits, r.kv, r.bytes_sent) if rank == world - 1 else r.bytes_sent)
@@ -84,8 +85,11 @@ def _partitions(n: int, world: int) -> list[list[int]]:
     return [bounds_from_fractions(n, w) for w in weights]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("kind", ["smollm2", "random-mha"])
+@pytest.mark.parametrize("world, kind", [
+    *[(w, "random-mha") for w in (2, 3, 4)],
+    pytest.param(2, "smollm2", marks=pytest.mark.model),
+    *[pytest.param(w, "smollm2", marks=[pytest.mark.model, pytest.mark.slow]) for w in (3, 4)],
+])
 def test_chain_and_tsp_prefill_are_exact(world, kind):
     spec = ("pretrained", smollm2_path()) if kind == "smollm2" else ("random", MHA)
     model = load(spec)
@@ -102,7 +106,7 @@ def test_chain_and_tsp_prefill_are_exact(world, kind):
             assert (logits - ref.logits).abs().max().item() <= TOL, (method, bounds)
             assert (kv - ref.kv).abs().max().item() <= TOL, (method, bounds)
         if method == "chain":  # rank r sends the KV of tokens [0, bounds[r + 1]) on every layer
-            kv_row = model.cfg.kv_bytes_per_token(4)
+            kv_row = model.cfg.geometry(4).token_bytes
             for i, (_, bounds) in enumerate(cases):
                 sent = [results[r][i] for r in range(world - 1)]
                 assert sent == [bounds[r + 1] * kv_row for r in range(world - 1)]
@@ -113,7 +117,7 @@ def _die_mid_chain(rank: int, world: int, spec):
     ids = torch.arange(64) % model.cfg.vocab
     if rank == 0:
         os._exit(3)  # dies before sending layer 0's KV
-    return chain_prefill(model, ids, even_bounds(64, world)).bytes_sent
+    return runahead_prefill(model, ids, even_bounds(64, world)).bytes_sent
 
 
 def test_a_dead_rank_fails_the_chain_instead_of_hanging():
@@ -121,6 +125,7 @@ def test_a_dead_rank_fails_the_chain_instead_of_hanging():
         run_ranks(2, _die_mid_chain, (("random", MHA),), timeout_s=60, pg_timeout_s=10)
 
 
+@pytest.mark.model
 def test_engine_matches_huggingface_loading_the_checkpoint_itself():
     """Hugging Face reads config.json and the weights on its own (catches config fields we misread, such as
     transformers 5's `rope_parameters`)."""

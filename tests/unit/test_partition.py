@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tiered.scheduler.partition import PartitionTable, binary_search_two, grid_search, search
+from sglang_tiered.policy.partition import PartitionTable, binary_search_two, grid_search, search
 
 
 def bowl(optimum):
@@ -76,7 +76,7 @@ def test_table_interpolates_and_round_trips(tmp_path):
 
 
 def test_flop_balanced_bounds_equalise_cost():
-    from sglang_tiered.scheduler.partition import flop_balanced_bounds
+    from sglang_tiered.policy.partition import flop_balanced_bounds
 
     lin, pair = 1000.0, 10.0
 

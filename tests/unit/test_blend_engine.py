@@ -1,4 +1,4 @@
-"""Fusion of stored chunk KV (selective recompute, gradual filtering), the chunk store and the loading controller.
+"""Blending of stored chunk KV (selective recompute, gradual filtering), the chunk store and the loading controller.
 No SGLang: the layer-by-layer engine, real files for the SSD tier, the real SmolLM2 where quality matters."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ import math
 import pytest
 import torch
 
-from sglang_tiered.engine.fusion import (
+from sglang_tiered.engine.blend import (
     MODES,
     Span,
+    blend_prefill,
     filter_schedule,
-    fuse,
     greedy_continue,
     rerotate_keys,
     top_deviation,
 )
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.tuning import load_model
-from sglang_tiered.scheduler.blend_controller import LoadingController
+from sglang_tiered.policy.loading import LoadingController
 from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore, chunk_key
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -35,7 +35,7 @@ def standalone(model: LlamaModel, ids: torch.Tensor, spans: list[Span]) -> dict[
 
 def run(model, ids, spans, **kw):
     kvs = standalone(model, ids, spans)
-    return fuse(model, ids, spans, lambda layer, i: kvs[i][layer], **kw)
+    return blend_prefill(model, ids, spans, lambda layer, i: kvs[i][layer], **kw)
 
 
 def prompt(lengths: list[int], stored: list[bool], vocab: int, seed: int = 0):
@@ -96,7 +96,7 @@ def test_prefix_mode_is_exact_and_computes_only_the_rest(gqa):
 def test_full_reuse_computes_only_fresh_tokens_and_keeps_stored_kv(gqa):
     ids, spans = prompt([16, 9, 21, 4], [True, False, True, False], GQA.vocab)
     kvs = standalone(gqa, ids, spans)
-    fused = fuse(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode="reuse")
+    fused = blend_prefill(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode="reuse")
     assert fused.computed == [13] * GQA.layers
     # the third span's stored keys, moved from position 0 to position 25, on every layer
     for layer in range(GQA.layers):
@@ -155,10 +155,11 @@ def test_bad_inputs_are_rejected(gqa):
     with pytest.raises(ValueError, match="tile"):
         run(gqa, ids, [Span(0, 10, True), Span(11, 15, False)])
     with pytest.raises(ValueError, match="tokens"):
-        fuse(gqa, ids, spans, lambda layer, i: torch.zeros(3, 2, GQA.kv_heads, GQA.head_dim))
+        blend_prefill(gqa, ids, spans, lambda layer, i: torch.zeros(3, 2, GQA.kv_heads, GQA.head_dim))
     assert set(MODES) == {"full", "prefix", "reuse", "single", "blend"}
 
 
+@pytest.mark.model
 def test_quality_on_smollm2_blend_is_closer_to_full_prefill_than_full_reuse():
     """Real weights, real text: three essay chunks + a question. 15 % recompute must beat reusing all KV."""
     from transformers import AutoTokenizer
@@ -278,20 +279,20 @@ def test_an_exact_radix_prefix_is_read_not_recomputed(gqa):
     tail = spans[1:]
     kvs = standalone(gqa, ids, spans)
     for mode, ratio in (("blend", 1.0), ("single", 1.0), ("full", 0.15)):
-        r = fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], mode=mode, ratio=ratio, prefix_len=p,
+        r = blend_prefill(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], mode=mode, ratio=ratio, prefix_len=p,
                  prefix_loader=lambda layer: full.kv[layer, :p])
         assert (r.logits - full.logits).abs().max().item() <= TOL
         assert r.computed == [ids.shape[0] - p] * GQA.layers
         assert (gqa.logits(r.hidden[None])[0] - full.logits).abs().max().item() <= TOL
-    r = fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], mode="reuse", prefix_len=p,
+    r = blend_prefill(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], mode="reuse", prefix_len=p,
              prefix_loader=lambda layer: full.kv[layer, :p])
     assert r.computed == [5] * GQA.layers
     with pytest.raises(ValueError, match="prefix_loader"):
-        fuse(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], prefix_len=p)
+        blend_prefill(gqa, ids, tail, lambda layer, i: kvs[i + 1][layer], prefix_len=p)
 
 
 def test_server_span_plan_follows_the_radix_prefix_and_pieces_and_keeps_the_question_fresh():
-    from sglang_tiered.integration.blend import ChunkRef, plan_spans
+    from sglang_tiered.engine.blend_plan import ChunkRef, plan_spans
 
     ids = list(range(100, 130))
     lengths = [4, 10, 0, 8, 8]  # header, chunk, empty part, chunk, question
@@ -332,9 +333,9 @@ def test_chunk_spans_with_an_offset_fuse_like_whole_chunks(gqa):
         return lambda layer, i: src[0 if pieces[i].start < 18 else 1][layer][pieces[i].offset:][: pieces[i].length]
 
     for mode, ratio in (("blend", 1.0), ("reuse", 0.0)):
-        whole = fuse(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode=mode, ratio=ratio)
-        a = fuse(gqa, ids[:cut], first, loader(first), mode=mode, ratio=ratio)
-        b = fuse(gqa, ids, second, loader(second), mode=mode, ratio=ratio, prefix_len=cut,
+        whole = blend_prefill(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode=mode, ratio=ratio)
+        a = blend_prefill(gqa, ids[:cut], first, loader(first), mode=mode, ratio=ratio)
+        b = blend_prefill(gqa, ids, second, loader(second), mode=mode, ratio=ratio, prefix_len=cut,
                  prefix_loader=lambda layer, a=a: a.kv[layer])
         kv = torch.cat([a.kv, b.kv[:, cut:]], 1)
         if mode == "blend":
@@ -346,13 +347,13 @@ def test_chunk_spans_with_an_offset_fuse_like_whole_chunks(gqa):
             assert (kv[:, cut - 1] - whole.kv[:, cut - 1]).abs().max().item() > TOL
 
 
-def test_loading_controller_reads_a_fusion_result():
-    from sglang_tiered.engine.fusion import FusionResult
+def test_loading_controller_reads_a_blend_result():
+    from sglang_tiered.engine.blend import BlendResult, observe
 
     c = LoadingController(floor=0.15)
-    res = FusionResult(torch.zeros(1), torch.zeros(30, 1000, 2, 1, 1), computed=[200] * 30, load_wait_s=0.5,
+    res = BlendResult(torch.zeros(1), torch.zeros(30, 1000, 2, 1, 1), computed=[200] * 30, load_wait_s=0.5,
                        load_s=0.12)
-    c.observe_fusion(res, reused_tokens=1000, bytes_per_token_layer=100, elapsed_s=1.1)
+    observe(c, res, reused_tokens=1000, token_layer_bytes=100, elapsed_s=1.1)
     # load: 0.12 s / (100 B x 1000 tokens x 30 layers) = 40 ns/B; compute: (1.1 - 0.5) s / 6000 = 100 us/token-layer
     assert math.isclose(c.describe()["s_per_byte"], 0.12 / 3_000_000)
     assert math.isclose(c.describe()["s_per_token_layer"], 0.6 / 6000)

@@ -1,10 +1,10 @@
-"""Fusion of precomputed chunk KV into a prompt by selective recompute (CacheBlend), on the layer-by-layer engine.
+"""Blending of precomputed chunk KV into a prompt by selective recompute (CacheBlend), on the layer-by-layer engine.
 
 A prompt is a list of spans. A span with stored KV (computed as if the chunk started at position 0) is *reused*;
 any other span (the question, new text) is *fresh* and always computed fully. Per layer:
 
   1. the reused spans' stored KV of this layer is loaded and its keys re-rotated to their real offsets
-     (RoPE: R(p + delta) = R(delta) R(p)), by a prefetch thread one layer ahead of the compute;
+     (RoPE: R(p + delta) = R(delta) R(p)), by the engine's `LayerLoader` one layer ahead of the compute;
   2. the *active* tokens (fresh tokens + the reused tokens still selected) get new Q, K, V; their new K, V replace
      the reused ones; they attend to all tokens at or before their position;
   3. the selection shrinks for the next layer (see below). Tokens that leave the selection keep their hidden state
@@ -31,43 +31,27 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from sglang_tiered.engine.blend_plan import Span, check_spans
+from sglang_tiered.engine.layer_loader import LayerLoader
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.kernels.extend_attention import causal_attention, positioned_attention
+from sglang_tiered.policy.loading import DEFAULT_RATIO, LoadingController
 
 MODES = ("full", "prefix", "reuse", "single", "blend")
-DEFAULT_RATIO = 0.15
-
-
-@dataclass(frozen=True)
-class Span:
-    """Tokens [start, end) of the prompt; `stored` says whether stored KV of these tokens is available: tokens
-    offset .. offset + length - 1 of a chunk whose KV was computed at positions 0 .. (so the span's keys are re-rotated
-    by start - offset). A chunk cut by a cached prefix or by a prefill piece boundary is a span with offset > 0 or
-    a shorter length: causal attention makes the first k tokens' stored KV independent of the rest."""
-
-    start: int
-    end: int
-    stored: bool
-    offset: int = 0
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
 
 # (layer, span index) -> that stored span's KV of that layer, [span tokens, 2, kv_heads, head_dim], computed at
 # positions offset .. offset + length - 1. Called only for spans with `stored=True`, possibly from a loader thread.
-LayerLoader = Callable[[int, int], torch.Tensor]
+SpanLoader = Callable[[int, int], torch.Tensor]
+Trace = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, positions, attention output [n, Hq, D])
 
 
 @dataclass
-class FusionResult:
+class BlendResult:
     logits: torch.Tensor  # [vocab] fp32, last prompt token
     kv: torch.Tensor  # [layers, tokens, 2, kv_heads, head_dim]
     computed: list[int] = field(default_factory=list)  # tokens computed on each layer
@@ -79,6 +63,15 @@ class FusionResult:
     def recompute_fraction(self) -> float:
         """Computed token-layers / all token-layers."""
         return sum(self.computed) / (len(self.computed) * self.kv.shape[1])
+
+
+def observe(controller: LoadingController, result: BlendResult, reused_tokens: int, token_layer_bytes: int,
+            elapsed_s: float) -> None:
+    """Feed the loading controller both speeds from one `blend_prefill` that took `elapsed_s` and reused
+    `reused_tokens` tokens of KV: loading moved that KV on every loaded layer; compute is the time not spent waiting
+    for the loader."""
+    controller.observe_load(result.load_s, token_layer_bytes * reused_tokens * len(result.computed))
+    controller.observe_compute(max(elapsed_s - result.load_wait_s, 1e-9), sum(result.computed))
 
 
 def rerotate_keys(model: LlamaModel, k: torch.Tensor, delta: int) -> torch.Tensor:
@@ -109,73 +102,62 @@ def top_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor,
     return torch.topk(dev, keep).indices.sort().values
 
 
-def check_spans(spans: Sequence[Span], tokens: int, start: int = 0) -> None:
-    pos = start
-    for s in spans:
-        if s.start != pos or s.end <= s.start:
-            raise ValueError(f"spans must tile the prompt in order without gaps: {s} after position {pos}")
-        pos = s.end
-    if pos != tokens:
-        raise ValueError(f"spans cover {pos} tokens, the prompt has {tokens}")
+def stored_kv_fetch(model: LlamaModel, spans: Sequence[Span], loader: SpanLoader) -> Callable[[int], torch.Tensor]:
+    """layer -> KV of all stored spans' tokens at that layer, in prompt order, keys re-rotated to their positions."""
+    stored = [(i, s) for i, s in enumerate(spans) if s.stored]
 
-
-class _Prefetcher:
-    """Loads (and re-rotates) layer l + 1 on a thread while layer l computes."""
-
-    def __init__(self, model: LlamaModel, spans: Sequence[Span], loader: LayerLoader, first: int, overlap: bool):
-        self.model, self.loader, self.overlap = model, loader, overlap
-        self.stored = [(i, s) for i, s in enumerate(spans) if s.stored]
-        self.load_s = 0.0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="blend-load") if overlap else None
-        self._next: Optional[Future] = None
-        if overlap and first < model.cfg.layers:
-            self._next = self._pool.submit(self._load, first)
-
-    def _load(self, layer: int) -> torch.Tensor:
-        t0 = time.perf_counter()
+    def fetch(layer: int) -> torch.Tensor:
         parts = []
-        for i, span in self.stored:
-            kv = self.loader(layer, i)
+        for i, span in stored:
+            kv = loader(layer, i)
             if kv.shape[0] != span.length:
                 raise ValueError(f"stored KV has {kv.shape[0]} tokens for a span of {span.length}")
-            kv = kv.to(self.model.dtype)
-            parts.append(torch.stack([rerotate_keys(self.model, kv[:, 0], span.start - span.offset), kv[:, 1]], 1))
-        out = torch.cat(parts) if parts else self.model.empty_kv(0)[0]
-        self.load_s += time.perf_counter() - t0
-        return out
+            kv = kv.to(model.dtype)
+            parts.append(torch.stack([rerotate_keys(model, kv[:, 0], span.start - span.offset), kv[:, 1]], 1))
+        return torch.cat(parts) if parts else model.empty_kv(0)[0]
 
-    def get(self, layer: int) -> tuple[torch.Tensor, float]:
-        """KV of the stored spans' tokens (in prompt order) at `layer`, and the seconds the caller waited."""
-        if not self.overlap:
-            t0 = time.perf_counter()
-            return self._load(layer), time.perf_counter() - t0
-        t0 = time.perf_counter()
-        kv = self._next.result()
-        waited = time.perf_counter() - t0
-        self._next = self._pool.submit(self._load, layer + 1) if layer + 1 < self.model.cfg.layers else None
-        return kv, waited
+    return fetch
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+
+@dataclass(frozen=True)
+class _Selection:
+    """Which layers shrink the set of recomputed reused tokens, and to what fraction of them."""
+
+    mode: str
+    ratio: float
+    check_layer: int
+    schedule: tuple[float, ...]  # blend: fraction selected at layers check_layer .. layers - 2
+
+    def fraction(self, layer: int) -> Optional[float]:
+        """Fraction of reused tokens kept active after `layer`, or None if the selection does not change there."""
+        if self.mode == "single" and layer == self.check_layer:
+            return self.ratio
+        if self.mode == "blend" and 0 <= layer - self.check_layer < len(self.schedule):
+            return self.schedule[layer - self.check_layer]
+        return None
+
+    @property
+    def full_layers(self) -> int:
+        """Layers that compute every token (the check layer needs everyone's fresh KV)."""
+        return self.check_layer + 1 if self.mode in ("single", "blend") else 0
 
 
 @torch.inference_mode()
-def fuse(
+def blend_prefill(
     model: LlamaModel,
     ids: torch.Tensor,
     spans: Sequence[Span],
-    loader: LayerLoader,
+    loader: SpanLoader,
     *,
     mode: str = "blend",
     ratio: float = DEFAULT_RATIO,
     check_layer: int = 1,
     spread: float = 0.3,
     overlap: bool = True,
-    trace: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None,
+    trace: Optional[Trace] = None,
     prefix_len: int = 0,
     prefix_loader: Optional[Callable[[int], torch.Tensor]] = None,
-) -> FusionResult:
+) -> BlendResult:
     """Prefill `ids` reusing stored span KV per `mode` (see module docstring). `ratio` is the fraction of reused
     tokens recomputed per selective layer, averaged over layers; 1.0 recomputes everything (= full prefill).
     `trace(layer, positions, attn)` sees each layer's attention output [n, Hq, D] of the computed tokens.
@@ -198,65 +180,67 @@ def fuse(
         return _prefix_extend(model, ids, spans, loader, trace)
     if not 0 <= check_layer < layers:
         raise ValueError(f"check_layer must be in [0, {layers}), got {check_layer}")
+    schedule = tuple(filter_schedule(ratio, layers, check_layer, spread)) if mode == "blend" else ()
+    select = _Selection(mode, ratio, check_layer, schedule)
 
     reused_mask = torch.zeros(n, dtype=torch.bool)
     for s in spans:
         if s.stored:
             reused_mask[s.start : s.end] = True
     reused_idx = reused_mask.nonzero().squeeze(1)
-    n_reused = reused_idx.shape[0]
-    schedule = filter_schedule(ratio, layers, check_layer, spread) if mode == "blend" else []
-    full_layers = check_layer + 1 if mode in ("single", "blend") else 0  # layers that compute every token
-    first_loaded = check_layer if mode in ("single", "blend") else 0  # deviation needs the check layer's KV
-
-    kv = model.empty_kv(n)
     fresh_mask = ~reused_mask
     fresh_mask[:p] = False
-    active = torch.arange(p, n) if full_layers else fresh_mask.nonzero().squeeze(1)
+    active = torch.arange(p, n) if select.full_layers else fresh_mask.nonzero().squeeze(1)
+    first_loaded = check_layer if select.full_layers else 0  # the deviation needs the check layer's stored KV
+
+    kv = model.empty_kv(n)
     x = model.embed(ids[active])
     computed: list[int] = []
-    waited = 0.0
-    prefetch = _Prefetcher(model, spans, loader, first_loaded, overlap)
-    try:
+    with LayerLoader(stored_kv_fetch(model, spans, loader), layers, first=first_loaded, overlap=overlap,
+                     name="blend-load") as stored:
         for layer in range(layers):
             if p:
                 kv[layer, :p] = prefix_loader(layer)
             if layer >= first_loaded:
-                loaded, w = prefetch.get(layer)
-                waited += w
-                kv[layer, reused_idx] = loaded
-            q, k, v = model.qkv(layer, x, active)
-            keep = None  # positions in `active` that stay active after this layer
-            if (mode == "single" and layer == check_layer) or (mode == "blend" and check_layer <= layer < layers - 1):
-                frac = ratio if mode == "single" else schedule[layer - check_layer]
-                is_reused = reused_mask[active]
-                r_rows = is_reused.nonzero().squeeze(1)
-                a_rows = active[r_rows]
-                chosen = r_rows[top_deviation(k[r_rows], v[r_rows], kv[layer, a_rows, 0], kv[layer, a_rows, 1],
-                                              math.ceil(frac * n_reused))]
-                keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values
-            kv[layer, active, 0], kv[layer, active, 1] = k, v
+                kv[layer, reused_idx] = stored.get(layer)
             computed.append(active.shape[0])
-            if active.shape[0] == n - p:
-                attn = causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], p)
-            else:
-                # selected tokens are spread over the prompt: small blocks keep the masked-out keys few
-                # (460 of 3078 tokens, CPU: 17 ms per layer in blocks of 64, 20 ms in blocks of 256)
-                attn = positioned_attention(q, kv[layer, :, 0], kv[layer, :, 1], active, block=64)
-            if trace is not None:
-                trace(layer, active, attn)
-            x = model.finish_layer(layer, x, attn)
-            if keep is not None:
-                x, active = x[keep], active[keep]
-    finally:
-        prefetch.close()
+            x, active = _layer(model, layer, x, active, kv[layer], reused_mask, reused_idx.shape[0],
+                               select.fraction(layer), p, trace)
     if active[-1] != n - 1:
         raise AssertionError("the last prompt token must stay active (it is never part of a stored span)")
-    return FusionResult(model.logits(x[-1:])[0], kv, computed, waited, prefetch.load_s, hidden=x[-1])
+    return BlendResult(model.logits(x[-1:])[0], kv, computed, stored.wait_s, stored.load_s, hidden=x[-1])
 
 
-def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], loader: LayerLoader,
-                   trace: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]]) -> FusionResult:
+def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor, kv: torch.Tensor,
+           reused_mask: torch.Tensor, n_reused: int, fraction: Optional[float], prefix: int,
+           trace: Optional[Trace]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer over the `active` tokens (hidden states `x`); `kv` [tokens, 2, H, D] holds this layer's stored
+    and prefix KV and receives the active tokens' fresh KV. If `fraction` is set, the active reused tokens are
+    re-ranked by KV deviation and only `fraction` of all reused tokens stay active (fresh tokens always do).
+    Returns the next layer's (x, active)."""
+    q, k, v = model.qkv(layer, x, active)
+    keep = None  # rows of `active` that stay active after this layer
+    if fraction is not None:
+        is_reused = reused_mask[active]
+        rows = is_reused.nonzero().squeeze(1)
+        at = active[rows]
+        chosen = rows[top_deviation(k[rows], v[rows], kv[at, 0], kv[at, 1], math.ceil(fraction * n_reused))]
+        keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values
+    kv[active, 0], kv[active, 1] = k, v
+    if active.shape[0] == kv.shape[0] - prefix:
+        attn = causal_attention(q, kv[:, 0], kv[:, 1], prefix)
+    else:
+        # selected tokens are spread over the prompt: small blocks keep the masked-out keys few
+        # (460 of 3078 tokens, CPU: 17 ms per layer in blocks of 64, 20 ms in blocks of 256)
+        attn = positioned_attention(q, kv[:, 0], kv[:, 1], active, block=64)
+    if trace is not None:
+        trace(layer, active, attn)
+    x = model.finish_layer(layer, x, attn)
+    return (x, active) if keep is None else (x[keep], active[keep])
+
+
+def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], loader: SpanLoader,
+                   trace: Optional[Trace]) -> BlendResult:
     """Exact prefix reuse: a stored span at position 0 is the prefix; everything after it is computed."""
     n, layers = ids.shape[0], model.cfg.layers
     prefix = spans[0].end if spans[0].stored and spans[0].end < n else 0
@@ -275,7 +259,7 @@ def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], 
         if trace is not None:
             trace(layer, positions, attn)
         x = model.finish_layer(layer, x, attn)
-    return FusionResult(model.logits(x[-1:])[0], kv, [n - prefix] * layers, t_load, t_load, hidden=x[-1])
+    return BlendResult(model.logits(x[-1:])[0], kv, [n - prefix] * layers, t_load, t_load, hidden=x[-1])
 
 
 @torch.inference_mode()

@@ -1,6 +1,6 @@
-"""Loading controller for fusion: pick the recompute ratio from measured load and compute speed.
+"""Loading controller for blending (CacheBlend): pick the recompute ratio from measured load and compute speed.
 
-Per layer, fusion loads the reused tokens' KV (bytes / load bandwidth) while it recomputes a fraction r of them
+Per layer, a blend loads the reused tokens' KV (bytes / load bandwidth) while it recomputes a fraction r of them
 (r x the time of one full layer over those tokens). Loading layer l+1 overlaps recomputing layer l, so recompute
 is free up to the point where it takes as long as the load:
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang_tiered.engine.fusion import DEFAULT_RATIO, FusionResult
+DEFAULT_RATIO = 0.15  # the quality floor r*: fraction of reused tokens recomputed per layer
 
 
 @dataclass
@@ -46,13 +46,6 @@ class LoadingController:
         """`token_layers` (tokens x layers) were computed in `seconds`."""
         if token_layers > 0 and seconds >= 0:
             self._s_per_token_layer.add(seconds / token_layers)
-
-    def observe_fusion(self, result: FusionResult, reused_tokens: int, bytes_per_token_layer: int,
-                       elapsed_s: float) -> None:
-        """Both speeds from one `fuse` call that took `elapsed_s` and reused `reused_tokens` tokens of KV: loading
-        moved that KV on every loaded layer; compute is the time not spent waiting for the loader."""
-        self.observe_load(result.load_s, bytes_per_token_layer * reused_tokens * len(result.computed))
-        self.observe_compute(max(elapsed_s - result.load_wait_s, 1e-9), sum(result.computed))
 
     def ratio(self, reused_tokens: int, bytes_per_token_layer: int) -> float:
         """Recompute ratio for a request reusing `reused_tokens` tokens of KV."""

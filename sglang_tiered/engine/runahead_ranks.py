@@ -2,7 +2,7 @@
 
 Used by the server (integration/runahead.py): the scheduler process owns the KV cache, so it is the last rank of
 the chain (the one that ends up with the full KV and the first-token logits); the helpers compute the earlier
-slices. Each helper is `python -m sglang_tiered.engine.chain_ranks` with the full weights loaded once (the memory
+slices. Each helper is `python -m sglang_tiered.engine.runahead_ranks` with the full weights loaded once (the memory
 cost: one model copy per rank, unlike tensor parallelism's 1/N), `threads` torch threads, in the caller's process
 group (so killing the server's group kills them); an idle helper exits when its control connection closes (the
 caller stopped or died), a busy one when the chain breaks.
@@ -11,9 +11,9 @@ Lifecycle and contracts:
 * `start()` spawns the helpers, accepts their control connections, builds a gloo group that is *not* the default
   group (SGLang owns that one) and waits until every helper has loaded its model. Blocking; call it from a thread.
 * `prefill(ids, bounds, prefix_kv)` sends each helper its job (token ids and bounds, a few KB over the control
-  connection), runs this rank's slice of `chain_prefill` and returns its result. Per-layer pipelining is the
+  connection), runs this rank's slice of `runahead_prefill` and returns its result. Per-layer pipelining is the
   chain's own: this rank starts layer l as soon as layer l's KV arrives.
-* Any failure (a helper died, stalled past `timeout_s`, reported an error, or the group broke) raises ChainError
+* Any failure (a helper died, stalled past `timeout_s`, reported an error, or the group broke) raises RunaheadError
   and leaves the chain stopped: every helper is killed, the group dropped. `start()` may be called again.
   A chain never hangs the caller for longer than about `timeout_s` per wait.
 * One job at a time (the scheduler thread); not thread-safe beyond `start()` running in another thread while the
@@ -40,12 +40,12 @@ import torch
 import torch.distributed as dist
 
 from sglang_tiered.engine.llama import LlamaModel
-from sglang_tiered.engine.parallel_prefill import ChainError, ParallelResult, chain_prefill
+from sglang_tiered.engine.parallel_prefill import ParallelResult, RunaheadError, runahead_prefill
 from sglang_tiered.engine.tuning import ModelSpec, load_model
 
 logger = logging.getLogger("sglang_tiered")
 
-class ChainRanks:
+class RunaheadRanks:
     def __init__(self, model: LlamaModel, spec: ModelSpec, world: int, *, threads: int = 1,
                  timeout_s: float = 30.0, start_timeout_s: float = 300.0) -> None:
         if world < 2:
@@ -64,7 +64,7 @@ class ChainRanks:
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Spawn and connect the helpers; raises ChainError (everything stopped) if they are not up in time."""
+        """Spawn and connect the helpers; raises RunaheadError (everything stopped) if they are not up in time."""
         self.stop()
         deadline = time.monotonic() + self.start_timeout_s
         try:
@@ -75,7 +75,7 @@ class ChainRanks:
                         "timeout_s": self.timeout_s}
             for rank in range(self.world - 1):
                 mine, theirs = socket.socketpair()
-                cmd = [sys.executable, "-m", "sglang_tiered.engine.chain_ranks",
+                cmd = [sys.executable, "-m", "sglang_tiered.engine.runahead_ranks",
                        json.dumps(dict(settings, rank=rank, control_fd=theirs.fileno()))]
                 self._procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()]))
                 theirs.close()
@@ -83,21 +83,21 @@ class ChainRanks:
             for rank, conn in enumerate(self._conns):  # each helper loads its model, then joins the group
                 msg = self._recv(conn, rank, deadline - time.monotonic())
                 if msg[0] != "loaded":
-                    raise ChainError(f"helper rank {rank} failed to start:\n{msg[1]}")
+                    raise RunaheadError(f"helper rank {rank} failed to start:\n{msg[1]}")
             for conn in self._conns:
                 conn.send("join")
             self._pg = dist.ProcessGroupGloo(store, self.world - 1, self.world, timedelta(seconds=self.timeout_s))
             for rank, conn in enumerate(self._conns):
                 msg = self._recv(conn, rank, self.timeout_s)
                 if msg[0] != "ready":
-                    raise ChainError(f"helper rank {rank} failed to join the group:\n{msg[1]}")
-        except ChainError:
+                    raise RunaheadError(f"helper rank {rank} failed to join the group:\n{msg[1]}")
+        except RunaheadError:
             self.stop()
             raise
         except Exception as exc:  # the store or the group could not be built
             codes = [p.poll() for p in self._procs]
             self.stop()
-            raise ChainError(f"chain ranks did not start: {exc!r}; helper exit codes {codes}") from exc
+            raise RunaheadError(f"chain ranks did not start: {exc!r}; helper exit codes {codes}") from exc
         self.ready = True
         logger.info("tiered runahead: %d chain ranks ready (helper pids %s, %d threads each)", self.world,
                     self.helper_pids, self.threads)
@@ -121,19 +121,19 @@ class ChainRanks:
 
     def _recv(self, conn: Connection, rank: int, timeout_s: float) -> tuple:
         if not conn.poll(max(0.0, timeout_s)):
-            raise ChainError(f"helper rank {rank} did not answer within {timeout_s:.1f} s")
+            raise RunaheadError(f"helper rank {rank} did not answer within {timeout_s:.1f} s")
         try:
             return conn.recv()
         except (EOFError, OSError) as exc:
-            raise ChainError(f"helper rank {rank} is gone (exit code {self._procs[rank].poll()})") from exc
+            raise RunaheadError(f"helper rank {rank} is gone (exit code {self._procs[rank].poll()})") from exc
 
     # ------------------------------------------------------------------------------------------ one prefill
     def prefill(self, ids: torch.Tensor, bounds: Sequence[int],
                 prefix_kv: Optional[Callable[[int], torch.Tensor]] = None) -> ParallelResult:
-        """This rank's part of one chained prefill (see `chain_prefill`): logits, full KV and last hidden state;
-        `bytes_sent` is summed over all ranks. ChainError stops the chain."""
+        """This rank's part of one chained prefill (see `runahead_prefill`): logits, full KV and last hidden state;
+        `bytes_sent` is summed over all ranks. RunaheadError stops the chain."""
         if not self.ready:
-            raise ChainError("the chain ranks are not running")
+            raise RunaheadError("the chain ranks are not running")
         self._job += 1
         try:
             job = ("job", self._job, ids.tolist(), list(bounds))
@@ -141,12 +141,12 @@ class ChainRanks:
                 try:
                     conn.send(job)
                 except OSError as exc:
-                    raise ChainError(f"helper rank {rank} is gone: {exc}") from exc
-            result = chain_prefill(self.model, ids, bounds, self._pg, prefix_kv=prefix_kv, timeout_s=self.timeout_s)
+                    raise RunaheadError(f"helper rank {rank} is gone: {exc}") from exc
+            result = runahead_prefill(self.model, ids, bounds, self._pg, prefix_kv=prefix_kv, timeout_s=self.timeout_s)
             for rank, conn in enumerate(self._conns):  # every helper reports the job done before the next one
                 msg = self._recv(conn, rank, self.timeout_s)
                 if msg[0] != "done" or msg[1] != self._job:
-                    raise ChainError(f"helper rank {rank}: {msg}")
+                    raise RunaheadError(f"helper rank {rank}: {msg}")
                 result.bytes_sent += msg[2]
             return result
         except BaseException:
@@ -179,7 +179,7 @@ def helper_main(settings: dict) -> int:
             return 0
         _, job, ids, bounds = msg
         try:
-            result = chain_prefill(model, torch.tensor(ids, dtype=torch.int64), bounds, pg,
+            result = runahead_prefill(model, torch.tensor(ids, dtype=torch.int64), bounds, pg,
                                    timeout_s=settings["timeout_s"])
         except Exception:  # exit: a broken group must not serve another job
             conn.send(("error", traceback.format_exc()))
@@ -188,6 +188,6 @@ def helper_main(settings: dict) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="a helper rank of a KV-Runahead chain (started by ChainRanks)")
-    parser.add_argument("settings", help="JSON written by ChainRanks.start")
+    parser = argparse.ArgumentParser(description="a helper rank of a KV-Runahead chain (started by RunaheadRanks)")
+    parser.add_argument("settings", help="JSON written by RunaheadRanks.start")
     sys.exit(helper_main(json.loads(parser.parse_args().settings)))

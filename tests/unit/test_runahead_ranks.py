@@ -1,4 +1,4 @@
-"""A long-lived chain (`ChainRanks`): this process is the last rank, helpers are real processes joined by gloo.
+"""A long-lived chain (`RunaheadRanks`): this process is the last rank, helpers are real processes joined by gloo.
 Exact against single-process prefill (also when extending a cached prefix), and failure paths that must not hang:
 a stalled helper (SIGSTOP) times out, a killed helper fails fast, both leave no process behind and the chain can be
 started again; a helper that cannot load its model fails `start`. No SGLang."""
@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from sglang_tiered.engine.chain_ranks import ChainRanks
-from sglang_tiered.engine.parallel_prefill import ChainError, even_bounds
+from sglang_tiered.engine.parallel_prefill import RunaheadError, even_bounds
+from sglang_tiered.engine.runahead_ranks import RunaheadRanks
 from sglang_tiered.engine.tuning import load_model
 from sglang_tiered.server_process import process_alive
 
@@ -28,7 +28,7 @@ def model():
 
 @pytest.fixture
 def chain(model):
-    ranks = ChainRanks(model, SPEC, 3, timeout_s=3.0)
+    ranks = RunaheadRanks(model, SPEC, 3, timeout_s=3.0)
     ranks.start()
     yield ranks
     ranks.stop()
@@ -56,7 +56,7 @@ def test_stalled_helper_times_out_then_restart_works(model, chain):
     pids = chain.helper_pids
     os.kill(pids[1], signal.SIGSTOP)
     t0 = time.monotonic()
-    with pytest.raises(ChainError):
+    with pytest.raises(RunaheadError):
         chain.prefill(ids, even_bounds(40, 3))
     assert time.monotonic() - t0 < 3.0 * 2 + 2  # one timed-out wait, then teardown
     assert not chain.ready and not any(process_alive(p) for p in pids)
@@ -78,15 +78,15 @@ def test_killed_helper_mid_chain_fails_fast(model, chain):
 
     threading.Thread(target=kill_soon).start()
     t0 = time.monotonic()
-    with pytest.raises(ChainError):
+    with pytest.raises(RunaheadError):
         chain.prefill(ids, even_bounds(40, 3))
     assert time.monotonic() - t0 < 3.0  # a closed connection is seen at once, well before the timeout chain
     assert not any(process_alive(p) for p in pids)
 
 
 def test_helper_that_cannot_load_fails_start(model):
-    bad = ChainRanks(model, ("pretrained", "/nonexistent"), 2, timeout_s=3.0)
-    with pytest.raises(ChainError, match="failed to start"):
+    bad = RunaheadRanks(model, ("pretrained", "/nonexistent"), 2, timeout_s=3.0)
+    with pytest.raises(RunaheadError, match="failed to start"):
         bad.start()
     assert not bad.ready and bad.helper_pids == []
 
@@ -96,5 +96,5 @@ def test_stop_leaves_no_process(chain):
     assert pids and all(process_alive(p) for p in pids)
     chain.stop()
     assert not any(process_alive(p) for p in pids)
-    with pytest.raises(ChainError):
+    with pytest.raises(RunaheadError):
         chain.prefill(torch.zeros(8, dtype=torch.int64), even_bounds(8, 3))

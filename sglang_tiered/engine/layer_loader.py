@@ -1,0 +1,76 @@
+"""The one layer loader of the layer-by-layer engine: stored KV of layer l + 1 is fetched while layer l computes.
+
+Blending (stored chunk KV re-rotated into a prompt) and the partial-recompute loader (stored KV of a prefix) both
+walk the layers in order and need, at layer l, data that comes from memory, a file or the network. `LayerLoader`
+runs `fetch(layer)` on one background thread, one layer ahead of the caller:
+
+    loader = LayerLoader(fetch, layers, first=0)
+    for layer in range(layers):
+        data = loader.get(layer)      # waits only if the fetch of this layer is not done yet
+        ...compute layer...
+    loader.close()
+
+Contracts
+* `get` must be called with consecutive layers starting at `first`; the fetch of layer l + 1 is submitted when
+  layer l is handed out, so at most two layers are in memory at once (the one in use and the next).
+* `fetch` runs on the loader thread (or on the caller's thread with `overlap=False`); an exception it raises is
+  raised again by the `get` of that layer.
+* `load_s` sums the seconds spent in `fetch` (overlapped or not); `wait_s` sums the seconds `get` blocked the
+  caller (0 when loading hides entirely behind compute).
+* `close()` (or leaving the `with` block) waits for a running fetch and drops queued ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+class LayerLoader(Generic[T]):
+    def __init__(self, fetch: Callable[[int], T], layers: int, *, first: int = 0, overlap: bool = True,
+                 name: str = "layer-load") -> None:
+        self._fetch, self.layers, self.overlap = fetch, layers, overlap
+        self.load_s = 0.0
+        self.wait_s = 0.0
+        self._next_layer = first
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name) if overlap else None
+        self._pending: Optional[Future] = None
+        if overlap and first < layers:
+            self._pending = self._pool.submit(self._timed, first)
+
+    def _timed(self, layer: int) -> T:
+        t0 = time.perf_counter()
+        try:
+            return self._fetch(layer)
+        finally:
+            self.load_s += time.perf_counter() - t0
+
+    def get(self, layer: int) -> T:
+        """The data of `layer` (the next one in order)."""
+        if layer != self._next_layer:
+            raise ValueError(f"layers are loaded in order: expected {self._next_layer}, asked for {layer}")
+        self._next_layer = layer + 1
+        t0 = time.perf_counter()
+        if self._pool is None:
+            data = self._timed(layer)
+        else:
+            pending, self._pending = self._pending, None
+            if layer + 1 < self.layers:
+                self._pending = self._pool.submit(self._timed, layer + 1)
+            data = pending.result()
+        self.wait_s += time.perf_counter() - t0
+        return data
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> LayerLoader[T]:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,31 @@
+"""Injected failures, for tests of the failure paths only: `SGLANG_TIERED_TEST_FAULTS=name[,name...]` makes the
+named hooks raise `InjectedFault` on every call, in every process that inherits the variable.
+
+Names: `blend_forward`, `runahead_forward` (handlers of the Llama forward hook), `admission` (the prefill admission
+hook), `cpu_attention` (the prefix-aware attention kernel). Each hook's contract says what a failure does: the
+forward handlers and the attention kernel fall back to SGLang's own code, the admission hook to SGLang's admission;
+none may fail more than the request it serves.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+ENV = "SGLANG_TIERED_TEST_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a hook named in SGLANG_TIERED_TEST_FAULTS."""
+
+
+@functools.lru_cache(maxsize=4)
+def _names(raw: str) -> frozenset[str]:
+    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
+def check(name: str) -> None:
+    """Raise InjectedFault if `name` is listed in SGLANG_TIERED_TEST_FAULTS (cheap when it is not set)."""
+    raw = os.environ.get(ENV)
+    if raw and name in _names(raw):
+        raise InjectedFault(f"injected fault in {name} ({ENV})")

@@ -1,0 +1,74 @@
+"""Bad requests get a 400 that says what is wrong, before they reach a scheduler (where an exception kills every
+process of the server).
+
+Seam (listed in plugin.py): `TokenizerManager._validate_one_request` (BEFORE, launcher process), which SGLang calls
+for every request -- text or `input_ids`, single or batch, `/generate`, `/v1/completions`, `/v1/chat/completions`
+-- after tokenization and before it is sent to a scheduler. A ValueError raised there becomes HTTP 400 with its
+message. Checked, only for servers started with `--kv-backend tiered`:
+
+* the prompt has at least one token (an empty text, or one made only of chunk separators, tokenizes to none);
+* every input id is an integer in [0, vocab size) of the served model;
+* chunk lengths in `custom_params["tiered_chunks"]` (set by the separator split in blend_prompt.py, or sent by a
+  client that splits its own `input_ids`) are positive integers that add up to the prompt's length, at most
+  `MAX_PARTS` of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_tiered.engine.blend_plan import MAX_PARTS, PromptError, check_parts
+from sglang_tiered.integration import settings
+
+PARAM = "tiered_chunks"  # custom_params key of a marked prompt's part lengths
+
+
+def check_input_ids(input_ids: Any, vocab_size: int) -> None:
+    """Raise ValueError unless `input_ids` is a non-empty list of ints in [0, vocab_size) (0 = unknown size)."""
+    if input_ids is None or len(input_ids) == 0:
+        raise ValueError("the prompt is empty: send a text or input_ids with at least one token")
+    for i, t in enumerate(input_ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"input_ids[{i}] is {t!r}: token ids must be integers")
+        if t < 0 or (vocab_size and t >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size else "non-negative"
+            raise ValueError(f"input_ids[{i}] = {t} is outside the model's vocabulary {bound}")
+
+
+def check_chunk_lengths(lengths: Any, tokens: int) -> None:
+    """Raise ValueError unless `lengths` (custom_params["tiered_chunks"]) splits `tokens` prompt tokens."""
+    if not isinstance(lengths, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+        raise ValueError(f"custom_params.{PARAM} must be a list of integers (chunk lengths), got {lengths!r}")
+    if len(lengths) > MAX_PARTS:
+        raise ValueError(f"custom_params.{PARAM} has {len(lengths)} parts; at most {MAX_PARTS} are served")
+    try:
+        check_parts(lengths)
+    except PromptError as exc:
+        raise ValueError(str(exc)) from None
+    if sum(lengths) != tokens:
+        raise ValueError(f"custom_params.{PARAM} adds up to {sum(lengths)} tokens; the prompt has {tokens}")
+
+
+def chunk_lengths(obj) -> Any:
+    """The request's `custom_params["tiered_chunks"]`, or None."""
+    params = getattr(obj, "sampling_params", None)
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    return custom.get(PARAM) if isinstance(custom, dict) else None
+
+
+def _before_validate(self, obj, input_ids, *args, **kwargs):
+    current = settings.current()
+    if current is None or getattr(obj, "input_embeds", None) is not None:
+        return None
+    check_input_ids(input_ids, current.vocab_size)
+    lengths = chunk_lengths(obj)
+    if lengths is not None:
+        check_chunk_lengths(lengths, len(input_ids))
+    return None
+
+
+def register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+                          _before_validate, HookType.BEFORE)

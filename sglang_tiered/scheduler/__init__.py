@@ -1,1 +1,0 @@
-"""Policy from measured costs (no SGLang): `partition.py` (KV-Runahead partition search and lookup table)."""

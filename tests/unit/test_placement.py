@@ -1,0 +1,81 @@
+"""Contract tests every placement policy must pass (pure: no SGLang), and each policy's exact eviction order on a
+scripted set of candidates."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+
+import pytest
+
+from sglang_tiered.policy.placement import PLACEMENTS, LRUPlacement, NodeView, make_placement
+
+
+def view(node_id: int, **kw) -> NodeView:
+    base = dict(tokens=64, last_access=float(node_id), created=0.0, hits=1, on_host=False)
+    return NodeView(node_id=node_id, **{**base, **kw})
+
+
+def eviction_order(policy, nodes: list[NodeView]) -> list[int]:
+    """The order SGLang's heap would pop these candidates in (ties broken by node id, as a stable heap would)."""
+    heap = [(policy.priority(n), n.node_id) for n in nodes]
+    heapq.heapify(heap)
+    return [heapq.heappop(heap)[1] for _ in range(len(heap))]
+
+
+def random_nodes(seed: int, n: int = 40) -> list[NodeView]:
+    rng = random.Random(seed)
+    return [view(i, tokens=64 * rng.randint(1, 8), last_access=float(rng.randint(0, 20)),
+                 created=float(rng.randint(0, 20)), hits=rng.randint(0, 5), on_host=rng.random() < 0.5,
+                 page_keys=tuple(f"k{i}.{j}" for j in range(rng.randint(1, 3)))) for i in range(n)]
+
+
+@pytest.fixture(params=sorted(PLACEMENTS))
+def policy(request):
+    return make_placement(request.param)
+
+
+def test_priorities_are_tuples_comparable_across_any_nodes(policy):
+    nodes = random_nodes(0)
+    prios = [policy.priority(n) for n in nodes]
+    assert all(isinstance(p, tuple) for p in prios)
+    sorted(prios)  # a total order: no TypeError between any two
+
+
+def test_priority_is_a_pure_function_of_the_view(policy):
+    for a, b in itertools.product(random_nodes(1, 10), repeat=2):
+        assert policy.priority(a) == policy.priority(view(a.node_id, **{k: getattr(a, k) for k in (
+            "tokens", "last_access", "created", "hits", "on_host", "page_keys")}))
+        policy.priority(b)  # asking about another node changes nothing
+    nodes = random_nodes(2, 10)
+    assert [policy.priority(n) for n in nodes] == [policy.priority(n) for n in nodes]
+
+
+def test_ties_go_to_the_least_recently_used(policy):
+    old, new = view(1, last_access=3.0), view(2, last_access=9.0)
+    assert policy.priority(old) < policy.priority(new)
+    assert eviction_order(policy, [new, old]) == [1, 2]
+
+
+def test_name_is_the_registry_key(policy):
+    assert PLACEMENTS[policy.name] is type(policy)
+
+
+def test_unknown_placement_is_refused():
+    with pytest.raises(ValueError, match="unknown placement 'mru'"):
+        make_placement("mru")
+
+
+EXPECTED = {  # node ids in eviction order for the scripted candidates below
+    "lru": [4, 2, 0, 3, 1],
+}
+
+
+def test_exact_order_on_a_scripted_set():
+    nodes = [view(0, last_access=5.0, hits=9, tokens=640), view(1, last_access=9.0), view(2, last_access=2.0),
+             view(3, last_access=7.0, on_host=True), view(4, last_access=1.0, tokens=64 * 20)]
+    assert sorted(EXPECTED) == sorted(PLACEMENTS), "every policy needs its scripted order"
+    for name, order in EXPECTED.items():
+        assert eviction_order(make_placement(name), nodes) == order, name
+    assert eviction_order(LRUPlacement(), nodes) == sorted(range(5), key=lambda i: nodes[i].last_access)
