@@ -36,7 +36,6 @@ from sglang_tiered.server_process import ServerProcess, cached_details, essay_te
 exit_cleanly_on_sigterm()  # benchmarks are scripts: a terminated run still stops its servers
 
 RESULTS = Path(__file__).parent / "results"
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bf16
 STEPS = ("cold", "device", "device_settled", "host", "ssd", "restart")
 
 
@@ -71,10 +70,29 @@ def machine() -> dict:
         pass
     import sglang
 
+    from sglang_tiered.policy.cpu_dtype import cpu_flags
+
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 1024**3, 1),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": list(cpu_flags()),
+            "isa_limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ},
             "python": sys.version.split()[0], "torch": torch.__version__, "sglang": sglang.__version__,
             "platform": platform.platform()}
+
+
+def auto_dtype() -> str:
+    """The dtype `--dtype auto` picks for SmolLM2 on this machine (benchmarks pass it to every server explicitly, so
+    that all configurations of one run compute in the same dtype)."""
+    from sglang_tiered.models import default_model_path
+    from sglang_tiered.policy.cpu_dtype import choose_dtype
+
+    return choose_dtype(json.loads((default_model_path() / "config.json").read_text())).dtype
+
+
+def kv_bytes_per_token(dtype: str) -> int:
+    from sglang_tiered.storage.geometry import KVGeometry
+
+    return KVGeometry(layers=30, kv_heads=3, head_dim=64, itemsize=4 if dtype == "float32" else 2).token_bytes
 
 
 def drop_page_cache() -> bool:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, drop_page_cache, machine, save  # noqa: E402
+from _harness import RESULTS, auto_dtype, drop_page_cache, machine, save  # noqa: E402
 
 from sglang_tiered.engine.blend import MODES, Span, blend_prefill, greedy_continue, observe  # noqa: E402
 from sglang_tiered.engine.tuning import load_model  # noqa: E402
@@ -296,11 +296,13 @@ def main() -> int:
     p.add_argument("--fidelity-questions", type=int, default=128, help="questions for the no-generation metrics")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: what --dtype auto picks on this machine")
     p.add_argument("--quality-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--part", default="both", choices=["quality", "fidelity", "speed", "both"],
                    help="quality = generation + fidelity; both = everything")
     a = p.parse_args()
+    a.dtype = a.dtype or auto_dtype()
     from transformers import AutoTokenizer
 
     path = default_model_path()

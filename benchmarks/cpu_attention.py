@@ -22,17 +22,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, PromptSource, machine, plot, run_config, save  # noqa: E402
+from _harness import RESULTS, PromptSource, auto_dtype, machine, plot, run_config, save  # noqa: E402
 
 from sglang_tiered.kernels.extend_attention import extend_attention  # noqa: E402
 
 STEPS = ("cold", "device", "device_settled", "ssd")
 
 
-def server_args(attention: str):
+def server_args(attention: str, dtype: str):
     def args(store: Path, length: int) -> list[str]:
         return ["--kv-backend", "tiered", "--tiered-ssd-dir", str(store), "--tiered-host-size", "3x",
-                "--tiered-stats-interval", "0", "--tiered-cpu-attention", attention]
+                "--tiered-stats-interval", "0", "--tiered-cpu-attention", attention, "--dtype", dtype]
     return args
 
 
@@ -84,7 +84,10 @@ def main() -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--kernels-only", action="store_true",
                    help="re-measure only the kernel timings and update them in the existing JSON")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: what --dtype auto picks on this machine")
     a = p.parse_args()
+    dtype = a.dtype or auto_dtype()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="cpu-attention-"))
     kernels = kernel_times(a.lengths)
     if a.kernels_only:
@@ -94,11 +97,11 @@ def main() -> int:
         path.write_text(json.dumps(data, indent=1))
         return 0
     prompts = PromptSource()
-    results = {name: run_config(name, server_args(name), a.lengths, a.repeats, work, prompts, steps=STEPS,
+    results = {name: run_config(name, server_args(name, dtype), a.lengths, a.repeats, work, prompts, steps=STEPS,
                                 stored=lambda store: sum(1 for _ in store.rglob("*.kvp")))
                for name in ("prefix_aware", "torch_native")}
-    save("cpu_attention", {"machine": machine(), "repeats": a.repeats, "kernel_per_layer_s": kernels,
-                           "model": "SmolLM2-135M-Instruct (bf16)", "results": results})
+    save("cpu_attention", {"machine": machine(), "dtype": dtype, "repeats": a.repeats, "kernel_per_layer_s": kernels,
+                           "kernel_dtype": "bfloat16", "model": "SmolLM2-135M-Instruct", "results": results})
     plot(results, RESULTS / "cpu_attention.png", "TTFT: prefix-aware vs torch_native attention (median)")
     print(verdict(results))
     return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, machine, save  # noqa: E402
+from _harness import RESULTS, auto_dtype, machine, save  # noqa: E402
 
 from sglang_tiered.engine.parallel_prefill import bounds_from_fractions, even_bounds, runahead_prefill, tsp_prefill  # noqa: E402
 from sglang_tiered.engine.ranks import run_ranks  # noqa: E402
@@ -88,8 +88,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default: what --dtype auto picks on this machine")
     a = p.parse_args()
+    a.dtype = a.dtype or auto_dtype()
     spec = ("pretrained", str(default_model_path()))
     single = run_ranks(1, single_target, (spec, a.lengths, a.repeats, a.dtype), threads=2, timeout_s=7200)[0]
     par = run_ranks(2, parallel_target, (spec, a.lengths, a.repeats, a.dtype), threads=1, timeout_s=7200)[0]

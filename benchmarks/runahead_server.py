@@ -20,14 +20,14 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, PromptSource, machine, save  # noqa: E402
+from _harness import RESULTS, PromptSource, auto_dtype, machine, save  # noqa: E402
 
 from sglang_tiered.server_process import ServerProcess  # noqa: E402
 
 CONFIGS = {"sglang prefill": [], "chained, 2 ranks": ["--tiered-runahead-ranks", "2"]}
 
 
-def run(lengths: list[int], repeats: int, min_tokens: int) -> dict:
+def run(lengths: list[int], repeats: int, min_tokens: int, dtype: str) -> dict:
     source = PromptSource()
     prompts = {n: [source.take(n) for _ in range(repeats + 1)] for n in lengths}  # +1: a warm-up per length
     out: dict = {}
@@ -35,7 +35,7 @@ def run(lengths: list[int], repeats: int, min_tokens: int) -> dict:
         for name, extra in CONFIGS.items():
             args = ["--kv-backend", "tiered", "--max-total-tokens", str(2 * max(lengths) + 1024),
                     "--tiered-ssd-dir", f"{tmp}/{len(out)}", "--tiered-stats-interval", "0",
-                    "--tiered-runahead-min-tokens", str(min_tokens), *extra]
+                    "--tiered-runahead-min-tokens", str(min_tokens), "--dtype", dtype, *extra]
             log = Path(tmp) / f"{len(out)}.log"
             with ServerProcess(args, log_path=log) as s:
                 if extra:
@@ -90,9 +90,12 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])  # SmolLM2 context: 8192
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--min-tokens", type=int, default=1024)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: what --dtype auto picks on this machine")
     a = p.parse_args()
-    results = run(a.lengths, a.repeats, a.min_tokens)
-    save("runahead_server", {"machine": machine(), "dtype": "bfloat16", "repeats": a.repeats, "ranks": 2,
+    dtype = a.dtype or auto_dtype()
+    results = run(a.lengths, a.repeats, a.min_tokens, dtype)
+    save("runahead_server", {"machine": machine(), "dtype": dtype, "repeats": a.repeats, "ranks": 2,
                              "min_tokens": a.min_tokens, "model": "SmolLM2-135M-Instruct", "results": results})
     plot(results, a.lengths)
     base, chain = results["sglang prefill"], results["chained, 2 ranks"]

@@ -19,21 +19,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import (  # noqa: E402
-    KV_BYTES_PER_TOKEN,
     RESULTS,
     PromptSource,
+    auto_dtype,
     disk_read_bandwidth,
+    kv_bytes_per_token,
     machine,
     plot,
     run_config,
     save,
 )
 
+DTYPE = ["bfloat16"]  # set from --dtype in main(): every configuration of a run computes in the same dtype
+
 
 def tiered(attention: str):
     def args(store: Path, length: int) -> list[str]:
         return ["--kv-backend", "tiered", "--tiered-ssd-dir", str(store), "--tiered-host-size", "3x",
-                "--tiered-ssd-capacity", "8G", "--tiered-stats-interval", "0", "--tiered-cpu-attention", attention]
+                "--tiered-ssd-capacity", "8G", "--tiered-stats-interval", "0", "--tiered-cpu-attention", attention,
+                "--dtype", DTYPE[0]]
     return args
 
 
@@ -41,7 +45,7 @@ def sglang_file(store: Path, length: int) -> list[str]:
     return ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-storage-backend", "file",
             "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(store)}),
             "--page-size", "64", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-            "--dtype", "bfloat16", "--device", "cpu"]
+            "--dtype", DTYPE[0], "--device", "cpu"]
 
 
 CONFIGS = {
@@ -57,32 +61,36 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--workdir", default=None, help="storage directories and server logs (default: a temp dir)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="default: what --dtype auto picks on this machine")
     a = p.parse_args()
+    DTYPE[0] = a.dtype or auto_dtype()
+    kv_bytes = kv_bytes_per_token(DTYPE[0])
     work = Path(a.workdir or tempfile.mkdtemp(prefix="tier-hits-"))
     prompts = PromptSource()
     disk = disk_read_bandwidth(work)
     print(f"disk sequential read: {disk['bytes_per_s'] / 1e9:.2f} GB/s (page cache dropped: "
-          f"{disk['page_cache_dropped']}); KV bytes per token: {KV_BYTES_PER_TOKEN}", flush=True)
+          f"{disk['page_cache_dropped']}); {DTYPE[0]}, KV bytes per token: {kv_bytes}", flush=True)
     results = {}
     for name in a.configs:
         make_args, pattern = CONFIGS[name]
         results[name] = run_config(name, make_args, a.lengths, a.repeats, work, prompts,
                                    stored=lambda store, pat=pattern: sum(1 for _ in store.rglob(pat)))
-    payload = {"machine": machine(), "disk": disk, "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "repeats": a.repeats,
-               "model": "SmolLM2-135M-Instruct (bf16)", "results": results}
+    payload = {"machine": machine(), "disk": disk, "dtype": DTYPE[0], "kv_bytes_per_token": kv_bytes,
+               "repeats": a.repeats, "model": "SmolLM2-135M-Instruct", "results": results}
     save("tier_hits", payload)
     plot(results, RESULTS / "tier_hits.png", "TTFT by cache tier (median), SmolLM2-135M, CPU")
-    print(verdict(results, disk))
+    print(verdict(results, disk, kv_bytes))
     return 0
 
 
-def verdict(results: dict, disk: dict) -> str:
+def verdict(results: dict, disk: dict, kv_bytes: int) -> str:
     key = "2048" if "2048" in results.get("tiered", {}) else next(iter(results.get("tiered", {"": 0})))
     if "tiered" not in results:
         return "tier_hits: no 'tiered' configuration was run"
     ours = results["tiered"][key]
     ratio = ours["ssd"]["median_s"] / ours["cold"]["median_s"]
-    io_floor = int(key) * KV_BYTES_PER_TOKEN / disk["bytes_per_s"]
+    io_floor = int(key) * kv_bytes / disk["bytes_per_s"]
     parts = [f"tier_hits @{key} tokens: SSD hit {ours['ssd']['median_s']:.3f} s = {ratio:.2f}x cold "
              f"{ours['cold']['median_s']:.3f} s (target <= 0.25x: {'PASS' if ratio <= 0.25 else 'MISS'}); "
              f"disk read floor {io_floor * 1000:.0f} ms"]
