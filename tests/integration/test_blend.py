@@ -127,7 +127,7 @@ def test_concurrent_marked_requests_each_prefill_alone_and_are_all_blended(share
 
     assert delta("sglang_tiered:blend_requests_total") == 10  # 9 + the frontend program
     assert delta("sglang_tiered:blend_fallbacks_total") == 0
-    assert outs[0]["text"] == alone["text"]  # the same fusion, next to other requests
+    assert outs[0]["text"] == alone["text"]  # the same blend, next to other requests
     assert all(o["text"].strip() for o in outs), outs
     # the frontend renders its own chat header (a new part) and reuses both of Bruno's stored documents
     assert program.strip() and "chunks=3 (new 1)" in lines[-1], lines[-1]
@@ -168,7 +168,7 @@ def test_a_marked_request_in_a_mixed_batch_falls_back_counted(tmp_path):
     cannot run, the marked request gets SGLang's normal prefill, logged and counted, and is still answered."""
     with server(tmp_path, "mixed", "--enable-mixed-chunk", "--enable-metrics") as s:
         with ThreadPoolExecutor(1) as pool:
-            decoding = pool.submit(s.generate, "The gardens along the river", 400)  # decodes for seconds
+            decoding = pool.submit(s.generate, "The gardens along the river", 200)  # decodes for seconds
             deadline = time.monotonic() + 60
             while "Decode batch" not in (tmp_path / "mixed.log").read_text():
                 assert time.monotonic() < deadline, "the plain request never decoded"

@@ -78,34 +78,34 @@ def test_rerotated_keys_equal_keys_computed_at_the_target_position(gqa):
 def test_ratio_one_equals_full_prefill(gqa, mode):
     ids, spans = prompt([20, 17, 23, 6], [True, True, True, False], GQA.vocab)
     full = gqa.prefill(ids)
-    fused = run(gqa, ids, spans, mode=mode, ratio=1.0)
-    assert (fused.logits - full.logits).abs().max().item() <= TOL
-    assert (fused.kv - full.kv).abs().max().item() <= TOL
-    assert fused.computed == [ids.shape[0]] * GQA.layers
+    blended = run(gqa, ids, spans, mode=mode, ratio=1.0)
+    assert (blended.logits - full.logits).abs().max().item() <= TOL
+    assert (blended.kv - full.kv).abs().max().item() <= TOL
+    assert blended.computed == [ids.shape[0]] * GQA.layers
 
 
 def test_prefix_mode_is_exact_and_computes_only_the_rest(gqa):
     ids, spans = prompt([24, 19, 5], [True, False, False], GQA.vocab)
     full = gqa.prefill(ids)
-    fused = run(gqa, ids, spans, mode="prefix")
-    assert (fused.logits - full.logits).abs().max().item() <= TOL
-    assert (fused.kv - full.kv).abs().max().item() <= TOL
-    assert fused.computed == [24] * GQA.layers
+    blended = run(gqa, ids, spans, mode="prefix")
+    assert (blended.logits - full.logits).abs().max().item() <= TOL
+    assert (blended.kv - full.kv).abs().max().item() <= TOL
+    assert blended.computed == [24] * GQA.layers
 
 
 def test_full_reuse_computes_only_fresh_tokens_and_keeps_stored_kv(gqa):
     ids, spans = prompt([16, 9, 21, 4], [True, False, True, False], GQA.vocab)
     kvs = standalone(gqa, ids, spans)
-    fused = blend_prefill(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode="reuse")
-    assert fused.computed == [13] * GQA.layers
+    blended = blend_prefill(gqa, ids, spans, lambda layer, i: kvs[i][layer], mode="reuse")
+    assert blended.computed == [13] * GQA.layers
     # the third span's stored keys, moved from position 0 to position 25, on every layer
     for layer in range(GQA.layers):
         want_k = rerotate_keys(gqa, kvs[2][layer, :, 0], 25)
-        assert torch.equal(fused.kv[layer, 25:46, 0], want_k)
-        assert torch.equal(fused.kv[layer, 25:46, 1], kvs[2][layer, :, 1])
+        assert torch.equal(blended.kv[layer, 25:46, 0], want_k)
+        assert torch.equal(blended.kv[layer, 25:46, 1], kvs[2][layer, :, 1])
     # layer 0 depends on the token alone: the fresh tokens' layer-0 KV equals full prefill's
     full = gqa.prefill(ids)
-    assert (fused.kv[0, 16:25] - full.kv[0, 16:25]).abs().max().item() <= TOL
+    assert (blended.kv[0, 16:25] - full.kv[0, 16:25]).abs().max().item() <= TOL
 
 
 def test_gradual_filter_schedule_and_bookkeeping(gqa):
@@ -117,11 +117,11 @@ def test_gradual_filter_schedule_and_bookkeeping(gqa):
     lengths, stored = [30, 25, 35, 7], [True, True, True, False]
     ids, spans = prompt(lengths, stored, GQA.vocab, seed=5)
     n_reused, fresh = 90, 7
-    fused = run(gqa, ids, spans, mode="blend", ratio=0.3, check_layer=1)
+    blended = run(gqa, ids, spans, mode="blend", ratio=0.3, check_layer=1)
     sched = filter_schedule(0.3, GQA.layers, 1)
-    assert fused.computed[:2] == [97, 97]  # layers 0 and 1 compute everything
+    assert blended.computed[:2] == [97, 97]  # layers 0 and 1 compute everything
     want = [fresh + math.ceil(f * n_reused) for f in sched]  # selection at layer l is computed on layer l + 1
-    assert fused.computed[2:] == want
+    assert blended.computed[2:] == want
     single = run(gqa, ids, spans, mode="single", ratio=0.3, check_layer=1)
     assert single.computed == [97, 97] + [fresh + math.ceil(0.3 * n_reused)] * (GQA.layers - 2)
 
@@ -318,9 +318,9 @@ def test_server_span_plan_follows_the_radix_prefix_and_pieces_and_keeps_the_ques
     assert spans == [(22, 30, False, 0)]
 
 
-def test_chunk_spans_with_an_offset_fuse_like_whole_chunks(gqa):
+def test_chunk_spans_with_an_offset_blend_like_whole_chunks(gqa):
     """Fusing a prompt in two pieces cut inside a chunk, with the first piece's KV as the second's prefix, reuses the
-    same stored KV as one fusion: at ratio 1.0 both equal full prefill; in reuse mode the KV is the same too."""
+    same stored KV as one blend: at ratio 1.0 both equal full prefill; in reuse mode the KV is the same too."""
     ids, spans = prompt([6, 12, 10, 4], [False, True, True, False], GQA.vocab, seed=13)
     kvs = standalone(gqa, ids, spans)
     full = gqa.prefill(ids)
@@ -341,7 +341,7 @@ def test_chunk_spans_with_an_offset_fuse_like_whole_chunks(gqa):
         if mode == "blend":
             assert (b.logits - full.logits).abs().max().item() <= TOL
             assert (kv - full.kv).abs().max().item() <= TOL
-        else:  # the pieces reuse exactly the tokens one fusion reuses, except token cut-1 (computed fresh)
+        else:  # the pieces reuse exactly the tokens one blend reuses, except token cut-1 (computed fresh)
             assert (kv[:, : cut - 1] - whole.kv[:, : cut - 1]).abs().max().item() <= TOL
             assert (kv[:, cut:18] - whole.kv[:, cut:18]).abs().max().item() <= TOL
             assert (kv[:, cut - 1] - whole.kv[:, cut - 1]).abs().max().item() > TOL

@@ -86,7 +86,7 @@ def test_bad_shapes_are_rejected():
 
 @pytest.mark.parametrize("block", [1, 7, 256])
 def test_positioned_attention_blocks_and_gaps_match_a_dense_masked_softmax(block):
-    """Queries at scattered positions (what fusion computes) and long offset runs (several blocks)."""
+    """Queries at scattered positions (what blending computes) and long offset runs (several blocks)."""
     g = torch.Generator().manual_seed(4)
     k, v = torch.randn(700, 2, 16, generator=g), torch.randn(700, 2, 16, generator=g)
     for q_pos in (torch.arange(300, 700), torch.randperm(700, generator=g)[:150].sort().values):

@@ -1,0 +1,51 @@
+"""Importance of prompt tokens from sampled attention heads (IMPRESS), in torch. No SGLang.
+
+A token's importance at one layer is the attention it receives from the prompt's observation window -- the last
+`window` query tokens, where the question and the start of the answer sit -- summed over the sampled query heads
+(each softmax row sums to 1, so a layer hands out `window x heads` units of attention). Summed over layers this
+is the score that placement and sparse loading rank tokens by.
+
+Shapes: queries [w, Hq, D] (post-RoPE, the window's rows), keys [S, Hkv, D] (post-RoPE, every key the window can
+see: the cached prefix and the new tokens), `q_pos` [w] the window's absolute positions (query i sees keys
+0 .. q_pos[i]). GQA: query head h reads KV head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def sampled_heads(q_heads: int, kv_heads: int, n: int) -> list[int]:
+    """`n` query heads spread over the KV-head groups: the first head of each group first, then the second of each,
+    ... (on SmolLM2, 9 query / 3 KV heads, n=3 gives [0, 3, 6], one per KV head; the first 3 heads would all read
+    KV head 0, and their top-k sets would agree through the shared keys)."""
+    if not 1 <= n <= q_heads:
+        raise ValueError(f"sample between 1 and {q_heads} query heads, got {n}")
+    group = q_heads // kv_heads
+    order = [g * group + j for j in range(group) for g in range(kv_heads)]
+    return sorted(order[:n])
+
+
+def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, heads: Sequence[int],
+                  scale: float | None = None) -> torch.Tensor:
+    """Attention received by each key [S] (fp32) from the window queries `q` [w, Hq, D] of the sampled `heads`,
+    summed over queries and heads; keys after a query's position get none from it."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    heads = list(heads)
+    kv_of = [h // (hq // hkv) for h in heads]
+    qs = q[:, heads].float().transpose(0, 1)  # [h, w, D]
+    ks = k[:, kv_of].float().transpose(0, 1)  # [h, S, D]
+    scores = torch.bmm(qs, ks.transpose(1, 2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    visible = torch.arange(k.shape[0], device=k.device)[None, :] <= q_pos.to(k.device)[:, None]  # [w, S]
+    probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+    return probs.sum((0, 1))
+
+
+def topk_sets(scores: torch.Tensor, k: int) -> list[set[int]]:
+    """Per row of `scores` [h, S], the indices of its `k` largest entries."""
+    k = max(0, min(k, scores.shape[-1]))
+    return [set(row.tolist()) for row in torch.topk(scores, k, dim=-1).indices]
