@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
-CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES}
+PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
+CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -66,6 +67,10 @@ class TieredConfig:
     runahead_timeout: float = 30.0  # seconds a chain rank may wait for its peer before the prefill falls back
     runahead_threads: int = 0  # torch threads per helper rank; 0 = CPU cores / ranks
     runahead_partitions: str = ""  # partition table from `sglang-tiered runahead-tune`; "" = the default path
+    placement: str = "lru"  # which radix nodes leave device and host memory first; PLACEMENT_CHOICES
+    importance_heads: int = 3  # query heads per layer sampled for token importance; 0 = no importance capture
+    importance_window: int = 32  # the prompt's last tokens whose attention decides importance
+    importance_ratio: float = 0.2  # the fraction of a prompt's tokens that count as important
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -142,6 +147,15 @@ class TieredConfig:
             raise ConfigError(f"--tiered-runahead-threads: must be >= 0, got {self.runahead_threads}")
         if self.runahead_partitions and not Path(self.runahead_partitions).expanduser().is_file():
             raise ConfigError(f"--tiered-runahead-partitions: no such file: {self.runahead_partitions}")
+        if self.importance_heads < 0:
+            raise ConfigError(f"--tiered-importance-heads: must be >= 0 (0 = off), got {self.importance_heads}")
+        if self.importance_window < 1:
+            raise ConfigError(f"--tiered-importance-window: must be >= 1, got {self.importance_window}")
+        if not 0.0 < self.importance_ratio <= 1.0:
+            raise ConfigError(f"--tiered-importance-ratio: must be in (0, 1], got {self.importance_ratio}")
+        if self.placement == "importance" and self.importance_heads == 0:
+            raise ConfigError("--tiered-placement: 'importance' needs importance capture (--tiered-importance-heads "
+                              ">= 1)")
         self.host_pool_settings()
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
 
@@ -196,6 +210,14 @@ FLAG_HELP: dict[str, str] = {
     "runahead_timeout": "Seconds a chain rank waits for its peer; a dead or stalled rank makes the prefill fall back "
     "to SGLang's own (the chain restarts in the background). Default: 30.",
     "runahead_threads": "Torch threads per helper rank; 0 = CPU cores divided by the number of ranks.",
+    "placement": "Which radix nodes leave device and host memory first: 'lru' (SGLang's own order, on its Rust tree "
+    "core) or 'importance' (fewest important tokens x reuses per token first, least recently used among equals; "
+    "runs SGLang's Python tree core). Default: lru.",
+    "importance_heads": "Query heads per layer sampled to score prompt tokens (spread over the KV-head groups); "
+    "0 turns importance capture off. Default: 3.",
+    "importance_window": "The prompt's last tokens (the question) whose attention decides which tokens are "
+    "important. Default: 32.",
+    "importance_ratio": "Fraction of a prompt's tokens that count as important. Default: 0.2.",
     "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "
     "~/.cache/sglang-tiered/runahead-partitions.json if present; without one, a FLOP-balanced split).",
 }

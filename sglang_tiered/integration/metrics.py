@@ -173,6 +173,8 @@ EVENTS = {
     "blend_new_chunks": "Chunks seen for the first time (standalone KV computed and stored)",
     "blend_fallbacks": "Marked requests that got SGLang's normal prefill",
     "hook_errors": "Exceptions inside sglang-tiered hooks (the batch fell back to SGLang's own code)",
+    "importance_prompts": "Prompts whose tokens were scored for importance",
+    "importance_pages": "KV pages whose token importance was updated",
 }
 _event_counters: dict = {}
 

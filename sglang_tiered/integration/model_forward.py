@@ -92,6 +92,7 @@ _handlers: list[ForwardHandler] = []
 _engines: dict[int, LlamaModel] = {}
 _batch = threading.local()
 _hooked = False
+_tracking = False
 
 
 def _ensure_hook() -> None:
@@ -100,9 +101,19 @@ def _ensure_hook() -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", _around_forward, HookType.AROUND)
+        track_batches()
+        _hooked = True
+
+
+def track_batches() -> None:
+    """Make `batch_requests` work in this process (registers the worker hook once)."""
+    global _tracking
+    if not _tracking:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
         HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_worker,
                               HookType.AROUND)
-        _hooked = True
+        _tracking = True
 
 
 def add_handler(handler: ForwardHandler) -> None:

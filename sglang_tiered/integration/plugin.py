@@ -20,6 +20,8 @@ Scheduler processes of a `--kv-backend tiered` server:
   (`runahead.py`, with `--tiered-runahead-ranks` >= 2); registered with the first handler, or on CPU-only servers
   (where every forward is marked as foreground work that the SSD write-through waits for).
 * `PrefillAdder.add_one_req` (AROUND, `blend.py`): a request marked for blending prefills alone.
+* `layers.radix_attention.RadixAttention.forward` (AROUND, `importance.py`): scores prompt tokens for importance
+  after SGLang's attention ran (read-only), with `--tiered-importance-heads` >= 1 (the default).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def register() -> None:
         blend,
         blend_prompt,
         cpu_attention,
+        importance,
         model_forward,
         requests,
         runahead,
@@ -85,5 +88,6 @@ def register() -> None:
     current = settings.current()
     if current is not None and current.cpu_only:  # a scheduler of a CPU-only server with --kv-backend tiered
         model_forward.gate_background_writes()
+    importance.register_hooks()
     blend.register_hooks()  # blend first: a marked prompt is never chained
     runahead.register_hooks()

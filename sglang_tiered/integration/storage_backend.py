@@ -20,9 +20,10 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from sglang_tiered.integration import settings
+from sglang_tiered.integration import importance, settings
 from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
 from sglang_tiered.storage.foreground import FOREGROUND
+from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -40,6 +41,7 @@ class TieredSSDStorage(HiCacheStorage):
         self.model_id = current.model
         self.storage_config = storage_config
         self.tier: Optional[SSDTier] = None
+        self.importance: Optional[ImportanceTable] = None
         self.reporter: Optional[StatsReporter] = None
         self.page_size = 0
 
@@ -82,6 +84,9 @@ class TieredSSDStorage(HiCacheStorage):
             )
         self.tier = SSDTier(self.config.ssd_dir, namespace, capacity, io_threads=self.config.io_threads,
                             before_write=FOREGROUND.wait_idle)  # a no-op unless enabled (CPU-only servers)
+        if self.config.importance_heads > 0:
+            self.importance = ImportanceTable(self.page_size, directory=self.tier.dir)
+            importance.attach_table(self.importance)
         self.reporter = StatsReporter(
             self.tier.stats,
             json_path=Path(self.config.ssd_dir) / "stats" / f"{namespace.id}.json",
@@ -140,6 +145,8 @@ class TieredSSDStorage(HiCacheStorage):
             self.reporter.stop()
         if self.tier is not None:
             self.tier.close()
+        if self.importance is not None:
+            self.importance.close()
 
     # ------------------------------------------------------------------ legacy copy interface (not used)
     # SGLang calls these only without `interface_v1`, which our flag translation always sets. They would need a

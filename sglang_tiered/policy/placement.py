@@ -31,6 +31,8 @@ class NodeView:
     hits: int  # times requests reused the node (SGLang counts device hits only)
     on_host: bool  # already evicted from device: a host-tier candidate
     page_keys: tuple[str, ...] = ()  # storage keys of the node's pages (stable across splits and restarts)
+    important_tokens: float = 0.0  # learned: sum over the node's tokens of their "important" average (0..tokens)
+    reuses: int = 0  # learned: times requests reused the node's pages (every tier, unlike SGLang's hit_count)
 
 
 class Placement(Protocol):
@@ -50,7 +52,20 @@ class LRUPlacement:
         return (node.last_access,)
 
 
-PLACEMENTS: dict[str, type] = {"lru": LRUPlacement}
+class ImportancePlacement:
+    """IMPRESS: keep what matters where it is fast. Score = important tokens x access frequency, per token of the
+    node (SGLang evicts whole leaf nodes of any length; unnormalized, a long node would always outrank a short one),
+    with frequency = 1 + reuses so that a node never reused still ranks by its importance. Lowest score first; among
+    equal scores the least recently used."""
+
+    name = "importance"
+
+    def priority(self, node: NodeView) -> tuple:
+        score = node.important_tokens * (1 + node.reuses) / max(1, node.tokens)
+        return (score, node.last_access)
+
+
+PLACEMENTS: dict[str, type] = {"lru": LRUPlacement, "importance": ImportancePlacement}
 
 
 def make_placement(name: str) -> Placement:

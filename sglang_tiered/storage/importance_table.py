@@ -40,7 +40,10 @@ class PageImportance:
 
 
 class ImportanceTable:
-    def __init__(self, page_size: int, *, alpha: float = 0.3, directory: Optional[Path] = None) -> None:
+    def __init__(self, page_size: int, *, alpha: float = 0.3, directory: Optional[Path] = None,
+                 readonly: bool = False) -> None:
+        """`directory`: where the log lives (None: memory only). `readonly`: replay the log and never write it (a
+        reader beside the server that owns it, e.g. `sglang-tiered stats`)."""
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size, self.alpha = page_size, alpha
@@ -49,9 +52,11 @@ class ImportanceTable:
         self._path = Path(directory) / LOG_NAME if directory is not None else None
         self._records = 0
         self._fd: Optional[int] = None
+        self._readonly = readonly
         if self._path is not None:
             self._replay()
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if not readonly:
+                self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     # ---------------------------------------------------------------------------------------------- updates
     def observe(self, keys: Sequence[str], important: Sequence[bool]) -> None:
@@ -153,8 +158,8 @@ class ImportanceTable:
         for key, page in self._iter_records(data):
             self._pages[key] = page
             self._records += 1
-        if self._records * self._record_size() != len(data):  # drop a torn tail before appending after it
-            self._compact()
+        if self._records * self._record_size() != len(data) and not self._readonly:
+            self._compact()  # drop a torn tail before appending after it
 
     def _compact(self) -> None:
         tmp = self._path.with_suffix(f".{os.getpid()}.tmp")

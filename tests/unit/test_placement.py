@@ -28,7 +28,8 @@ def random_nodes(seed: int, n: int = 40) -> list[NodeView]:
     rng = random.Random(seed)
     return [view(i, tokens=64 * rng.randint(1, 8), last_access=float(rng.randint(0, 20)),
                  created=float(rng.randint(0, 20)), hits=rng.randint(0, 5), on_host=rng.random() < 0.5,
-                 page_keys=tuple(f"k{i}.{j}" for j in range(rng.randint(1, 3)))) for i in range(n)]
+                 page_keys=tuple(f"k{i}.{j}" for j in range(rng.randint(1, 3))),
+                 important_tokens=rng.random() * 64, reuses=rng.randint(0, 4)) for i in range(n)]
 
 
 @pytest.fixture(params=sorted(PLACEMENTS))
@@ -46,7 +47,7 @@ def test_priorities_are_tuples_comparable_across_any_nodes(policy):
 def test_priority_is_a_pure_function_of_the_view(policy):
     for a, b in itertools.product(random_nodes(1, 10), repeat=2):
         assert policy.priority(a) == policy.priority(view(a.node_id, **{k: getattr(a, k) for k in (
-            "tokens", "last_access", "created", "hits", "on_host", "page_keys")}))
+            "tokens", "last_access", "created", "hits", "on_host", "page_keys", "important_tokens", "reuses")}))
         policy.priority(b)  # asking about another node changes nothing
     nodes = random_nodes(2, 10)
     assert [policy.priority(n) for n in nodes] == [policy.priority(n) for n in nodes]
@@ -62,6 +63,15 @@ def test_name_is_the_registry_key(policy):
     assert PLACEMENTS[policy.name] is type(policy)
 
 
+def test_importance_keeps_the_node_with_more_important_tokens_per_token_and_more_reuses():
+    p = make_placement("importance")
+    base = view(1, tokens=128, important_tokens=32.0, reuses=1)
+    assert p.priority(view(2, tokens=128, important_tokens=16.0, reuses=1)) < p.priority(base)  # less important
+    assert p.priority(view(3, tokens=128, important_tokens=32.0, reuses=0)) < p.priority(base)  # reused less
+    assert p.priority(view(4, tokens=1280, important_tokens=64.0, reuses=1)) < p.priority(base)  # long, dilute
+    assert p.priority(view(5, tokens=128, important_tokens=32.0, reuses=1, last_access=0.5)) < p.priority(base)
+
+
 def test_unknown_placement_is_refused():
     with pytest.raises(ValueError, match="unknown placement 'mru'"):
         make_placement("mru")
@@ -69,12 +79,18 @@ def test_unknown_placement_is_refused():
 
 EXPECTED = {  # node ids in eviction order for the scripted candidates below
     "lru": [4, 2, 0, 3, 1],
+    # scores (important tokens x (1 + reuses) / tokens): 0: 64*1/640=0.1, 1: 16*1/64=0.25, 2: 16*3/64=0.75,
+    # 3: 0.25 (ties with 1, older), 4: 256*2/1280=0.4
+    "importance": [0, 3, 1, 4, 2],
 }
 
 
 def test_exact_order_on_a_scripted_set():
-    nodes = [view(0, last_access=5.0, hits=9, tokens=640), view(1, last_access=9.0), view(2, last_access=2.0),
-             view(3, last_access=7.0, on_host=True), view(4, last_access=1.0, tokens=64 * 20)]
+    nodes = [view(0, last_access=5.0, hits=9, tokens=640, important_tokens=64.0),
+             view(1, last_access=9.0, important_tokens=16.0),
+             view(2, last_access=2.0, important_tokens=16.0, reuses=2),
+             view(3, last_access=7.0, on_host=True, important_tokens=16.0),
+             view(4, last_access=1.0, tokens=64 * 20, important_tokens=256.0, reuses=1)]
     assert sorted(EXPECTED) == sorted(PLACEMENTS), "every policy needs its scripted order"
     for name, order in EXPECTED.items():
         assert eviction_order(make_placement(name), nodes) == order, name

@@ -1,0 +1,174 @@
+"""Importance capture in the server (IMPRESS): every prefill that goes through SGLang's own forward scores its prompt
+tokens by the attention they receive from the prompt's last tokens, in a few sampled heads, and the store learns
+from it per KV page (`storage/importance_table.py`).
+
+Seam (listed in plugin.py): `layers.radix_attention.RadixAttention.forward` (AROUND, scheduler processes of a
+server with `--tiered-importance-heads` >= 1). After SGLang's own attention has run (and written this layer's K into
+the pool), for each request of an extend batch whose forward reaches the end of its prompt (the last piece of a
+chunked prefill), the window -- the prompt's last `--tiered-importance-window` tokens (32 by default: the question
+and the turn header, which is what the answer will attend from; SnapKV observes with the same window) -- is scored
+against every key of the request (cached prefix and new tokens) in the sampled query heads
+(`kernels.importance.sampled_heads`: spread over the KV-head groups). Scores are summed over layers; after the last
+layer the top `--tiered-importance-ratio` of the prompt's tokens count as important, and every complete page of the
+prompt gets that verdict folded into its tokens' moving averages, keyed by the page's storage key (SGLang's hash
+chain, the key the SSD tier files the page under). The prompt's pages that came from a cache (`req.cached_tokens`)
+are counted as reused.
+
+Read-only: nothing the forward computes changes (greedy output with capture on equals capture off, tested); a
+failure is logged, counted in `sglang_tiered:hook_errors_total` and drops that batch's capture only. Prefills that
+bypass SGLang's attention (blended requests, chained prefills) are not scored. Cost: per layer, the window's
+queries in the sampled heads against the request's keys -- `window x heads x tokens` dot products.
+
+The table lives in the scheduler process: `TieredSSDStorage` opens it in the namespace directory (`attach_table`).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglang_tiered.integration import metrics, model_forward, settings
+from sglang_tiered.kernels.importance import sampled_heads, window_scores
+from sglang_tiered.policy.importance import important_mask
+from sglang_tiered.storage.importance_table import ImportanceTable
+
+logger = logging.getLogger("sglang_tiered")
+
+_table: Optional[ImportanceTable] = None
+
+
+def attach_table(table: ImportanceTable) -> None:
+    global _table
+    _table = table
+
+
+def table() -> Optional[ImportanceTable]:
+    """This process's importance table (None before the storage class opened it, or on other processes)."""
+    return _table
+
+
+def page_keys(req, tokens: int, page_size: int) -> list[str]:
+    """Storage keys of the first `tokens // page_size` pages of `req`'s prompt (SGLang's hash chain)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    n = tokens // page_size * page_size
+    if n == 0:
+        return []
+    key = RadixKey(array("q", req.origin_input_ids[:n]), req.extra_key, cache_salt=req.cache_salt)
+    return list(get_storage_hash_str(key, None, page_size=page_size))
+
+
+@dataclass
+class _Job:
+    """One request whose prompt ends in this forward."""
+
+    req: Any
+    row: int  # req_to_token row
+    seq_len: int
+    q_rows: torch.Tensor  # rows of this forward's queries that are the window
+    q_pos: torch.Tensor  # their positions
+    scores: Optional[torch.Tensor] = field(default=None)
+
+
+class Capture:
+    def __init__(self, heads: int, window: int, ratio: float) -> None:
+        self.heads_wanted, self.window, self.ratio = heads, window, ratio
+        self._jobs: list[_Job] = []
+        self._heads: Optional[list[int]] = None
+        self._last_layer = -1
+
+    def layer(self, attn, q: torch.Tensor, fb) -> None:
+        """Called after RadixAttention `attn` ran layer `attn.layer_id` of extend batch `fb`."""
+        from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+        pool = get_token_to_kv_pool()
+        layer_id = attn.layer_id
+        if layer_id == getattr(pool, "start_layer", 0):
+            self._start(fb, attn, pool)
+        if not self._jobs:
+            return
+        hq, d = attn.tp_q_head_num, attn.qk_head_dim
+        qs = q.reshape(-1, hq, d)
+        keys = pool.get_key_buffer(layer_id)
+        req_to_token = get_req_to_token_pool().req_to_token
+        for job in self._jobs:
+            slots = req_to_token[job.row, : job.seq_len].to(torch.int64)
+            s = window_scores(qs[job.q_rows], keys.index_select(0, slots), job.q_pos, self._heads, attn.scaling)
+            job.scores = s if job.scores is None else job.scores + s
+        if layer_id == self._last_layer:
+            jobs, self._jobs = self._jobs, []
+            self._finish(jobs, pool.page_size)
+
+    def _start(self, fb, attn, pool) -> None:
+        self._jobs = []
+        if self._heads is None:
+            self._heads = sampled_heads(attn.tp_q_head_num, attn.tp_k_head_num,
+                                        min(self.heads_wanted, attn.tp_q_head_num))
+        self._last_layer = getattr(pool, "start_layer", 0) + pool.layer_num - 1  # (pool.end_layer is not reliable)
+        if _table is None:
+            return
+        by_rid = {r.rid: r for r in model_forward.batch_requests(fb)}
+        start = 0
+        for i, rid in enumerate(fb.rids or []):
+            prefix, ext = int(fb.extend_prefix_lens_cpu[i]), int(fb.extend_seq_lens_cpu[i])
+            req = by_rid.get(rid)
+            if req is not None and ext > 0 and prefix + ext >= len(req.origin_input_ids):
+                w = min(self.window, ext)
+                rows = torch.arange(start + ext - w, start + ext)
+                self._jobs.append(_Job(req, int(fb.req_pool_indices[i]), prefix + ext, rows,
+                                       torch.arange(prefix + ext - w, prefix + ext)))
+            start += ext
+
+    def _finish(self, jobs: list[_Job], page_size: int) -> None:
+        for job in jobs:
+            prompt = min(job.seq_len, len(job.req.origin_input_ids))
+            keys = page_keys(job.req, prompt, page_size)
+            if keys:
+                scores = job.scores[: len(keys) * page_size].tolist()
+                _table.observe(keys, important_mask(scores, self.ratio))
+            reused = min(int(getattr(job.req, "cached_tokens", 0) or 0), len(keys) * page_size) // page_size
+            if reused:
+                _table.reuse(keys[:reused])
+            metrics.count("importance_prompts")
+            metrics.count("importance_pages", len(keys))
+
+
+_capture: Optional[Capture] = None
+_errors = 0
+
+
+def _around_attention(original, self, q, k, v, forward_batch, *args, **kwargs):
+    global _errors
+    out = original(self, q, k, v, forward_batch, *args, **kwargs)
+    mode = forward_batch.forward_mode
+    if _capture is not None and mode.is_extend() and not mode.is_target_verify():
+        try:
+            _capture.layer(self, q, forward_batch)
+        except Exception:
+            _errors += 1
+            _capture._jobs = []
+            metrics.count("hook_errors")
+            if _errors == 1:
+                logger.exception("tiered importance: capture failed; this batch's importance is not recorded")
+    return out
+
+
+def register_hooks() -> bool:
+    """Capture in the scheduler processes of a server with `--tiered-importance-heads` >= 1."""
+    global _capture
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    current = settings.current()
+    if current is None or current.config.importance_heads < 1:
+        return False
+    cfg = current.config
+    _capture = Capture(cfg.importance_heads, cfg.importance_window, cfg.importance_ratio)
+    HookRegistry.register("sglang.srt.layers.radix_attention.RadixAttention.forward", _around_attention,
+                          HookType.AROUND)
+    model_forward.track_batches()
+    return True
