@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 from sglang_tiered.storage.stats import TierStats
 
@@ -44,12 +45,15 @@ _COUNTERS = {
 
 def format_stats(s: dict, page_size: int) -> str:
     mib = 1024 * 1024
+    imp = s.get("importance")
+    learned = (f" importance: {imp['observed_pages']} of {imp['pages']} pages scored, {imp['reuses']} page reuses"
+               if imp else "")
     return (
         f"hits={s['hit_pages']} pages ({s['hit_pages'] * page_size} tokens, {s['bytes_read'] / mib:.1f} MiB) "
         f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "
         f"used={s['used_bytes'] / mib:.1f} MiB in {s['stored_pages']} pages evicted={s['evicted_pages']} "
         f"corrupt={s['corrupt_pages']} foreign={s['foreign_pages']} lost={s['lost_pages']} "
-        f"io_errors={s['io_errors']} rejected={s['rejected_pages']}"
+        f"io_errors={s['io_errors']} rejected={s['rejected_pages']}{learned}"
     )
 
 
@@ -69,12 +73,16 @@ class StatsReporter:
         prometheus: bool,
         log_interval: float,
         tick: float = 1.0,
+        extras: Callable[[], dict] = dict,
     ) -> None:
+        """`extras()` adds fields to the JSON file (e.g. the importance table's coverage)."""
         self.stats = stats
         self.json_path = json_path
         self.page_size = page_size
         self.capacity_bytes = capacity_bytes
         self.describe = describe
+        self.extras = extras
+        self._last_extras: Optional[dict] = None
         self.log_interval = log_interval
         self.tick = tick
         self._last: dict = stats.snapshot()
@@ -102,7 +110,7 @@ class StatsReporter:
         snap = self.stats.snapshot()
         if self._prom is not None:
             self._prom.update(self._last, snap, self.page_size, self.capacity_bytes)
-        if snap != self._last or not self.json_path.exists():
+        if snap != self._last or not self.json_path.exists() or self._extras_changed():
             self._write_json(snap)
         self._last = snap
         self._since_log += self.tick
@@ -111,11 +119,16 @@ class StatsReporter:
             self._last_logged = snap
             self._since_log = 0.0
 
+    def _extras_changed(self) -> bool:
+        now = self.extras()
+        changed, self._last_extras = now != self._last_extras, now
+        return changed
+
     def _write_json(self, snap: dict) -> None:
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.json_path.with_suffix(f".{os.getpid()}.tmp")
-        payload = {**snap, "hit_tokens": snap["hit_pages"] * self.page_size, "page_size": self.page_size,
-                   "capacity_bytes": self.capacity_bytes, "namespace": self.describe()}
+        payload = {**snap, **self.extras(), "hit_tokens": snap["hit_pages"] * self.page_size,
+                   "page_size": self.page_size, "capacity_bytes": self.capacity_bytes, "namespace": self.describe()}
         tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
         os.replace(tmp, self.json_path)
 

@@ -96,6 +96,7 @@ class TieredSSDStorage(HiCacheStorage):
             describe=namespace.describe,
             prometheus=prometheus_enabled(sc.enable_storage_metrics),
             log_interval=self.config.stats_interval,
+            extras=lambda: {"importance": self.importance.coverage()} if self.importance is not None else {},
         )
         logger.info(
             "tiered ssd: rank %d namespace %s (%s, page %d tokens = %d bytes, layout %s), capacity %d bytes",

@@ -51,6 +51,8 @@ class ImportanceTable:
         self._lock = threading.Lock()
         self._path = Path(directory) / LOG_NAME if directory is not None else None
         self._records = 0
+        self._observed = 0  # pages with at least one observation
+        self._reuses = 0  # sum of the pages' reuse counts
         self._fd: Optional[int] = None
         self._readonly = readonly
         if self._path is not None:
@@ -67,6 +69,7 @@ class ImportanceTable:
         with self._lock:
             for p, key in enumerate(keys):
                 page = self._page(key)
+                self._observed += int(page.tokens[0] < 0)
                 for t in range(self.page_size):
                     page.tokens[t] = ema(float(page.tokens[t]), float(important[p * self.page_size + t]), self.alpha)
                 self._append(key, page)
@@ -77,6 +80,7 @@ class ImportanceTable:
             for key in keys:
                 page = self._page(key)
                 page.reuses += 1
+                self._reuses += 1
                 self._append(key, page)
 
     # ---------------------------------------------------------------------------------------------- queries
@@ -98,17 +102,18 @@ class ImportanceTable:
             return len(self._pages)
 
     def coverage(self) -> dict:
-        """Pages known, pages with observed importance, total reuses (for statistics)."""
+        """Pages known, pages with observed importance, total reuses (for statistics; O(1))."""
         with self._lock:
-            observed = sum(1 for p in self._pages.values() if (p.tokens >= 0).any())
-            return {"pages": len(self._pages), "observed_pages": observed,
-                    "reuses": sum(p.reuses for p in self._pages.values())}
+            return {"pages": len(self._pages), "observed_pages": self._observed, "reuses": self._reuses}
 
     def forget(self, keys: Sequence[str]) -> None:
         """Drop pages that left the store (their next record, if any, starts afresh)."""
         with self._lock:
             for key in keys:
-                self._pages.pop(key, None)
+                page = self._pages.pop(key, None)
+                if page is not None:
+                    self._observed -= int(page.tokens[0] >= 0)
+                    self._reuses -= page.reuses
 
     def close(self) -> None:
         with self._lock:
@@ -156,7 +161,13 @@ class ImportanceTable:
         except FileNotFoundError:
             return
         for key, page in self._iter_records(data):
+            old = self._pages.get(key)
+            if old is not None:
+                self._observed -= int(old.tokens[0] >= 0)
+                self._reuses -= old.reuses
             self._pages[key] = page
+            self._observed += int(page.tokens[0] >= 0)
+            self._reuses += page.reuses
             self._records += 1
         if self._records * self._record_size() != len(data) and not self._readonly:
             self._compact()  # drop a torn tail before appending after it
