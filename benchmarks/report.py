@@ -61,6 +61,28 @@ def main() -> int:
                 out.append(f"| {mode} | {n} | {a:.3f} ({r['auto'].get('chosen')}) | {b:.3f} | {f:.3f} | "
                            f"{a / min(b, f):.2f} |")
         out += ["", "![cpu dtype](benchmarks/results/cpu_dtype.png)", ""]
+    imp = RESULTS / "importance.json"
+    if imp.exists():
+        d = json.loads(imp.read_text())
+        out += ["## Importance capture and placement (`benchmarks/importance.py`)", "",
+                f"Machine: {_machine(d['machine'])}; {_dtype(d)}.", ""]
+        if "capture" in d:
+            c = d["capture"]
+            out += [f"Cold TTFT at 2048 tokens, {len(c['capture on']['times_s'])} repeats: capture on "
+                    f"{c['capture on']['median_s']:.3f} s, off {c['capture off']['median_s']:.3f} s "
+                    f"({c['overhead']:+.1%}).", ""]
+        if "placement" in d:
+            w = d["workload"]
+            out += [f"Zipf workload: {w['docs']} documents x {w['doc_tokens']} tokens + a new question each, "
+                    f"{w['requests']} requests, {w['clients']} clients, s = {w['zipf_s']}; device pool "
+                    f"{w['device_tokens']} tokens, host {w['host']}; page cache dropped before every request.", "",
+                    "| configuration | TTFT median (s) | p90 (s) | device tokens | host tokens | SSD tokens | "
+                    "computed tokens |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for name, r in d["placement"].items():
+                t = r["tokens"]
+                out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {t['device']} | {t['host']} | "
+                           f"{t['storage']} | {t['computed']} |")
+        out += ["", "![importance](benchmarks/results/importance.png)", ""]
     tier = RESULTS / "tier_hits.json"
     if tier.exists():
         d = json.loads(tier.read_text())

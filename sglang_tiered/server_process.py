@@ -40,11 +40,13 @@ class ServerProcess:
         model_path: str = "smollm2",
         startup_timeout: float = 300.0,
         env: Optional[dict] = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
+        """`wrapper`: a command the server runs under, e.g. `["shared/tools/slow-disk", "100", "--"]`."""
         if "--max-total-tokens" not in args:
             raise ValueError("bound the server's memory: pass --max-total-tokens")
         self.fixed_port = port is not None
-        self.args, self.model_path = list(args), model_path
+        self.args, self.model_path, self.wrapper = list(args), model_path, list(wrapper)
         self._use_port(port or free_port())
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
@@ -63,7 +65,7 @@ class ServerProcess:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.cmd = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+            *self.wrapper, sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
             "--host", "127.0.0.1", "--port", str(port), "--sleep-on-idle", *self.args,
         ]
 

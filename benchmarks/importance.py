@@ -1,0 +1,178 @@
+"""Importance capture and placement (IMPRESS) through the server (CPU, the embedded SmolLM2).
+
+Part `capture`: what scoring costs. Cold TTFT of 2048-token prompts on a server with importance capture on (the
+default, 3 sampled heads) and off (`--tiered-importance-heads 0`), same prompts, same run. Target: <= 5 %.
+
+Part `placement`: a shared-document workload whose KV does not fit in device + host memory. `--docs` documents of
+about 1000 tokens, each request one document + a new question (Zipf popularity, s = 1.1, the same seeded sequence
+for every configuration), sent by `--clients` concurrent clients. Configurations: LRU (SGLang's order, today's
+default) and importance placement, each at the disk's own speed and with the server's block-device reads
+throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the OS page cache is dropped
+before every request so that SSD hits really read the device). Reported: TTFT median and p90, tokens served from
+device / host / SSD / computed.
+
+    .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
+
+Writes benchmarks/results/importance.json and .png, prints one verdict line per part. Gated sparse loading and
+reordered pages are not built yet: the ablation stops at placement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import RESULTS, PromptSource, auto_dtype, drop_page_cache, machine, save  # noqa: E402
+
+from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
+
+SLOW_DISK = Path(__file__).resolve().parents[2] / "shared" / "tools" / "slow-disk"
+
+
+def capture_cost(source: PromptSource, dtype: str, tokens: int, repeats: int) -> dict:
+    prompts = [source.take(tokens) for _ in range(repeats + 1)]  # +1: warm-up
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, heads in (("capture on", "3"), ("capture off", "0")):
+            args = ["--kv-backend", "tiered", "--max-total-tokens", str(tokens * (repeats + 2)),
+                    "--tiered-ssd-dir", f"{tmp}/{heads}", "--tiered-stats-interval", "0", "--dtype", dtype,
+                    "--tiered-importance-heads", heads]
+            with ServerProcess(args, log_path=Path(tmp) / f"{heads}.log") as s:
+                times = [s.generate(p, max_new_tokens=1)["latency_s"] for p in prompts][1:]
+            out[name] = {"median_s": statistics.median(times), "times_s": times}
+            print(f"[capture] {name}: {out[name]['median_s']:.3f} s", flush=True)
+    out["overhead"] = out["capture on"]["median_s"] / out["capture off"]["median_s"] - 1
+    return out
+
+
+def zipf_sequence(docs: int, requests: int, s: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) ** s for i in range(docs)]
+    return rng.choices(range(docs), weights, k=requests)
+
+
+def run_workload(server: ServerProcess, prompts: list[str], docs: list[int], clients: int) -> list[dict]:
+    """Send `prompts` in order from `clients` threads (greedy, one new token), dropping the OS page cache before each
+    request; one row per request: its document, TTFT and where its cached tokens came from."""
+    rows: list[dict] = []
+    lock = threading.Lock()
+    jobs = iter(range(len(prompts)))
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(jobs, None)
+                if i is not None:
+                    drop_page_cache()
+            if i is None:
+                return
+            r = server.generate(prompts[i], max_new_tokens=1)
+            with lock:
+                rows.append({"doc": docs[i], "ttft_s": r["latency_s"], **cached_details(r),
+                             "prompt": r["meta_info"]["prompt_tokens"]})
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+def placement(source: PromptSource, dtype: str, docs: int, requests: int, clients: int, slow_mbps: int) -> dict:
+    texts = [source.take(1000) for _ in range(docs)]
+    order = zipf_sequence(docs, requests, 1.1, seed=0)
+    questions = [f"\n\nQuestion {i}: what is the main point of the text above?" for i in range(requests)]
+    out: dict = {}
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:  # on the disk, not tmpfs: slow-disk throttles it
+        for disk in ("native", f"{slow_mbps} MB/s"):
+            wrapper = [] if disk == "native" else [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
+            for policy in ("lru", "importance"):
+                name = f"{policy}, disk {disk}"
+                args = ["--kv-backend", "tiered", "--max-total-tokens", "2304", "--tiered-host-size", "2x",
+                        "--tiered-ssd-dir", f"{tmp}/{policy}-{len(out)}", "--tiered-stats-interval", "0",
+                        "--dtype", dtype, "--tiered-placement", policy]
+                with ServerProcess(args, log_path=Path(tmp) / f"{len(out)}.log", wrapper=wrapper) as s:
+                    s.generate(source.take(64), max_new_tokens=1)
+                    rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients)
+                ttft = sorted(r["ttft_s"] for r in rows)
+                tiers = {k: sum(r[k] for r in rows) for k in ("device", "host", "storage")}
+                tiers["computed"] = sum(r["prompt"] for r in rows) - sum(tiers.values())
+                out[name] = {"median_s": statistics.median(ttft), "p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+                             "tokens": tiers, "rows": rows}
+                print(f"[placement] {name}: median {out[name]['median_s']:.3f} s, p90 {out[name]['p90_s']:.3f} s, "
+                      f"tokens {tiers}", flush=True)
+    return out
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [p for p in ("capture", "placement") if p in data]
+    fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        if part == "capture":
+            names = ["capture off", "capture on"]
+            ax.bar(names, [data["capture"][n]["median_s"] for n in names])
+            ax.set_ylabel("cold TTFT, median (s)")
+            ax.set_title(f"importance capture: {data['capture']['overhead']:+.1%}")
+        else:
+            names = list(data["placement"])
+            xs = range(len(names))
+            ax.bar([x - 0.2 for x in xs], [data["placement"][n]["median_s"] for n in names], 0.4, label="median")
+            ax.bar([x + 0.2 for x in xs], [data["placement"][n]["p90_s"] for n in names], 0.4, label="p90")
+            ax.set_xticks(list(xs), [n.replace(", ", "\n") for n in names], fontsize=8)
+            ax.set_ylabel("TTFT (s)")
+            ax.set_title("Zipf documents: placement")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["capture", "placement"], choices=["capture", "placement"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--docs", type=int, default=12)
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--slow-mbps", type=int, default=100)
+    a = p.parse_args()
+    dtype = a.dtype or auto_dtype()
+    source = PromptSource()
+    data: dict = {"machine": machine(), "dtype": dtype}
+    verdicts = []
+    if "capture" in a.parts:
+        data["capture"] = capture_cost(source, dtype, 2048, a.repeats)
+        o = data["capture"]["overhead"]
+        verdicts.append(f"capture overhead at 2048 tokens {o:+.1%} of cold TTFT "
+                        f"(target <= 5 %: {'PASS' if o <= 0.05 else 'MISS'})")
+    if "placement" in a.parts:
+        data["placement"] = placement(source, dtype, a.docs, a.requests, a.clients, a.slow_mbps)
+        data["workload"] = {"docs": a.docs, "doc_tokens": 1000, "requests": a.requests, "clients": a.clients,
+                            "zipf_s": 1.1, "device_tokens": 2304, "host": "2x", "slow_mbps": a.slow_mbps}
+        r = data["placement"]
+        slow = f"{a.slow_mbps} MB/s"
+        lru, imp = r[f"lru, disk {slow}"], r[f"importance, disk {slow}"]
+        verdicts.append(f"placement at {slow}: importance median {imp['median_s']:.3f} s vs LRU {lru['median_s']:.3f}"
+                        f" s ({lru['median_s'] / imp['median_s']:.2f}x), SSD tokens {imp['tokens']['storage']} vs "
+                        f"{lru['tokens']['storage']}")
+    save("importance", data)
+    plot(data, RESULTS / "importance.png")
+    for v in verdicts:
+        print("VERDICT:", v)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
