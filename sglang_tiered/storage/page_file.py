@@ -5,13 +5,16 @@ Layout (all integers little-endian)::
     magic  b"SGTKV\\x00\\x01\\x00"    8 bytes
     meta_len                       u32
     meta_crc32                     u32    crc32 of the msgpack bytes
-    meta                           msgpack {"ns": str, "key": str, "nbytes": int, "crc32": int}
+    meta                           msgpack {"ns": str, "key": str, "nbytes": int, "crc32": None,
+                                            "segs": [segment bytes, ...], "seg_crc": [crc32 of each segment, ...]}
     payload                        `nbytes` bytes, the page's segments concatenated in order
 
-A page is written to a temporary name and renamed into place, so it becomes visible only when complete. The
-payload checksum is verified on every read, so a page torn by a crash or power loss (rename without fsync) reads as
-corrupt, never as data. `read_page`/`write_page` move bytes directly between the file and caller-owned buffers
-(`os.preadv`/`os.pwritev`), so the host KV pool is the I/O buffer (zero copy).
+A page is written to a temporary name and renamed into place, so it becomes visible only when complete. Every
+segment has its own checksum (pages written before per-segment checksums have one "crc32" over the whole payload),
+verified on every read -- a whole page, or only some of its segments (`read_segments`, e.g. one layer's keys) -- so
+a page torn by a crash or power loss (rename without fsync) reads as corrupt, never as data. `read_page`/`write_page`
+move bytes directly between the file and caller-owned buffers (`os.preadv`/`os.pwritev`), so the host KV pool is
+the I/O buffer (zero copy).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import msgpack
 
@@ -48,7 +52,17 @@ class PageHeader:
     namespace: str
     key: str
     nbytes: int
-    crc32: int
+    crc32: Optional[int]  # whole payload (pages written before per-segment checksums), else None
+    segs: tuple[int, ...] = ()  # bytes of each segment
+    seg_crc: tuple[int, ...] = ()  # crc32 of each segment
+
+    def segment_offsets(self) -> list[int]:
+        """Byte offset of each segment within the payload."""
+        out, pos = [], 0
+        for n in self.segs:
+            out.append(pos)
+            pos += n
+        return out
 
 
 def checksum(segments: Sequence[memoryview]) -> int:
@@ -61,8 +75,16 @@ def checksum(segments: Sequence[memoryview]) -> int:
 
 def encode_header(namespace: str, key: str, segments: Sequence[memoryview]) -> bytes:
     nbytes = sum(seg.nbytes for seg in segments)
-    meta = msgpack.packb({"ns": namespace, "key": key, "nbytes": nbytes, "crc32": checksum(segments)})
+    meta = msgpack.packb({"ns": namespace, "key": key, "nbytes": nbytes, "crc32": None,
+                          "segs": [seg.nbytes for seg in segments], "seg_crc": [zlib.crc32(seg) for seg in segments]})
     return _FIXED.pack(MAGIC, len(meta), zlib.crc32(meta)) + meta
+
+
+def header_bound(namespace: str, key: str, segment_bytes: Sequence[int]) -> int:
+    """An upper bound of the header's size for a page with these segments (before their checksums are known)."""
+    meta = msgpack.packb({"ns": namespace, "key": key, "nbytes": 2**62, "crc32": None,
+                          "segs": [2**62] * len(segment_bytes), "seg_crc": [2**32 - 1] * len(segment_bytes)})
+    return _FIXED.size + len(meta)
 
 
 def write_page(path: str, namespace: str, key: str, segments: Sequence[memoryview]) -> int:
@@ -99,16 +121,20 @@ def read_header(fd: int, file_size: int) -> tuple[PageHeader, int]:
     magic, meta_len, meta_crc = _FIXED.unpack(fixed)
     if magic != MAGIC:
         raise CorruptPage("bad magic")
-    if meta_len > 4096:
+    if meta_len > 65536:
         raise CorruptPage("implausible metadata length")
     meta_bytes = os.pread(fd, meta_len, _FIXED.size)
     if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
         raise CorruptPage("metadata checksum mismatch")
     try:
         meta = msgpack.unpackb(meta_bytes)
-        header = PageHeader(str(meta["ns"]), str(meta["key"]), int(meta["nbytes"]), int(meta["crc32"]))
+        crc = meta.get("crc32")
+        header = PageHeader(str(meta["ns"]), str(meta["key"]), int(meta["nbytes"]), None if crc is None else int(crc),
+                            tuple(int(n) for n in meta.get("segs", ())), tuple(int(c) for c in meta.get("seg_crc", ())))
     except Exception as exc:  # malformed msgpack with a colliding crc: treat as corrupt
         raise CorruptPage(f"bad metadata: {exc}") from exc
+    if header.crc32 is None and (len(header.segs) != len(header.seg_crc) or sum(header.segs) != header.nbytes):
+        raise CorruptPage("segment table does not add up")
     offset = _FIXED.size + meta_len
     if file_size != offset + header.nbytes:
         raise CorruptPage(f"size {file_size} != {offset + header.nbytes}")
@@ -135,9 +161,57 @@ def read_page(path: str, namespace: str, key: str, segments: Sequence[memoryview
         os.close(fd)
     if got != expected:
         raise CorruptPage(f"short read {got} of {expected}")
-    if checksum(segments) != header.crc32:
-        raise CorruptPage("payload checksum mismatch")
+    if header.crc32 is not None:
+        if checksum(segments) != header.crc32:
+            raise CorruptPage("payload checksum mismatch")
+    else:
+        _verify(header, list(range(len(header.segs))), _split(segments, header.segs))
     return expected
+
+
+def read_segments(path: str, namespace: str, key: str, wanted: dict[int, memoryview]) -> int:
+    """Read only the segments `wanted` ({segment index: buffer of exactly that segment's size}) of a page with
+    per-segment checksums, each verified. Returns bytes read. Raises FileNotFoundError, CorruptPage, ForeignPage, or
+    NotImplementedError for a page written before per-segment checksums (read it whole)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header, offset = read_header(fd, os.fstat(fd).st_size)
+        if header.namespace != namespace or header.key != key:
+            raise ForeignPage(f"page {path} is ns={header.namespace} key={header.key}")
+        if header.crc32 is not None:
+            raise NotImplementedError("this page has one checksum over the whole payload")
+        starts = header.segment_offsets()
+        total = 0
+        for i, buf in sorted(wanted.items()):
+            if not 0 <= i < len(header.segs) or buf.nbytes != header.segs[i]:
+                raise ForeignPage(f"page {path} has no segment {i} of {buf.nbytes} bytes")
+            got = _vectored_all(os.preadv, fd, [buf], offset + starts[i])
+            if got != buf.nbytes:
+                raise CorruptPage(f"short read of segment {i}")
+            total += got
+    finally:
+        os.close(fd)
+    _verify(header, sorted(wanted), [wanted[i] for i in sorted(wanted)])
+    return total
+
+
+def _split(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[memoryview]:
+    """The caller's buffers cut at the page's segment boundaries (they may be laid out differently)."""
+    flat = [memoryview(s).cast("B") if s.format != "B" or s.ndim != 1 else s for s in segments]
+    if [b.nbytes for b in flat] == list(sizes):
+        return flat
+    joined = memoryview(b"".join(bytes(b) for b in flat))
+    out, pos = [], 0
+    for n in sizes:
+        out.append(joined[pos : pos + n])
+        pos += n
+    return out
+
+
+def _verify(header: PageHeader, indices: Sequence[int], bufs: Sequence[memoryview]) -> None:
+    for i, buf in zip(indices, bufs):
+        if zlib.crc32(buf) != header.seg_crc[i]:
+            raise CorruptPage(f"segment {i} checksum mismatch")
 
 
 def _vectored_all(op, fd: int, bufs: list[memoryview], offset: int) -> int:

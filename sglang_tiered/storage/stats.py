@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 @dataclass
 class TierStats:
     hit_pages: int = 0
+    segment_reads: int = 0  # pages read in part (some segments, e.g. one layer's keys), each checksummed
     miss_pages: int = 0  # asked for and not in the index
     bytes_read: int = 0
     read_seconds: float = 0.0
