@@ -32,17 +32,29 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, heads: 
                   scale: float | None = None) -> torch.Tensor:
     """Attention received by each key [S] (fp32) from the window queries `q` [w, Hq, D] of the sampled `heads`,
     summed over queries and heads; keys after a query's position get none from it."""
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    return head_scores(q, k, q_pos, heads, scale).sum(0)
+
+
+def head_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, heads: Sequence[int],
+                scale: float | None = None, kv_heads: Sequence[int] | None = None) -> torch.Tensor:
+    """Per sampled head [len(heads), S] (fp32): the attention each key receives from the window queries, summed over
+    queries. `k` holds every KV head ([S, Hkv, D]); or, with `kv_heads` given, one column per sampled head:
+    k[:, j] is the KV head that heads[j] reads (kv_heads[j], its index in the full model)."""
+    hq = q.shape[1]
+    hkv = k.shape[1] if kv_heads is None else None
     heads = list(heads)
-    kv_of = [h // (hq // hkv) for h in heads]
+    if kv_heads is None:
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+        cols = [h // (hq // hkv) for h in heads]
+    else:
+        cols = list(range(len(kv_heads)))
     qs = q[:, heads].float().transpose(0, 1)  # [h, w, D]
-    ks = k[:, kv_of].float().transpose(0, 1)  # [h, S, D]
+    ks = k[:, cols].float().transpose(0, 1)  # [h, S, D]
     scores = torch.bmm(qs, ks.transpose(1, 2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     visible = torch.arange(k.shape[0], device=k.device)[None, :] <= q_pos.to(k.device)[:, None]  # [w, S]
     probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
-    return probs.sum((0, 1))
+    return probs.sum(1)
 
 
 def topk_sets(scores: torch.Tensor, k: int) -> list[set[int]]:

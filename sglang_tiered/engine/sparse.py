@@ -1,0 +1,124 @@
+"""Gated sparse loading of a stored prefix (IMPRESS), on the layer-by-layer engine.
+
+A prompt = an exact prefix P (its KV already in memory), a stored span S (its KV on a slow tier) and new tokens C.
+Per layer, instead of loading all of S's KV:
+
+  1. the new tokens' Q, K, V are computed (true positions);
+  2. the *probe* is read -- the keys of S in the KV heads the sampled query heads read -- and the window (C's last
+     `window` queries) is scored against [P, S, C] in each sampled head (`kernels.importance.head_scores`);
+  3. each sampled head picks its top k = ceil(ratio * |S|) tokens of S; the gate (`policy.importance`) compares
+     their mean pairwise Jaccard J with t = j^alpha: J >= t -> only the union of the picks is loaded (their K and V,
+     all heads), else all of S (exact for that layer);
+  4. C attends to [P, the loaded S tokens, C] (keys carry RoPE from their real positions, so a gathered subset is
+     attended at its original positions) and the layer finishes.
+
+The probe of layer l + 1 is fetched by the engine's `LayerLoader` while layer l computes. `force="fail"` loads all
+of S on every layer: the result equals a full prefill over [P, S, C] (the exact path the gate falls back to).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import torch
+
+from sglang_tiered.engine.layer_loader import LayerLoader
+from sglang_tiered.engine.llama import LlamaModel
+from sglang_tiered.kernels.extend_attention import causal_attention
+from sglang_tiered.kernels.importance import head_scores, sampled_heads, topk_sets
+from sglang_tiered.policy.importance import gate_threshold, mean_pairwise_jaccard
+
+
+class StoredSpan(Protocol):
+    """The stored KV of the span S (tokens at positions start .. start + tokens - 1), per layer."""
+
+    tokens: int
+
+    def probe(self, layer: int, kv_heads: Sequence[int]) -> torch.Tensor:
+        """Keys of those KV heads for every token of S: [tokens, len(kv_heads), head_dim] (post-RoPE)."""
+        ...
+
+    def load(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        """K and V of the tokens `idx` of S (ascending): [len(idx), 2, kv_heads, head_dim]."""
+        ...
+
+
+@dataclass(frozen=True)
+class Gate:
+    layer: int
+    jaccard: float
+    threshold: float
+    passed: bool
+    loaded: int  # tokens of S loaded on this layer
+
+
+@dataclass
+class SparseResult:
+    logits: torch.Tensor  # [vocab] fp32, the last token
+    hidden: torch.Tensor  # [hidden] residual stream of the last token after the last layer
+    kv: torch.Tensor  # [layers, |C|, 2, kv_heads, head_dim]: the new tokens' KV
+    kept: list[torch.Tensor] = field(default_factory=list)  # per layer: indices into S that were loaded
+    kept_kv: list[torch.Tensor] = field(default_factory=list)  # per layer: their KV [len, 2, kv_heads, head_dim]
+    gates: list[Gate] = field(default_factory=list)
+    span_tokens: int = 0
+    probe_wait_s: float = 0.0  # time the compute waited for a probe
+
+    @property
+    def loaded_fraction(self) -> float:
+        """Loaded token-layers of S / all token-layers of S."""
+        return sum(g.loaded for g in self.gates) / max(1, len(self.gates) * self.span_tokens)
+
+
+@torch.inference_mode()
+def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span: StoredSpan,
+                   prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, heads: int = 3,
+                   window: int = 32, ratio: float = 0.2, alpha: float = 0.6, force: Optional[str] = None,
+                   overlap: bool = True) -> SparseResult:
+    """Prefill the new tokens `ids` (positions prefix_len + span.tokens ..) over the exact prefix
+    (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the stored span, loading the span sparsely
+    (see the module docstring).
+    `force`: None (the gate decides), "fail" (load everything: exact), "pass" (always load only the picks)."""
+    c = model.cfg
+    n, p, s = ids.shape[0], prefix_len, span.tokens
+    if n < 1 or s < 1:
+        raise ValueError(f"need new tokens and a stored span, got {n} and {s}")
+    if p and prefix_loader is None:
+        raise ValueError("prefix_len > 0 needs a prefix_loader")
+    if force not in (None, "fail", "pass"):
+        raise ValueError(f"force must be None, 'fail' or 'pass', got {force!r}")
+    q_heads = sampled_heads(c.heads, c.kv_heads, min(heads, c.heads))
+    kv_of = [h // (c.heads // c.kv_heads) for h in q_heads]
+    probe_heads = sorted(set(kv_of))
+    cols = [probe_heads.index(h) for h in kv_of]
+    k_top = min(s, max(1, math.ceil(ratio * s - 1e-9)))
+    threshold = gate_threshold(k_top, s, alpha)
+
+    positions = torch.arange(p + s, p + s + n)
+    w = min(window, n)
+    x = model.embed(ids)
+    new_kv = model.empty_kv(n)
+    kept, kept_kv, gates = [], [], []
+    with LayerLoader(lambda layer: span.probe(layer, probe_heads), c.layers, overlap=overlap,
+                     name="sparse-probe") as probes:
+        for layer in range(c.layers):
+            q, k, v = model.qkv(layer, x, positions)
+            probe = probes.get(layer)  # [s, len(probe_heads), D]
+            prefix = prefix_loader(layer) if p else model.empty_kv(0)[0]
+            keys = torch.cat([prefix[:, 0, probe_heads], probe, k[:, probe_heads]])
+            scores = head_scores(q[-w:], keys[:, cols], positions[-w:], q_heads, kv_heads=kv_of)[:, p : p + s]
+            sets = topk_sets(scores, k_top)
+            jac = mean_pairwise_jaccard(sets)
+            passed = force == "pass" or (force is None and jac >= threshold)
+            idx = torch.tensor(sorted(set().union(*sets)), dtype=torch.int64) if passed else torch.arange(s)
+            loaded = span.load(layer, idx).to(model.dtype)
+            kk = torch.cat([prefix[:, 0], loaded[:, 0], k])
+            vv = torch.cat([prefix[:, 1], loaded[:, 1], v])
+            x = model.finish_layer(layer, x, causal_attention(q, kk, vv, p + idx.shape[0]))
+            new_kv[layer, :, 0], new_kv[layer, :, 1] = k, v
+            kept.append(idx)
+            kept_kv.append(loaded)
+            gates.append(Gate(layer, jac, threshold, passed, int(idx.shape[0])))
+    return SparseResult(model.logits(x[-1:])[0], x[-1], new_kv, kept, kept_kv, gates, s, probes.wait_s)
