@@ -11,6 +11,11 @@ Contracts
 * The index is rebuilt from the directory on start (names and sizes only; headers are checked lazily on read), in
   recency order taken from file mtimes (a read hit bumps the mtime). Temporary files of interrupted writes are removed.
 * Only this process writes to its namespace directory (namespaces include the TP/PP rank).
+* Groups (`repack`): a run of pages rewritten as one importance-ordered file under `groups/<gid>.kvg`
+  (`group_file.py`). A group is committed by its rename; only then are its member pages' files removed, so a crash
+  at any point leaves either the old pages or the group (on start, member pages of a committed group are deleted
+  and orphaned temporary files swept). Members stay addressable by their page keys (`contains`, `read_pages`:
+  token-identical through the group's map); a group is accounted, touched and evicted as one unit.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+from sglang_tiered.storage import group_file
 from sglang_tiered.storage.eviction import EvictionPolicy, LRUPolicy
+from sglang_tiered.storage.groups import ITEMSIZE, assemble, pages_from_group
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import (
     PAGE_SUFFIX,
@@ -67,7 +74,9 @@ class SSDTier:
         self.stats = TierStats()
         self._policy: EvictionPolicy = policy or LRUPolicy()
         self._before_write = before_write
-        self._index: dict[str, int] = {}  # key -> file size in bytes
+        self._index: dict[str, int] = {}  # key (or "g.<gid>" for a group) -> file size in bytes
+        self._groups: dict[str, group_file.GroupMeta] = {}  # gid -> meta of a committed group
+        self._member: dict[str, str] = {}  # page key -> gid of the group holding it
         self._writing: dict[str, int] = {}  # key -> reserved bytes, writes in flight
         self._used = 0  # bytes of indexed files plus reservations
         self._lock = threading.Lock()
@@ -79,15 +88,21 @@ class SSDTier:
     # ----------------------------------------------------------------- queries (index only)
     def contains(self, key: str) -> bool:
         with self._lock:
-            return key in self._index
+            return key in self._index or key in self._member
 
     def leading_hits(self, keys: Sequence[str]) -> int:
         """Length of the leading run of `keys` that are stored."""
         with self._lock:
             for i, key in enumerate(keys):
-                if key not in self._index:
+                if key not in self._index and key not in self._member:
                     return i
             return len(keys)
+
+    def group_of(self, key: str) -> Optional[group_file.GroupMeta]:
+        """The committed group holding page `key`, or None (a plain page, or not stored)."""
+        with self._lock:
+            gid = self._member.get(key)
+            return self._groups.get(gid) if gid is not None else None
 
     @property
     def used_bytes(self) -> int:
@@ -95,13 +110,31 @@ class SSDTier:
             return self._used
 
     def __len__(self) -> int:
+        """Stored pages (plain or in groups)."""
         with self._lock:
-            return len(self._index)
+            return len(self._index) - len(self._groups) + len(self._member)
 
     # ----------------------------------------------------------------- data movement
     def read_pages(self, pages: Sequence[PageIO]) -> list[bool]:
         """Fill each page's buffers from disk. result[i] is False for a miss of any kind."""
-        return self._map(self._read_one, pages)
+        with self._lock:
+            grouped = [i for i, (key, _) in enumerate(pages) if key in self._member]
+        if not grouped:
+            return self._map(self._read_one, pages)
+        out = [False] * len(pages)
+        plain = [i for i in range(len(pages)) if i not in set(grouped)]
+        for i, ok in zip(plain, self._map(self._read_one, [pages[i] for i in plain])):
+            out[i] = ok
+        by_group: dict[str, list[int]] = {}
+        with self._lock:
+            for i in grouped:
+                gid = self._member.get(pages[i][0])
+                if gid is not None:
+                    by_group.setdefault(gid, []).append(i)
+        for gid, idx in by_group.items():
+            for i, ok in zip(idx, self._read_from_group(gid, [pages[i] for i in idx])):
+                out[i] = ok
+        return out
 
     def write_pages(self, pages: Sequence[PageIO]) -> list[bool]:
         """Persist each page. result[i] is True if the page is stored (now or already)."""
@@ -192,7 +225,7 @@ class SSDTier:
             self._before_write()
         size = header_bound(self.ns_id, key, [s.nbytes for s in segments]) + sum(s.nbytes for s in segments)
         with self._lock:
-            if key in self._index or key in self._writing:  # stored, or being stored by another thread
+            if key in self._index or key in self._writing or key in self._member:  # stored, or being stored
                 self._policy.touch(key)
                 self.stats.add(dedup_pages=1)
                 return True
@@ -229,6 +262,135 @@ class SSDTier:
         self._publish_gauges()
         return True
 
+    # ----------------------------------------------------------------- groups
+    def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16) -> bool:
+        """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, logical order) as one group whose
+        slot i holds logical token order[i]. True when committed; False (nothing changed) if a page is missing,
+        unreadable or already grouped, or the space is not there. Blocking; call from a background thread."""
+        with self._lock:
+            if any(k not in self._index or k in self._writing for k in keys):
+                return False
+        seg = self.namespace.page_size * self.namespace.kv_heads * self.namespace.head_dim
+        n_seg = 2 * self.namespace.layer_num
+        payloads = []
+        for key in keys:
+            size = seg * ITEMSIZE.get(self.namespace.dtype, 2)
+            bufs = [memoryview(bytearray(size)) for _ in range(n_seg)]
+            if not self._read_one((key, bufs)):
+                return False
+            payloads.append(b"".join(bytes(b) for b in bufs))
+        meta, probes, data = assemble(self.namespace, keys, payloads, order, probe_heads, chunk)
+        gid, entry = meta["gid"], "g." + meta["gid"]
+        path = self._path(entry)
+        tokens, chunks = meta["tokens"], -(-meta["tokens"] // chunk)  # + a bound of the metadata's size:
+        estimate = (sum(len(p) for p in payloads) + sum(q.nbytes + sc.nbytes for q, sc in probes)
+                    + 1024 + 72 * len(keys) + 5 * tokens + 5 * meta["layers"] * (chunks + 1))
+        with self._lock:
+            if entry in self._index or entry in self._writing:
+                return False
+            victims = self._pick_victims_locked(self._used + estimate - self.capacity_bytes, keep=set(keys))
+            admitted = self._used + estimate <= self.capacity_bytes
+            if admitted:
+                self._used += estimate
+                self._writing[entry] = estimate
+        self._delete_victims(victims)
+        if not admitted:
+            return False
+        try:
+            path.parent.mkdir(exist_ok=True)
+            written = group_file.write_group(str(path), meta, probes, data)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                committed = group_file.read_meta(fd)
+            finally:
+                os.close(fd)
+        except (OSError, group_file.GroupError) as exc:
+            logger.warning("tiered ssd: repack of %d pages failed: %s", len(keys), exc)
+            with self._lock:
+                self._used -= self._writing.pop(entry)
+            _unlink_quiet(path)
+            self.stats.add(io_errors=1)
+            return False
+        with self._lock:
+            self._used += written - self._writing.pop(entry)
+            gone = [(k, self._index.pop(k)) for k in keys if k in self._index]
+            for k, size in gone:
+                self._policy.remove(k)
+                self._used -= size
+            self._index[entry] = written
+            self._policy.insert(entry)
+            self._groups[gid] = committed
+            self._member.update({k: gid for k in keys})
+        for k, _ in gone:
+            _unlink_quiet(self._path(k))
+        self.stats.add(repacked_groups=1, repacked_pages=len(keys), bytes_written=written)
+        self._publish_gauges()
+        return True
+
+    def read_group_probe(self, gid: str, layer: int):
+        """The group's probe of one layer (int8 keys [T, h, D], fp16 scales [T, h]) or None on a miss."""
+        return self._group_io(gid, lambda fd, meta: group_file.read_probe(fd, meta, layer))
+
+    def read_group_chunks(self, gid: str, layer: int, chunks: Sequence[int]):
+        """{chunk: (K bytes, V bytes)} of one layer of the group, or None on a miss."""
+        return self._group_io(gid, lambda fd, meta: group_file.read_chunks(fd, meta, layer, chunks))
+
+    def _group_io(self, gid: str, fn):
+        with self._lock:
+            meta = self._groups.get(gid)
+        if meta is None:
+            return None
+        path = self._path("g." + gid)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget("g." + gid, delete=False)
+            self.stats.add(lost_pages=len(meta.keys))
+            return None
+        t0 = time.perf_counter()
+        try:
+            out = fn(fd, meta)
+        except group_file.GroupError as exc:
+            logger.warning("tiered ssd: corrupt group %s (%s): removed, recomputing", gid, exc)
+            self._forget("g." + gid, delete=True)
+            self.stats.add(corrupt_pages=len(meta.keys))
+            return None
+        except OSError as exc:
+            logger.warning("tiered ssd: read error on group %s: %s", gid, exc)
+            self.stats.add(io_errors=1)
+            return None
+        finally:
+            os.close(fd)
+        nbytes = sum(len(b) for pair in out.values() for b in pair) if isinstance(out, dict) else \
+            sum(a.nbytes for a in out)
+        with self._lock:
+            self._policy.touch("g." + gid)
+        self.stats.add(group_reads=1, bytes_read=nbytes, read_seconds=time.perf_counter() - t0)
+        return out
+
+    def _read_from_group(self, gid: str, pages: Sequence[PageIO]) -> list[bool]:
+        with self._lock:
+            meta = self._groups.get(gid)
+        if meta is None:
+            self.stats.add(miss_pages=len(pages))
+            return [False] * len(pages)
+        layers = []
+        for layer in range(meta.layers):
+            chunks = self.read_group_chunks(gid, layer, range(meta.chunks))
+            if chunks is None:
+                self.stats.add(miss_pages=len(pages))
+                return [False] * len(pages)
+            layers.append(chunks)
+        wanted = [meta.keys.index(key) for key, _ in pages]
+        for (_, segments), payload in zip(pages, pages_from_group(meta, layers, wanted)):
+            view, pos = memoryview(payload), 0
+            for seg in segments:
+                flat = seg.cast("B") if seg.format != "B" or seg.ndim != 1 else seg
+                flat[:] = view[pos : pos + flat.nbytes]
+                pos += flat.nbytes
+        self.stats.add(hit_pages=len(pages))
+        return [True] * len(pages)
+
     # ----------------------------------------------------------------- maintenance
     def clear(self) -> None:
         """Remove every page of this namespace."""
@@ -237,6 +399,8 @@ class SSDTier:
             for key in keys:
                 self._policy.remove(key)
             self._index.clear()
+            self._groups.clear()
+            self._member.clear()
             self._used = sum(self._writing.values())
         for key in keys:
             _unlink_quiet(self._path(key))
@@ -260,6 +424,7 @@ class SSDTier:
             if size is not None:
                 self._policy.remove(key)
                 self._used -= size
+                self._drop_group_locked(key)
         if delete:
             _unlink_quiet(self._path(key))
         self._publish_gauges()
@@ -267,11 +432,19 @@ class SSDTier:
     def _path(self, key: str) -> Path:
         if not key or "/" in key or key.startswith("."):
             raise ValueError(f"unsafe page key {key!r}")
+        if key.startswith("g."):
+            return self.dir / "groups" / f"{key[2:]}{group_file.GROUP_SUFFIX}"
         return self.dir / key[:2] / f"{key}{PAGE_SUFFIX}"
+
+    def _drop_group_locked(self, entry: str) -> None:
+        if entry.startswith("g."):
+            meta = self._groups.pop(entry[2:], None)
+            for k in meta.keys if meta else ():
+                self._member.pop(k, None)
 
     def _publish_gauges(self) -> None:
         with self._lock:
-            used, n = self._used, len(self._index)
+            used, n = self._used, len(self._index) - len(self._groups) + len(self._member)
         self.stats.set(used_bytes=used, stored_pages=n)
 
     def _write_namespace_file(self) -> None:
@@ -285,18 +458,26 @@ class SSDTier:
         t0 = time.perf_counter()
         found: list[tuple[float, str, int]] = []
         removed_tmp = 0
+        groups = self._scan_groups()
         for sub in os.scandir(self.dir):
             if not sub.is_dir():
                 if sub.name.endswith(TMP_SUFFIX):
                     _unlink_quiet(Path(sub.path))
+                continue
+            if sub.name == "groups":
                 continue
             for entry in os.scandir(sub.path):
                 if entry.name.endswith(TMP_SUFFIX):
                     _unlink_quiet(Path(entry.path))
                     removed_tmp += 1
                 elif entry.name.endswith(PAGE_SUFFIX):
+                    key = entry.name[: -len(PAGE_SUFFIX)]
+                    if key in self._member:  # its group committed; the crash came before this file was removed
+                        _unlink_quiet(Path(entry.path))
+                        continue
                     st = entry.stat()
-                    found.append((st.st_mtime, entry.name[: -len(PAGE_SUFFIX)], st.st_size))
+                    found.append((st.st_mtime, key, st.st_size))
+        found.extend(groups)
         found.sort()
         with self._lock:
             for _, key, size in found:
@@ -318,17 +499,49 @@ class SSDTier:
             f", {removed_tmp} interrupted writes removed" if removed_tmp else "",
         )
 
+    def _scan_groups(self) -> list[tuple[float, str, int]]:
+        """Committed groups under groups/ (registered as members); temporary and unreadable files removed."""
+        out: list[tuple[float, str, int]] = []
+        gdir = self.dir / "groups"
+        if not gdir.is_dir():
+            return out
+        for entry in os.scandir(gdir):
+            if not entry.name.endswith(group_file.GROUP_SUFFIX):
+                _unlink_quiet(Path(entry.path))
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY)
+                try:
+                    meta = group_file.read_meta(fd)
+                finally:
+                    os.close(fd)
+            except (OSError, group_file.GroupError) as exc:
+                logger.warning("tiered ssd: unreadable group %s (%s): removed", entry.name, exc)
+                _unlink_quiet(Path(entry.path))
+                continue
+            if meta.ns != self.ns_id:
+                _unlink_quiet(Path(entry.path))
+                continue
+            self._groups[meta.gid] = meta
+            self._member.update({k: meta.gid for k in meta.keys})
+            st = entry.stat()
+            out.append((st.st_mtime, "g." + meta.gid, st.st_size))
+        return out
+
     def _evict_bytes(self, nbytes: int) -> None:
         with self._lock:
             victims = self._pick_victims_locked(nbytes)
         self._delete_victims(victims)
 
-    def _pick_victims_locked(self, nbytes: int) -> list[tuple[str, int]]:
-        """Drop policy-chosen pages from the index until `nbytes` are freed (or nothing is left). Lock held."""
+    def _pick_victims_locked(self, nbytes: int, keep: frozenset | set = frozenset()) -> list[tuple[str, int]]:
+        """Drop policy-chosen pages (or groups) from the index until `nbytes` are freed (or nothing is left), never
+        one in `keep`. Lock held."""
         victims: list[tuple[str, int]] = []
         for victim in self._policy.victims():
             if nbytes <= 0:
                 break
+            if victim in keep:
+                continue
             vsize = self._index[victim]
             victims.append((victim, vsize))
             nbytes -= vsize
@@ -336,6 +549,7 @@ class SSDTier:
             del self._index[victim]
             self._policy.remove(victim)
             self._used -= vsize
+            self._drop_group_locked(victim)
         return victims
 
     def _delete_victims(self, victims: list[tuple[str, int]]) -> None:

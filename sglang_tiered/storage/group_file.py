@@ -1,0 +1,202 @@
+"""On-disk format of a repacked group: the pages of a run of consecutive prefix pages, rewritten in importance order,
+with a small quantized probe for scoring. Pure format: numpy and files, no torch, no SGLang.
+
+A group replaces its member pages (`<key>.kvp`) by one file, `<gid>.kvg`::
+
+    magic b"SGTKG\\x00\\x01\\x00" | meta_len u32 | meta_crc32 u32 | meta (msgpack) | probe section | data section
+
+meta: {"ns", "gid", "keys": [page keys, logical order], "page_size", "tokens" T, "layers" L, "heads" H, "dim" D,
+       "dtype" (numpy name of the KV element, e.g. "bfloat16" stored as 2-byte "V2"), "itemsize",
+       "perm": [logical token index of each storage slot], "probe_heads": [KV heads in the probe],
+       "chunk": C (tokens per data chunk), "probe_crc": [per layer], "data_crc": [per layer, per chunk]}
+
+* Logical order is the prompt's token order (what SGLang's page keys name); storage slot i holds logical token
+  perm[i]. Slots are sorted by importance (most important first), so the tokens a sparse load wants sit in the
+  first chunks.
+* Probe section, per layer: int8 keys of `probe_heads` for every slot [T, h, D] followed by their fp16 scales
+  [T, h] (symmetric, per token and head). Scoring needs only a ranking, which 8 bits keep.
+* Data section, per layer, per chunk of C slots: K [C, H, D] then V [C, H, D] (the last chunk may be shorter).
+* Every probe layer and every data chunk has its own crc32: a sparse load reads and verifies only what it uses.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+MAGIC = b"SGTKG\x00\x01\x00"
+_FIXED = struct.Struct("<8sII")
+GROUP_SUFFIX = ".kvg"
+
+
+class GroupError(Exception):
+    """The group cannot be served (torn, corrupt, foreign)."""
+
+
+@dataclass(frozen=True)
+class GroupMeta:
+    ns: str
+    gid: str
+    keys: tuple[str, ...]
+    page_size: int
+    tokens: int
+    layers: int
+    heads: int
+    dim: int
+    itemsize: int
+    perm: tuple[int, ...]
+    probe_heads: tuple[int, ...]
+    chunk: int
+    probe_crc: tuple[int, ...]
+    data_crc: tuple[tuple[int, ...], ...]
+    offset: int = 0  # where the probe section starts in the file
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.tokens // self.chunk)
+
+    @property
+    def row_bytes(self) -> int:
+        """K or V of one token, all heads."""
+        return self.heads * self.dim * self.itemsize
+
+    @property
+    def probe_layer_bytes(self) -> int:
+        h = len(self.probe_heads)
+        return self.tokens * h * self.dim + self.tokens * h * 2
+
+    @property
+    def data_layer_bytes(self) -> int:
+        return 2 * self.tokens * self.row_bytes
+
+    def probe_offset(self, layer: int) -> int:
+        return self.offset + layer * self.probe_layer_bytes
+
+    def chunk_offset(self, layer: int, chunk: int) -> int:
+        base = self.offset + self.layers * self.probe_layer_bytes + layer * self.data_layer_bytes
+        return base + 2 * chunk * self.chunk * self.row_bytes
+
+    def chunk_tokens(self, chunk: int) -> int:
+        return min(self.chunk, self.tokens - chunk * self.chunk)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.offset + self.layers * (self.probe_layer_bytes + self.data_layer_bytes)
+
+
+def quantize_probe(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float keys [T, h, D] -> int8 [T, h, D] and fp16 scales [T, h] (symmetric per token and head)."""
+    k = keys.astype(np.float32)
+    scale = np.abs(k).max(-1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(k / scale[..., None]), -127, 127).astype(np.int8)
+    return q, scale.astype(np.float16)
+
+
+def dequantize_probe(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32) * scale.astype(np.float32)[..., None]
+
+
+def write_group(path: str, meta: dict, probes: Sequence[tuple[np.ndarray, np.ndarray]],
+                data: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:
+    """Write a group atomically (temp file + rename). `meta` holds the fields of the module docstring except the
+    checksums; `probes[l]` = (int8 [T, h, D], fp16 [T, h]); `data[l]` = (K, V) as raw element arrays [T, H, D] in
+    slot order (any dtype of the right itemsize, e.g. uint16 views of bf16). Returns bytes written."""
+    chunk, tokens = meta["chunk"], meta["tokens"]
+    probe_bytes = [q.tobytes() + s.tobytes() for q, s in probes]
+    data_chunks = []
+    for k, v in data:
+        layer = []
+        for c0 in range(0, tokens, chunk):
+            layer.append(k[c0 : c0 + chunk].tobytes() + v[c0 : c0 + chunk].tobytes())
+        data_chunks.append(layer)
+    full = dict(meta, probe_crc=[zlib.crc32(b) for b in probe_bytes],
+                data_crc=[[zlib.crc32(b) for b in layer] for layer in data_chunks])
+    blob = msgpack.packb(full)
+    parts = [_FIXED.pack(MAGIC, len(blob), zlib.crc32(blob)), blob, *probe_bytes,
+             *(b for layer in data_chunks for b in layer)]
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            for p in parts:
+                f.write(p)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return sum(len(p) for p in parts)
+
+
+def read_meta(fd: int) -> GroupMeta:
+    fixed = os.pread(fd, _FIXED.size, 0)
+    if len(fixed) != _FIXED.size:
+        raise GroupError("truncated header")
+    magic, n, crc = _FIXED.unpack(fixed)
+    if magic != MAGIC or n > 1 << 24:
+        raise GroupError("bad magic or metadata length")
+    blob = os.pread(fd, n, _FIXED.size)
+    if len(blob) != n or zlib.crc32(blob) != crc:
+        raise GroupError("metadata checksum mismatch")
+    try:
+        m = msgpack.unpackb(blob)
+        meta = GroupMeta(str(m["ns"]), str(m["gid"]), tuple(m["keys"]), int(m["page_size"]), int(m["tokens"]),
+                         int(m["layers"]), int(m["heads"]), int(m["dim"]), int(m["itemsize"]), tuple(m["perm"]),
+                         tuple(m["probe_heads"]), int(m["chunk"]), tuple(m["probe_crc"]),
+                         tuple(tuple(x) for x in m["data_crc"]), _FIXED.size + n)
+    except Exception as exc:
+        raise GroupError(f"bad metadata: {exc}") from exc
+    if os.fstat(fd).st_size != meta.file_bytes or sorted(meta.perm) != list(range(meta.tokens)):
+        raise GroupError("size or permutation does not match the metadata")
+    return meta
+
+
+def _read(fd: int, offset: int, n: int, crc: int, what: str) -> bytes:
+    b = os.pread(fd, n, offset)
+    if len(b) != n or zlib.crc32(b) != crc:
+        raise GroupError(f"{what} checksum mismatch")
+    return b
+
+
+def read_probe(fd: int, meta: GroupMeta, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 keys [T, h, D], fp16 scales [T, h]) of one layer, verified."""
+    b = _read(fd, meta.probe_offset(layer), meta.probe_layer_bytes, meta.probe_crc[layer], f"probe layer {layer}")
+    h, t, d = len(meta.probe_heads), meta.tokens, meta.dim
+    q = np.frombuffer(b, dtype=np.int8, count=t * h * d).reshape(t, h, d)
+    s = np.frombuffer(b, dtype=np.float16, offset=t * h * d).reshape(t, h)
+    return q, s
+
+
+def read_chunks(fd: int, meta: GroupMeta, layer: int, chunks: Sequence[int]) -> dict[int, tuple[bytes, bytes]]:
+    """{chunk: (K bytes, V bytes)} of one layer, each chunk verified; consecutive chunks are read in one call."""
+    out: dict[int, tuple[bytes, bytes]] = {}
+    wanted = sorted(set(chunks))
+    i = 0
+    while i < len(wanted):
+        j = i
+        while j + 1 < len(wanted) and wanted[j + 1] == wanted[j] + 1:
+            j += 1
+        start, end = meta.chunk_offset(layer, wanted[i]), meta.chunk_offset(layer, wanted[j]) + \
+            2 * meta.chunk_tokens(wanted[j]) * meta.row_bytes
+        blob = os.pread(fd, end - start, start)
+        if len(blob) != end - start:
+            raise GroupError(f"short read of layer {layer} chunks {wanted[i]}..{wanted[j]}")
+        pos = 0
+        for c in wanted[i : j + 1]:
+            n = meta.chunk_tokens(c) * meta.row_bytes
+            piece = blob[pos : pos + 2 * n]
+            if zlib.crc32(piece) != meta.data_crc[layer][c]:
+                raise GroupError(f"layer {layer} chunk {c} checksum mismatch")
+            out[c] = (piece[:n], piece[n:])
+            pos += 2 * n
+        i = j + 1
+    return out

@@ -1,0 +1,82 @@
+"""Repacking pages into an importance-ordered group, and reading pages back out of one (numpy, no torch/SGLang).
+
+Pages are in SGLang's `layer_first` host layout: 2 x layers segments per page, K of layer 0, V of layer 0, K of
+layer 1, ... each [page_size, kv_heads, head_dim] elements. A group holds the same bytes per token, reordered
+(`group_file.py`); `pages_from_group` turns a group's data back into that page layout, token-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from sglang_tiered.storage.group_file import GroupMeta, quantize_probe
+from sglang_tiered.storage.namespace import Namespace
+
+ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
+_RAW = {2: np.uint16, 4: np.uint32}
+
+
+def itemsize(ns: Namespace) -> int:
+    try:
+        return ITEMSIZE[ns.dtype]
+    except KeyError:
+        raise ValueError(f"cannot repack pages of dtype {ns.dtype}") from None
+
+
+def as_float(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw element array (uint16/uint32 bit patterns) -> float32 values."""
+    if dtype == "torch.bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "torch.float16":
+        return raw.view(np.float16).astype(np.float32)
+    return raw.view(np.float32)
+
+
+def group_id(keys: Sequence[str]) -> str:
+    return hashlib.sha256("".join(keys).encode()).hexdigest()[:32]
+
+
+def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], order: Sequence[int],
+             probe_heads: Sequence[int], chunk: int = 16) -> tuple[dict, list, list]:
+    """(meta, probes, data) for `group_file.write_group` from the member pages' payloads (logical order).
+    `order[i]` = the logical token stored in slot i (a permutation: most important first)."""
+    size, layers, ps = itemsize(ns), ns.layer_num, ns.page_size
+    h, d = ns.kv_heads, ns.head_dim
+    tokens = len(keys) * ps
+    if sorted(order) != list(range(tokens)):
+        raise ValueError(f"order is not a permutation of {tokens} tokens")
+    raw = np.stack([np.frombuffer(p, dtype=_RAW[size]).reshape(layers, 2, ps, h, d) for p in payloads])
+    raw = raw.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, tokens, h, d)  # [layer, k/v, logical token, h, d]
+    perm = np.asarray(order, dtype=np.int64)
+    probes, data = [], []
+    for layer in range(layers):
+        k, v = raw[layer, 0, perm], raw[layer, 1, perm]
+        probes.append(quantize_probe(as_float(k[:, list(probe_heads)], ns.dtype)))
+        data.append((k, v))
+    meta = {"ns": ns.id, "gid": group_id(keys), "keys": list(keys), "page_size": ps, "tokens": tokens,
+            "layers": layers, "heads": h, "dim": d, "itemsize": size, "perm": [int(i) for i in order],
+            "probe_heads": [int(x) for x in probe_heads], "chunk": chunk}
+    return meta, probes, data
+
+
+def pages_from_group(meta: GroupMeta, layers: Sequence[dict[int, tuple[bytes, bytes]]],
+                     wanted: Sequence[int]) -> list[bytes]:
+    """Page payloads (layer_first bytes) of the member pages `wanted` (indices into meta.keys), from every chunk of
+    every layer (`layers[l]` = `group_file.read_chunks` of all chunks of layer l)."""
+    raw_t = _RAW[meta.itemsize]
+    inv = np.empty(meta.tokens, dtype=np.int64)
+    inv[np.asarray(meta.perm, dtype=np.int64)] = np.arange(meta.tokens)  # logical token -> slot
+    ps, shape = meta.page_size, (meta.heads, meta.dim)
+    per_layer = []
+    for chunks in layers:
+        k = np.concatenate([np.frombuffer(chunks[c][0], dtype=raw_t) for c in range(meta.chunks)])
+        v = np.concatenate([np.frombuffer(chunks[c][1], dtype=raw_t) for c in range(meta.chunks)])
+        per_layer.append((k.reshape(meta.tokens, *shape), v.reshape(meta.tokens, *shape)))
+    out = []
+    for j in wanted:
+        slots = inv[j * ps : (j + 1) * ps]
+        out.append(b"".join(k[slots].tobytes() + v[slots].tobytes() for k, v in per_layer))
+    return out

@@ -1,0 +1,175 @@
+"""Repacked groups in the SSD tier (real files, no SGLang): pages come back token-identical through the group's map,
+the probe ranks like the keys it quantizes, corrupt chunks are misses, and a repack killed at any moment leaves
+every page readable after a restart."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from sglang_tiered.storage import group_file
+from sglang_tiered.storage.groups import as_float
+from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.page_file import PAGE_SUFFIX
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+LAYERS, HEADS, DIM, PS = 3, 2, 8, 16
+SEG = PS * HEADS * DIM * 2  # bytes of one segment (bf16)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def ns() -> Namespace:
+    return Namespace(model="m:1", dtype="torch.bfloat16", page_size=PS, layout="layer_first", layer_num=LAYERS,
+                     kv_heads=HEADS, head_dim=DIM)
+
+
+def key(i: int) -> str:
+    return f"{i:064x}"
+
+
+def bf16_page(seed: int) -> list[memoryview]:
+    """A layer_first page of plausible bf16 values (random floats truncated to bf16 bit patterns)."""
+    rng = np.random.default_rng(seed)
+    vals = rng.standard_normal(2 * LAYERS * PS * HEADS * DIM).astype(np.float32)
+    raw = (vals.view(np.uint32) >> 16).astype(np.uint16)
+    return [memoryview(bytearray(raw[i * SEG // 2 : (i + 1) * SEG // 2].tobytes())) for i in range(2 * LAYERS)]
+
+
+def empty() -> list[memoryview]:
+    return [memoryview(bytearray(SEG)) for _ in range(2 * LAYERS)]
+
+
+def joined(segs) -> bytes:
+    return b"".join(bytes(s) for s in segs)
+
+
+def filled(tmp_path, pages: int = 4) -> SSDTier:
+    tier = SSDTier(tmp_path, ns(), 1 << 24)
+    assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(pages)]))
+    return tier
+
+
+def order(tokens: int, seed: int = 0) -> list[int]:
+    o = list(range(tokens))
+    random.Random(seed).shuffle(o)
+    return o
+
+
+def test_pages_come_back_token_identical_through_the_map(tmp_path):
+    tier = filled(tmp_path)
+    keys = [key(i) for i in range(4)]
+    assert tier.repack(keys[:3], order(3 * PS), probe_heads=[0, 1])
+    assert not list((tmp_path / ns().id).glob(f"*/{keys[0]}{PAGE_SUFFIX}"))  # the member files are gone
+    assert tier.group_of(keys[1]) is not None and tier.group_of(keys[3]) is None and len(tier) == 4
+    outs = [empty() for _ in range(4)]
+    assert tier.read_pages([(keys[i], outs[i]) for i in (2, 0, 3, 1)]) == [True] * 4
+    for i in range(4):
+        assert joined(outs[i]) == joined(bf16_page(i)), i
+    assert tier.leading_hits(keys) == 4
+    assert tier.write_pages([(keys[0], bf16_page(0))]) == [True]  # a member is stored: nothing written
+    tier.check_integrity()
+    s = tier.stats.snapshot()
+    assert s["repacked_groups"] == 1 and s["repacked_pages"] == 3 and s["group_reads"] >= LAYERS
+
+    again = SSDTier(tmp_path, ns(), 1 << 24)  # a restart finds the group
+    outs = [empty() for _ in range(3)]
+    assert again.read_pages([(keys[i], outs[i]) for i in range(3)]) == [True] * 3
+    assert all(joined(outs[i]) == joined(bf16_page(i)) for i in range(3))
+    again.check_integrity()
+
+
+def test_slots_follow_the_order_and_the_probe_ranks_like_the_keys(tmp_path):
+    tier = filled(tmp_path, 2)
+    o = order(2 * PS, seed=3)
+    assert tier.repack([key(0), key(1)], o, probe_heads=[1])
+    meta = tier.group_of(key(0))
+    assert list(meta.perm) == o and meta.chunks == 2 * PS // meta.chunk
+    q, scale = tier.read_group_probe(meta.gid, 2)
+    approx = group_file.dequantize_probe(q, scale)  # [tokens, 1, DIM] in slot order
+    raw = np.frombuffer(joined(bf16_page(0)) + joined(bf16_page(1)), dtype=np.uint16)
+    pages = raw.reshape(2, LAYERS, 2, PS, HEADS, DIM)
+    k2 = as_float(pages[:, 2, 0].reshape(2 * PS, HEADS, DIM), "torch.bfloat16")[:, 1:2]  # layer 2, head 1
+    exact = k2[o]
+    assert np.abs(approx - exact).max() <= np.abs(exact).max() / 127 + 1e-6
+    query = np.random.default_rng(0).standard_normal(DIM).astype(np.float32)
+    top_exact = set(np.argsort(-(exact[:, 0] @ query))[:8].tolist())
+    top_probe = set(np.argsort(-(approx[:, 0] @ query))[:8].tolist())
+    assert len(top_exact & top_probe) >= 7
+    chunks = tier.read_group_chunks(meta.gid, 0, [1])
+    assert list(chunks) == [1] and len(chunks[1][0]) == meta.chunk * HEADS * DIM * 2
+
+
+def test_a_corrupt_chunk_is_a_counted_miss_never_data(tmp_path):
+    tier = filled(tmp_path, 2)
+    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    path = next((tmp_path / ns().id / "groups").glob("*.kvg"))
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01  # last chunk of the last layer
+    path.write_bytes(bytes(data))
+    meta = tier.group_of(key(0))
+    assert tier.read_group_chunks(meta.gid, 0, [0]) is not None  # other chunks still verify
+    assert tier.read_group_chunks(meta.gid, LAYERS - 1, [meta.chunks - 1]) is None
+    assert not tier.contains(key(0)) and not path.exists()  # the group is gone, both pages with it
+    assert tier.read_pages([(key(0), empty())]) == [False]
+    assert tier.stats.snapshot()["corrupt_pages"] == 2
+    tier.check_integrity()
+
+
+def test_repack_refuses_missing_or_grouped_pages_and_bad_orders(tmp_path):
+    tier = filled(tmp_path, 2)
+    assert not tier.repack([key(0), key(7)], order(2 * PS), probe_heads=[0])
+    with pytest.raises(ValueError, match="permutation"):
+        tier.repack([key(0), key(1)], [0] * (2 * PS), probe_heads=[0])
+    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert not tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])  # already a group
+
+
+def test_groups_are_evicted_as_one_unit_within_capacity(tmp_path):
+    one = 2 * LAYERS * SEG
+    tier = SSDTier(tmp_path, ns(), 8 * one)  # during a repack, old pages and the new group coexist
+    assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4)]))
+    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert tier.read_pages([(key(2), empty()), (key(3), empty())]) == [True, True]  # the group is now the LRU
+    assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4, 8)]))  # needs room: the group goes
+    assert not tier.contains(key(0)) and not tier.contains(key(1)) and tier.contains(key(7))
+    assert not list((tmp_path / ns().id / "groups").glob("*.kvg"))
+    tier.check_integrity()
+
+
+REPACKER = textwrap.dedent(
+    """
+    import sys, random
+    sys.path.insert(0, {root!r})
+    from tests.unit.test_groups import filled, key, order
+    from pathlib import Path
+    tier = filled(Path(sys.argv[1]), 24)
+    print("filled", flush=True)
+    for g in range(0, 24, 3):
+        tier.repack([key(g + j) for j in range(3)], order(48, g), probe_heads=[0, 1])
+        print("group", g, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.15, 0.3])
+def test_a_repack_killed_at_any_moment_loses_nothing(tmp_path, delay):
+    proc = subprocess.Popen([sys.executable, "-c", REPACKER.format(root=ROOT), str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "filled"
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    tier = SSDTier(tmp_path, ns(), 1 << 24)  # restart: sweep temporaries, members of committed groups removed
+    assert not list((tmp_path / ns().id).rglob("*.tmp"))
+    outs = [empty() for _ in range(24)]
+    assert tier.read_pages([(key(i), outs[i]) for i in range(24)]) == [True] * 24
+    assert all(joined(outs[i]) == joined(bf16_page(i)) for i in range(24))
+    tier.check_integrity()
