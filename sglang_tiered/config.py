@@ -16,7 +16,9 @@ from typing import Any, Optional
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
-CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES}
+IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
+CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES,
+           "importance_load": IMPORTANCE_LOAD_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -71,6 +73,9 @@ class TieredConfig:
     importance_heads: int = 3  # query heads per layer sampled for token importance; 0 = no importance capture
     importance_window: int = 32  # the prompt's last tokens whose attention decides importance
     importance_ratio: float = 0.2  # the fraction of a prompt's tokens that count as important
+    importance_load: str = "off"  # "gated": SSD prefixes repacked by importance and loaded sparsely (approximate)
+    importance_alpha: float = 0.6  # gate exponent: the heads' Jaccard must reach ((k/n) / (2 - k/n)) ** alpha
+    importance_min_tokens: int = 256  # shortest stored span worth a sparse load
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -153,6 +158,16 @@ class TieredConfig:
             raise ConfigError(f"--tiered-importance-window: must be >= 1, got {self.importance_window}")
         if not 0.0 < self.importance_ratio <= 1.0:
             raise ConfigError(f"--tiered-importance-ratio: must be in (0, 1], got {self.importance_ratio}")
+        if not 0.0 < self.importance_alpha <= 10.0:
+            raise ConfigError(f"--tiered-importance-alpha: must be in (0, 10], got {self.importance_alpha}")
+        if self.importance_min_tokens < 1:
+            raise ConfigError(f"--tiered-importance-min-tokens: must be >= 1, got {self.importance_min_tokens}")
+        if self.importance_load == "gated" and self.importance_heads == 0:
+            raise ConfigError("--tiered-importance-load: 'gated' needs importance capture (--tiered-importance-heads "
+                              ">= 1)")
+        if self.importance_load == "gated" and self.cpu_attention != "prefix_aware":
+            raise ConfigError("--tiered-importance-load: 'gated' needs --tiered-cpu-attention prefix_aware (decoding "
+                              "over a sparse prefix skips the tokens that were not loaded)")
         if self.placement == "importance" and self.importance_heads == 0:
             raise ConfigError("--tiered-placement: 'importance' needs importance capture (--tiered-importance-heads "
                               ">= 1)")
@@ -217,7 +232,16 @@ FLAG_HELP: dict[str, str] = {
     "0 turns importance capture off. Default: 3.",
     "importance_window": "The prompt's last tokens (the question) whose attention decides which tokens are "
     "important. Default: 32.",
-    "importance_ratio": "Fraction of a prompt's tokens that count as important. Default: 0.2.",
+    "importance_ratio": "Fraction of a prompt's tokens that count as important; also the fraction of a stored "
+    "prefix each sampled head picks in a gated sparse load. Default: 0.2.",
+    "importance_load": "'gated': prefixes on SSD are repacked in importance order in the background, and a request "
+    "whose prefix must come from SSD loads, layer by layer, only the tokens its sampled heads pick when they agree "
+    "(Jaccard gate), everything otherwise -- approximate, opt-in; a request can ask for it with "
+    "custom_params.tiered_importance = 'gated' (or 'off', or 'full': the same path loading everything). "
+    "CPU servers only. Default: off.",
+    "importance_alpha": "Gate exponent alpha: the sampled heads' mean Jaccard must reach ((k/n)/(2-k/n))**alpha. "
+    "Default: 0.6.",
+    "importance_min_tokens": "Shortest stored span (tokens) that a gated request loads sparsely. Default: 256.",
     "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "
     "~/.cache/sglang-tiered/runahead-partitions.json if present; without one, a FLOP-balanced split).",
 }

@@ -4,8 +4,8 @@ chunk appears.
 
 Seams (listed in plugin.py), registered in scheduler processes unless `--tiered-blend` is `off` or `prefix` (the
 separator is removed by blend_prompt.py and the prefill is SGLang's own):
-* `PrefillAdder.add_one_req` (AROUND): a marked request prefills alone -- it joins no prefill
-  batch that already has a request and nothing joins its batch (the refused request waits for the next round), so
+* a marked request prefills alone (`model_forward.prefill_alone`, the admission hook): it joins no prefill batch
+  that already has a request and nothing joins its batch (the refused request waits for the next round), so
   concurrent marked requests are each blended instead of falling back. With `--enable-mixed-chunk` decode rows
   still share its batch: it falls back.
 * `BlendHandler` on the shared Llama forward hook (model_forward.py): an extend batch of exactly one marked
@@ -33,7 +33,7 @@ import torch
 
 from sglang_tiered.engine.blend import blend_prefill, observe
 from sglang_tiered.engine.blend_plan import plan_spans
-from sglang_tiered.integration import faults, metrics, model_forward, settings
+from sglang_tiered.integration import metrics, model_forward, settings
 from sglang_tiered.integration.requests import PARAM
 from sglang_tiered.policy.loading import LoadingController
 from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore
@@ -46,32 +46,6 @@ logger = logging.getLogger("sglang_tiered")
 def is_marked(req) -> bool:
     custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
     return PARAM in custom
-
-
-_admission_errors = 0
-
-
-def _around_add_one_req(original, self, req, *args, **kwargs):
-    """A marked request prefills alone (blending runs on extend batches of one request): it does not join a prefill
-    batch that already has a request, and nothing joins one it is in. The refused request waits for the next round,
-    as when the token budget runs out. If this check fails, SGLang's admission decides alone."""
-    global _admission_errors
-    try:
-        faults.check("admission")
-        alone = bool(self.can_run_list) and (is_marked(req) or any(is_marked(r) for r in self.can_run_list))
-    except Exception as exc:
-        _admission_errors += 1
-        metrics.count("hook_errors")
-        if _admission_errors == 1:
-            logger.exception("tiered blend: admission check failed; SGLang admits the request on its own")
-        else:
-            logger.error("tiered blend: admission check failed (%s, failure %d)", exc, _admission_errors)
-        alone = False
-    if alone:
-        from sglang.srt.managers.schedule_policy import AddReqResult
-
-        return AddReqResult.OTHER
-    return original(self, req, *args, **kwargs)
 
 
 class _Runtime:
@@ -173,14 +147,12 @@ def _blended_forward(rt: _Runtime, req: Any, fb) -> torch.Tensor:
 
 def register_hooks() -> bool:
     """The scheduler-side hooks, in processes of a server with blending on. Returns True if registered."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     current = settings.current()
     if current is None or not current.blend_on:
         return False
     if current.config.blend == "prefix":  # the separator is removed; the prefill is SGLang's own
         return False
-    HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _around_add_one_req,
-                          HookType.AROUND)
+    model_forward.prefill_alone(is_marked)
     model_forward.add_handler(BlendHandler())
     return True

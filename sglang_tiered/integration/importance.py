@@ -35,15 +35,30 @@ from sglang_tiered.integration import metrics, model_forward, settings
 from sglang_tiered.kernels.importance import sampled_heads, window_scores
 from sglang_tiered.policy.importance import important_mask
 from sglang_tiered.storage.importance_table import ImportanceTable
+from sglang_tiered.storage.repacker import Repacker
+from sglang_tiered.storage.ssd_tier import SSDTier
 
 logger = logging.getLogger("sglang_tiered")
 
 _table: Optional[ImportanceTable] = None
+_repacker: Optional[Repacker] = None
+_tier: Optional[SSDTier] = None
 
 
 def attach_table(table: ImportanceTable) -> None:
     global _table
     _table = table
+
+
+def attach_repacker(repacker: Repacker, tier: SSDTier) -> None:
+    """With `--tiered-importance-load gated`: every scored prompt's pages are offered for repacking."""
+    global _repacker, _tier
+    _repacker, _tier = repacker, tier
+
+
+def tier() -> Optional[SSDTier]:
+    """This scheduler's SSD tier, when gated loading is on."""
+    return _tier
 
 
 def table() -> Optional[ImportanceTable]:
@@ -134,6 +149,8 @@ class Capture:
             reused = min(int(getattr(job.req, "cached_tokens", 0) or 0), len(keys) * page_size) // page_size
             if reused:
                 _table.reuse(keys[:reused])
+            if _repacker is not None and keys:
+                _repacker.offer(keys)
             metrics.count("importance_prompts")
             metrics.count("importance_pages", len(keys))
 

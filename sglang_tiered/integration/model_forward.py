@@ -89,6 +89,8 @@ class ForwardHandler:
 
 
 _handlers: list[ForwardHandler] = []
+_alone: list[Callable[[Any], bool]] = []
+_admission_errors = 0
 _engines: dict[int, LlamaModel] = {}
 _batch = threading.local()
 _hooked = False
@@ -121,6 +123,40 @@ def add_handler(handler: ForwardHandler) -> None:
     _ensure_hook()
     if all(h.name != handler.name for h in _handlers):
         _handlers.append(handler)
+
+
+def prefill_alone(predicate: Callable[[Any], bool]) -> None:
+    """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
+    request): such a request joins no prefill batch that already has a request, and nothing joins its batch; the
+    refused request waits for the next round, as when the token budget runs out. Seam (plugin.py):
+    `PrefillAdder.add_one_req` (AROUND), registered with the first predicate."""
+    if not _alone:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _around_add_one_req,
+                              HookType.AROUND)
+    _alone.append(predicate)
+
+
+def _around_add_one_req(original, self, req, *args, **kwargs):
+    """If this check fails, SGLang's admission decides alone (logged and counted)."""
+    global _admission_errors
+    try:
+        faults.check("admission")
+        alone = bool(self.can_run_list) and any(p(req) or any(p(r) for r in self.can_run_list) for p in _alone)
+    except Exception as exc:
+        _admission_errors += 1
+        metrics.count("hook_errors")
+        if _admission_errors == 1:
+            logger.exception("tiered: admission check failed; SGLang admits the request on its own")
+        else:
+            logger.error("tiered: admission check failed (%s, failure %d)", exc, _admission_errors)
+        alone = False
+    if alone:
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.OTHER
+    return original(self, req, *args, **kwargs)
 
 
 def gate_background_writes() -> None:

@@ -150,6 +150,8 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
     if cpu_only:
         _cpu_settings(ns)
         choose_cpu_dtype(ns, hf)
+    elif cfg.importance_load == "gated":
+        raise ConfigError("--tiered-importance-load: 'gated' runs on CPU servers only in this version")
     tp_size = getattr(ns, "tp_size", 1) or 1
     page_bytes = None
     if hf is not None:
@@ -164,7 +166,8 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
     threads, partitions = _runahead_settings(ns, cfg, hf)
     settings.publish(settings.Settings(
         config=cfg, model=model_fingerprint(ns.model_path), model_path=str(ns.model_path), cpu_only=cpu_only,
-        runahead_threads=threads, runahead_partitions=partitions, vocab_size=int((hf or {}).get("vocab_size") or 0)))
+        runahead_threads=threads, runahead_partitions=partitions, vocab_size=int((hf or {}).get("vocab_size") or 0),
+        attention_heads=int((hf or {}).get("num_attention_heads") or 0)))
     extra = {  # only what SGLang itself reads; our settings travel in `settings`
         "backend_name": "tiered",
         "module_path": STORAGE_MODULE,

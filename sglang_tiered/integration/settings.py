@@ -29,6 +29,7 @@ class Settings:
     runahead_threads: int = 1  # torch threads per helper rank (resolved from --tiered-runahead-threads)
     runahead_partitions: str = ""  # partition table to use ("" = none: FLOP-balanced splits)
     vocab_size: int = 0  # from config.json (0 = unknown): input_ids outside [0, vocab_size) are refused
+    attention_heads: int = 0  # query heads of the model, from config.json (0 = unknown)
 
     @property
     def blend_on(self) -> bool:

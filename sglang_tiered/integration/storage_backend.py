@@ -20,11 +20,15 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from sglang_tiered.integration import importance, settings
+from sglang_tiered.integration import importance
 from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
+from sglang_tiered.integration.settings import current as current_settings
+from sglang_tiered.kernels.importance import sampled_heads
 from sglang_tiered.storage.foreground import FOREGROUND
+from sglang_tiered.storage.groups import ITEMSIZE
 from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.repacker import Repacker
 from sglang_tiered.storage.ssd_tier import SSDTier
 
 logger = logging.getLogger("sglang_tiered")
@@ -34,7 +38,7 @@ SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 class TieredSSDStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
-        current = settings.current()
+        current = current_settings()
         if current is None:
             raise RuntimeError("TieredSSDStorage needs the server to be started with --kv-backend tiered")
         self.config = current.config
@@ -42,6 +46,7 @@ class TieredSSDStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.tier: Optional[SSDTier] = None
         self.importance: Optional[ImportanceTable] = None
+        self.repacker: Optional[Repacker] = None
         self.reporter: Optional[StatsReporter] = None
         self.page_size = 0
 
@@ -87,6 +92,16 @@ class TieredSSDStorage(HiCacheStorage):
         if self.config.importance_heads > 0:
             self.importance = ImportanceTable(self.page_size, directory=self.tier.dir)
             importance.attach_table(self.importance)
+        if self.config.importance_load == "gated" and self.importance is not None:
+            if layout != "layer_first" or namespace.dtype not in ITEMSIZE:
+                raise NotImplementedError(f"--tiered-importance-load gated: needs the layer_first host layout and a "
+                                          f"16/32-bit KV dtype, got {layout} / {namespace.dtype}")
+            heads = current_settings().attention_heads or int(mem_pool_host.head_num)
+            kv = int(mem_pool_host.head_num)
+            probe = sorted({h // max(1, heads // kv) for h in sampled_heads(heads, kv, min(
+                self.config.importance_heads, heads))})
+            self.repacker = Repacker(self.tier, self.importance, probe, before_repack=FOREGROUND.wait_idle)
+            importance.attach_repacker(self.repacker, self.tier)
         self.reporter = StatsReporter(
             self.tier.stats,
             json_path=Path(self.config.ssd_dir) / "stats" / f"{namespace.id}.json",
@@ -144,6 +159,8 @@ class TieredSSDStorage(HiCacheStorage):
     def close(self) -> None:
         if self.reporter is not None:
             self.reporter.stop()
+        if self.repacker is not None:
+            self.repacker.close()
         if self.tier is not None:
             self.tier.close()
         if self.importance is not None:

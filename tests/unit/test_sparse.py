@@ -87,3 +87,46 @@ def test_bad_arguments(setup):
         sparse_prefill(model, ids[100:], prefix_len=4, span=Span(full.kv[:, 4:100]))
     with pytest.raises(ValueError, match="force"):
         sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), force="maybe")
+
+
+# ---------------------------------------------------------------------------------------------- from a repacked group
+def stored_group(tmp_path, kv: torch.Tensor, order: list[int], page_size: int = 16):
+    """Write the KV [layers, T, 2, H, D] (fp32) as layer_first pages, repack them in `order`; (tier, group meta)."""
+    from sglang_tiered.storage.namespace import Namespace
+    from sglang_tiered.storage.ssd_tier import SSDTier
+
+    layers, tokens, _, heads, dim = kv.shape
+    ns = Namespace(model="m", dtype="torch.float32", page_size=page_size, layout="layer_first", layer_num=layers,
+                   kv_heads=heads, head_dim=dim)
+    tier = SSDTier(tmp_path, ns, 1 << 26)
+    keys = [f"{i:064x}" for i in range(tokens // page_size)]
+    for j, key in enumerate(keys):
+        rows = kv[:, j * page_size : (j + 1) * page_size]
+        segs = [memoryview(rows[layer, :, kv_i].contiguous().numpy().tobytes()) for layer in range(layers)
+                for kv_i in (0, 1)]
+        assert tier.write_pages([(key, segs)]) == [True]
+    assert tier.repack(keys, order, probe_heads=list(range(heads)))
+    return tier, tier.group_of(keys[0])
+
+
+def test_a_group_span_serves_the_exact_kv_and_reads_only_the_chunks_it_needs(tmp_path, setup):
+    from sglang_tiered.engine.group_span import GroupSpan
+
+    model, ids, full = setup
+    order = list(range(96))[::-1]  # slots in reverse: the last tokens first
+    tier, meta = stored_group(tmp_path, full.kv[:, :96], order)
+    span = GroupSpan(tier, meta, first=0, pages=6)
+    exact = sparse_prefill(model, ids[96:], prefix_len=0, span=span, force="fail")
+    assert (exact.logits - full.logits).abs().max().item() <= TOL
+    assert torch.equal(span.load(2, torch.tensor([0, 5, 95])), full.kv[2, [0, 5, 95]])
+    before = span.bytes_read
+    span.load(1, torch.tensor([94, 95]))  # both in slots 0..1: one 16-token chunk
+    assert span.bytes_read - before == 2 * 16 * GQA.kv_heads * GQA.head_dim * 4
+    probe = span.probe(3, [1])
+    assert probe.shape == (96, 1, GQA.head_dim)
+    assert (probe - full.kv[3, :96, 0, 1:2]).abs().max() <= full.kv[3, :96, 0].abs().max() / 100
+    # a later span of the group: pages 2..5 (tokens 32..95), after an exact prefix of 32 tokens
+    tail = GroupSpan(tier, meta, first=2, pages=4)
+    r = sparse_prefill(model, ids[96:], prefix_len=32, span=tail, prefix_loader=lambda layer: full.kv[layer, :32],
+                       force="fail")
+    assert (r.logits - full.logits).abs().max().item() <= TOL

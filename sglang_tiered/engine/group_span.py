@@ -1,0 +1,68 @@
+"""A stored span served from a repacked group on the SSD tier: the `StoredSpan` that `sparse_prefill` reads.
+
+The span is the logical tokens [first * page_size, (first + pages) * page_size) of the group (its member pages
+first .. first + pages - 1). `probe` dequantizes the group's int8 probe into logical order; `load` maps the wanted
+logical tokens to storage slots, reads only the chunks that hold them (importance order puts the usual picks in the
+first chunks) and returns their K and V. Every read is checksummed by the tier; a miss raises `SpanMiss`. Bytes read
+are counted in `bytes_read` (what was asked of the file system; the block device may read more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from sglang_tiered.storage.group_file import GroupMeta, dequantize_probe
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+_TORCH = {2: {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}, 4: {"torch.float32": torch.float32}}
+
+
+class SpanMiss(RuntimeError):
+    """The group (or a chunk of it) could not be read: the caller falls back to computing the span."""
+
+
+class GroupSpan:
+    def __init__(self, tier: SSDTier, meta: GroupMeta, first: int, pages: int) -> None:
+        if first < 0 or pages < 1 or first + pages > len(meta.keys):
+            raise ValueError(f"pages {first}..{first + pages} are not in a group of {len(meta.keys)}")
+        self.tier, self.meta = tier, meta
+        self.start = first * meta.page_size
+        self.tokens = pages * meta.page_size
+        self.dtype = _TORCH[meta.itemsize][tier.namespace.dtype]
+        perm = np.asarray(meta.perm, dtype=np.int64)
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(len(perm))
+        self.slots = torch.from_numpy(inv[self.start : self.start + self.tokens])  # span token -> storage slot
+        self.bytes_read = 0
+
+    def probe(self, layer: int, kv_heads: Sequence[int]) -> torch.Tensor:
+        got = self.tier.read_group_probe(self.meta.gid, layer)
+        if got is None:
+            raise SpanMiss(f"probe of layer {layer} of group {self.meta.gid}")
+        q, scale = got
+        self.bytes_read += q.nbytes + scale.nbytes
+        cols = [self.meta.probe_heads.index(h) for h in kv_heads]
+        keys = torch.from_numpy(dequantize_probe(q, scale))[self.slots]
+        return keys[:, cols]
+
+    def load(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        m = self.meta
+        slots = self.slots[idx]
+        chunks = sorted(set((slots // m.chunk).tolist()))
+        got = self.tier.read_group_chunks(m.gid, layer, chunks)
+        if got is None:
+            raise SpanMiss(f"layer {layer} of group {m.gid}")
+        shape = (m.heads, m.dim)
+        out = torch.empty(len(slots), 2, *shape, dtype=self.dtype)
+        for c in chunks:
+            k_bytes, v_bytes = got[c]
+            self.bytes_read += len(k_bytes) + len(v_bytes)
+            k = torch.frombuffer(bytearray(k_bytes), dtype=self.dtype).view(-1, *shape)
+            v = torch.frombuffer(bytearray(v_bytes), dtype=self.dtype).view(-1, *shape)
+            rows = (slots // m.chunk == c).nonzero().squeeze(1)
+            within = slots[rows] - c * m.chunk
+            out[rows, 0], out[rows, 1] = k[within], v[within]
+        return out

@@ -1,0 +1,94 @@
+"""Background repacking: prompts whose tokens were scored get their stored pages rewritten as importance-ordered
+groups (`SSDTier.repack`), so that a sparse load finds the tokens it wants in a group's first chunks.
+
+Contracts
+* `offer(keys)` never blocks (a full queue drops the offer; the pages stay plain, which is always correct).
+* The worker waits (up to `wait_s`) for the pages to reach the SSD tier -- write-through is asynchronous -- then
+  repacks each maximal run of consecutive plain pages of at least `min_pages` pages. Slots are ordered by the
+  tokens' importance averages (most important first; ties and unobserved tokens by position).
+* `before_repack()` runs first (e.g. `ForegroundGate.wait_idle`: on CPU, repacking yields to the model forward).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+from sglang_tiered.storage.importance_table import ImportanceTable
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+logger = logging.getLogger(__name__)
+
+
+def importance_order(table: ImportanceTable, keys: Sequence[str], page_size: int) -> list[int]:
+    """Token positions of the run `keys`, most important first (unknown importance counts 0; ties by position)."""
+    scores: list[float] = []
+    for key in keys:
+        page = table.get(key)
+        scores += [max(0.0, float(x)) for x in page.tokens] if page is not None else [0.0] * page_size
+    return sorted(range(len(scores)), key=lambda t: (-scores[t], t))
+
+
+class Repacker:
+    def __init__(self, tier: SSDTier, table: ImportanceTable, probe_heads: Sequence[int], *, min_pages: int = 4,
+                 chunk: int = 16, wait_s: float = 30.0, before_repack: Optional[Callable[[], object]] = None) -> None:
+        self.tier, self.table, self.probe_heads = tier, table, list(probe_heads)
+        self.min_pages, self.chunk, self.wait_s, self.before_repack = min_pages, chunk, wait_s, before_repack
+        self._queue: queue.Queue = queue.Queue(maxsize=256)
+        self._busy = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tiered-repack", daemon=True)
+        self._thread.start()
+
+    def offer(self, keys: Sequence[str]) -> None:
+        if len(keys) >= self.min_pages:
+            try:
+                self._queue.put_nowait(list(keys))
+            except queue.Full:
+                pass
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every offer so far was handled (for tests)."""
+        deadline = time.monotonic() + timeout
+        while (not self._queue.empty() or self._busy.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop = True
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            keys = self._queue.get()
+            if keys is None or self._stop:
+                return
+            self._busy.set()
+            try:
+                self._repack(keys)
+            except Exception:  # a failed repack leaves the plain pages: correct, just not reordered
+                logger.exception("tiered repack: failed")
+            finally:
+                self._busy.clear()
+
+    def _repack(self, keys: list[str]) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while self.tier.leading_hits(keys) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        run: list[str] = []
+        for key in [*keys, None]:
+            plain = key is not None and self.tier.contains(key) and self.tier.group_of(key) is None
+            if plain:
+                run.append(key)
+                continue
+            if len(run) >= self.min_pages:
+                if self.before_repack is not None:
+                    self.before_repack()
+                order = importance_order(self.table, run, self.tier.namespace.page_size)
+                if self.tier.repack(run, order, self.probe_heads, self.chunk):
+                    logger.info("tiered repack: %d pages in importance order", len(run))
+            run = []
