@@ -165,7 +165,7 @@ def run_config(name: str, server_args: Callable[[Path, int], list[str]], lengths
                     time.sleep(0.5)  # write-through to SSD is asynchronous
                     if stored is not None:
                         wait_for_storage(_settled(stored, store))
-                    server.post("/flush_cache")
+                    server.flush_cache()
                     record("ssd", server, text)
         if "restart" in steps:
             dropped = drop_page_cache()

@@ -236,8 +236,8 @@ FLAG_HELP: dict[str, str] = {
     "prefix each sampled head picks in a gated sparse load. Default: 0.2.",
     "importance_load": "'gated': prefixes on SSD are repacked in importance order in the background, and a request "
     "whose prefix must come from SSD loads, layer by layer, only the tokens its sampled heads pick when they agree "
-    "(Jaccard gate), everything otherwise -- approximate, opt-in; a request can ask for it with "
-    "custom_params.tiered_importance = 'gated' (or 'off', or 'full': the same path loading everything). "
+    "(Jaccard gate), everything otherwise -- approximate, opt-in. On such a server a request opts out with "
+    "custom_params.tiered_importance = 'off', or takes the same path loading everything (exact) with 'full'. "
     "CPU servers only. Default: off.",
     "importance_alpha": "Gate exponent alpha: the sampled heads' mean Jaccard must reach ((k/n)/(2-k/n))**alpha. "
     "Default: 0.6.",

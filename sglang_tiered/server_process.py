@@ -162,6 +162,18 @@ class ServerProcess:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return r.read().decode()
 
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """Empty the device and host tiers (`/flush_cache`; the SSD tier keeps its pages). SGLang refuses (400) while
+        requests run or cache writes are pending: retried until it succeeds or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, _ = self.request("/flush_cache", {})
+            if status == 200 or time.monotonic() > deadline:
+                if status != 200:
+                    raise RuntimeError(f"/flush_cache kept failing ({status}) for {timeout} s")
+                return
+            time.sleep(0.25)
+
     def request(self, path: str, payload: object, timeout: float = 120.0) -> tuple[int, dict]:
         """POST `payload` as JSON; (HTTP status, parsed JSON body) also for 4xx/5xx answers (body {} if not JSON)."""
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),

@@ -36,6 +36,7 @@ class GroupSpan:
         inv = np.empty_like(perm)
         inv[perm] = np.arange(len(perm))
         self.slots = torch.from_numpy(inv[self.start : self.start + self.tokens])  # span token -> storage slot
+        self.units = self.slots // meta.chunk  # the I/O unit: a chunk of slots
         self.bytes_read = 0
 
     def probe(self, layer: int, kv_heads: Sequence[int]) -> torch.Tensor:

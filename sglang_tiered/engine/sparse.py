@@ -7,8 +7,11 @@ Per layer, instead of loading all of S's KV:
   2. the *probe* is read -- the keys of S in the KV heads the sampled query heads read -- and the window (C's last
      `window` queries) is scored against [P, S, C] in each sampled head (`kernels.importance.head_scores`);
   3. each sampled head picks its top k = ceil(ratio * |S|) tokens of S; the gate (`policy.importance`) compares
-     their mean pairwise Jaccard J with t = j^alpha: J >= t -> only the union of the picks is loaded (their K and V,
-     all heads), else all of S (exact for that layer);
+     their mean pairwise Jaccard J with t = j^alpha: J >= t -> only the picks are loaded (their K and V, all heads),
+     else all of S (exact for that layer). A span stored in I/O units (chunks) is loaded by unit: the units with
+     the most attention (summed over the sampled heads and their tokens), best first, until they hold k tokens --
+     every token of a loaded unit is used (ContiguousKV's chunk-as-I/O-unit selection); a span without units
+     loads the union of the heads' picks;
   4. C attends to [P, the loaded S tokens, C] (keys carry RoPE from their real positions, so a gathered subset is
      attended at its original positions) and the layer finishes.
 
@@ -33,9 +36,12 @@ from sglang_tiered.policy.importance import gate_threshold, mean_pairwise_jaccar
 
 
 class StoredSpan(Protocol):
-    """The stored KV of the span S (tokens at positions start .. start + tokens - 1), per layer."""
+    """The stored KV of the span S (tokens at positions start .. start + tokens - 1), per layer. `units`, if not
+    None, maps each token of S to the I/O unit that holds it ([tokens] ints, e.g. a 16-token chunk of a repacked
+    group): a load then takes whole units, and every token of a loaded unit is used."""
 
     tokens: int
+    units: Optional[torch.Tensor]
 
     def probe(self, layer: int, kv_heads: Sequence[int]) -> torch.Tensor:
         """Keys of those KV heads for every token of S: [tokens, len(kv_heads), head_dim] (post-RoPE)."""
@@ -70,6 +76,23 @@ class SparseResult:
     def loaded_fraction(self) -> float:
         """Loaded token-layers of S / all token-layers of S."""
         return sum(g.loaded for g in self.gates) / max(1, len(self.gates) * self.span_tokens)
+
+
+def _selection(span: StoredSpan, scores: torch.Tensor, sets: list[set[int]], k: int) -> torch.Tensor:
+    """Tokens of S to load once the gate passed (ascending): the heads' picks, or whole units (see the module
+    docstring)."""
+    units = getattr(span, "units", None)
+    if units is None:
+        return torch.tensor(sorted(set().union(*sets)), dtype=torch.int64)
+    mass = torch.zeros(int(units.max()) + 1).index_add_(0, units, scores.sum(0))
+    size = torch.bincount(units, minlength=mass.shape[0])
+    chosen, covered = [], 0
+    for u in torch.argsort(mass, descending=True).tolist():
+        if covered >= k:
+            break
+        chosen.append(u)
+        covered += int(size[u])
+    return torch.isin(units, torch.tensor(chosen)).nonzero().squeeze(1)
 
 
 @torch.inference_mode()
@@ -112,7 +135,7 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
             sets = topk_sets(scores, k_top)
             jac = mean_pairwise_jaccard(sets)
             passed = force == "pass" or (force is None and jac >= threshold)
-            idx = torch.tensor(sorted(set().union(*sets)), dtype=torch.int64) if passed else torch.arange(s)
+            idx = _selection(span, scores, sets, k_top) if passed else torch.arange(s)
             loaded = span.load(layer, idx).to(model.dtype)
             kk = torch.cat([prefix[:, 0], loaded[:, 0], k])
             vv = torch.cat([prefix[:, 1], loaded[:, 1], v])

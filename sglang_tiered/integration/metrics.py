@@ -188,6 +188,12 @@ EVENTS = {
     "hook_errors": "Exceptions inside sglang-tiered hooks (the batch fell back to SGLang's own code)",
     "importance_prompts": "Prompts whose tokens were scored for importance",
     "importance_pages": "KV pages whose token importance was updated",
+    "importance_sparse_requests": "Requests whose stored prefix was loaded sparsely (gated)",
+    "importance_gate_passes": "Layers of sparse loads whose sampled heads agreed (only their picks loaded)",
+    "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the heads disagreed)",
+    "importance_tokens_skipped": "Token-layers of stored prefixes not loaded by sparse loads",
+    "importance_bytes_read": "Bytes read from repacked groups by sparse loads (probe + chunks)",
+    "importance_fallbacks": "Gated requests whose stored span SGLang computed instead",
 }
 _event_counters: dict = {}
 

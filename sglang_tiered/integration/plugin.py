@@ -22,6 +22,10 @@ Scheduler processes of a `--kv-backend tiered` server:
 * `PrefillAdder.add_one_req` (AROUND, `blend.py`): a request marked for blending prefills alone.
 * `layers.radix_attention.RadixAttention.forward` (AROUND, `importance.py`): scores prompt tokens for importance
   after SGLang's attention ran (read-only), with `--tiered-importance-heads` >= 1 (the default).
+* With `--tiered-importance-load gated` (`sparse_load.py`): `Scheduler._prefetch_kvcache` (AROUND: a gated request
+  skips SGLang's L3 prefetch), a handler of the forward hook, the prefill-alone admission, and
+  `TorchNativeAttnBackend.forward_decode` (AROUND, `cpu_attention.py`: the layer and requests of a decode step, so
+  decoding skips the prefix positions a sparse load did not fill).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def register() -> None:
         requests,
         runahead,
         settings,
+        sparse_load,
     )
 
     blend_prompt.register_hooks()  # launcher: act per request once the flags are known
@@ -89,5 +94,6 @@ def register() -> None:
     if current is not None and current.cpu_only:  # a scheduler of a CPU-only server with --kv-backend tiered
         model_forward.gate_background_writes()
     importance.register_hooks()
-    blend.register_hooks()  # blend first: a marked prompt is never chained
+    blend.register_hooks()  # blend first: a marked prompt is neither loaded sparsely nor chained
+    sparse_load.register_hooks()
     runahead.register_hooks()

@@ -10,7 +10,8 @@ message. Checked, only for servers started with `--kv-backend tiered`:
 * every input id is an integer in [0, vocab size) of the served model;
 * chunk lengths in `custom_params["tiered_chunks"]` (set by the separator split in blend_prompt.py, or sent by a
   client that splits its own `input_ids`) are positive integers that add up to the prompt's length, at most
-  `MAX_PARTS` of them.
+  `MAX_PARTS` of them;
+* `custom_params["tiered_importance"]`, if given, is one of "gated", "off", "full".
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from sglang_tiered.engine.blend_plan import MAX_PARTS, PromptError, check_parts
 from sglang_tiered.integration import settings
 
 PARAM = "tiered_chunks"  # custom_params key of a marked prompt's part lengths
+IMPORTANCE_PARAM = "tiered_importance"  # custom_params key of a request's sparse-loading mode (sparse_load.py)
+IMPORTANCE_MODES = ("gated", "off", "full")
 
 
 def check_input_ids(input_ids: Any, vocab_size: int) -> None:
@@ -64,6 +67,11 @@ def _before_validate(self, obj, input_ids, *args, **kwargs):
     lengths = chunk_lengths(obj)
     if lengths is not None:
         check_chunk_lengths(lengths, len(input_ids))
+    params = getattr(obj, "sampling_params", None)
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    mode = custom.get(IMPORTANCE_PARAM) if isinstance(custom, dict) else None
+    if mode is not None and mode not in IMPORTANCE_MODES:
+        raise ValueError(f"custom_params.{IMPORTANCE_PARAM} must be one of {IMPORTANCE_MODES}, got {mode!r}")
     return None
 
 

@@ -106,7 +106,7 @@ def test_concurrent_marked_requests_each_prefill_alone_and_are_all_blended(share
                                               ("Chiara", "Granite", "Quito"), ("Dev", "Harbor", "Lima"))]
     prompts = [*marked, "The gardens along the river", "Museums in Lisbon are"]  # the last two are plain prompts
     s = shared_server
-    s.post("/flush_cache")
+    s.flush_cache()
     before = s.get("/metrics")
     mark = s.log_mark()
     alone = s.generate(marked[0], max_new_tokens=12)
@@ -189,7 +189,7 @@ def test_full_mode_equals_sglang_prefill(tmp_path, fp32_server):
         blended = s.generate(PROMPT, max_new_tokens=24)
         assert len(blend_lines(s)) == 1
     mark = fp32_server.log_mark()
-    fp32_server.post("/flush_cache")
+    fp32_server.flush_cache()
     native = fp32_server.generate(PROMPT, max_new_tokens=24)
     assert not blend_lines(fp32_server, mark)
     assert blended["meta_info"]["prompt_tokens"] == native["meta_info"]["prompt_tokens"]  # separator removed in both

@@ -14,7 +14,7 @@ NEW_TOKENS = 24
 
 
 def run_prompts(server: ServerProcess, prompts: list[str]) -> list[tuple[list[int], dict]]:
-    server.post("/flush_cache")
+    server.flush_cache()
     outs = []
     for text in prompts:
         for _ in range(2):  # cold, then a device hit

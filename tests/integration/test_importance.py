@@ -37,7 +37,7 @@ def test_capture_is_read_only_and_learns_every_page(tmp_path, essays, shared_ser
     with server(tmp_path, "off", "--tiered-importance-heads", "0", "--dtype", chosen_dtype(shared_server)) as s:
         off = [s.generate(p, max_new_tokens=16)["output_ids"] for p in prompts]
     mark = shared_server.log_mark()
-    shared_server.post("/flush_cache")
+    shared_server.flush_cache()
     before = shared_server.get("/metrics")
     on = [shared_server.generate(p, max_new_tokens=16) for p in prompts]
     assert [r["output_ids"] for r in on] == off

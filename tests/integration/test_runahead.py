@@ -57,7 +57,7 @@ def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, 
     a, c, d, e = essays[0], essays[2], essays[3], essays[4]
     b = a + essays[1][:1600]  # extends a's cached prefix by ~400 tokens
     prompts = [a, b, c, d, e]
-    fp32_server.post("/flush_cache")
+    fp32_server.flush_cache()
     base = [fp32_server.generate(p, max_new_tokens=12)["text"] for p in prompts]  # SGLang's own fp32 prefill
 
     log = tmp_path / "chain.log"

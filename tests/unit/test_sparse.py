@@ -16,8 +16,8 @@ TOL = 1e-4
 class Span:
     """A stored span held in memory, counting what was read."""
 
-    def __init__(self, kv: torch.Tensor) -> None:  # [layers, tokens, 2, H, D]
-        self.kv, self.tokens = kv, kv.shape[1]
+    def __init__(self, kv: torch.Tensor, units=None) -> None:  # [layers, tokens, 2, H, D]
+        self.kv, self.tokens, self.units = kv, kv.shape[1], units
         self.probed: list[int] = []
         self.loaded: list[int] = []
 
@@ -62,6 +62,16 @@ def test_a_passing_gate_loads_only_the_picks(setup):
         assert idx.tolist() == sorted(set(idx.tolist()))  # ascending, no repeats
         assert torch.equal(kv, full.kv[layer, idx])  # the loaded KV is the span's own, per token
     assert torch.isfinite(r.logits).all()
+
+
+def test_a_span_in_units_is_loaded_by_whole_units_up_to_the_budget(setup):
+    model, ids, full = setup
+    units = torch.arange(100) // 10  # ten 10-token units
+    span = Span(full.kv[:, :100], units)
+    r = sparse_prefill(model, ids[100:], prefix_len=0, span=span, ratio=0.2, force="pass")
+    for idx in r.kept:
+        chosen = set((idx // 10).tolist())
+        assert len(chosen) == 2 and idx.tolist() == [t for t in range(100) if t // 10 in chosen]  # 20 tokens
 
 
 def test_the_gate_compares_jaccard_with_the_threshold(setup):
