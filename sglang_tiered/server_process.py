@@ -147,6 +147,21 @@ class ServerProcess:
         except OSError:
             return ""
 
+    @property
+    def model_dir(self) -> str:
+        """The served model's directory (the embedded model's alias resolved)."""
+        from sglang_tiered.models import resolve_model_path
+
+        return resolve_model_path(self.model_path)
+
+    def generate_ids(self, input_ids: list[int], max_new_tokens: int = 8) -> dict:
+        """Greedy /generate of token ids."""
+        status, out = self.request("/generate", {"input_ids": list(input_ids), "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0}}, timeout=300)
+        if status != 200:
+            raise RuntimeError(f"/generate answered {status}: {out}")
+        return out
+
     def generate(self, text: str, max_new_tokens: int = 8, timeout: float = 300.0) -> dict:
         """Greedy /generate; returns the JSON response plus `latency_s` (seconds, client side)."""
         body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}})

@@ -69,10 +69,10 @@ def fp32_server(tmp_path_factory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
-    """The shared configuration with SGLang's `torch_native` CPU attention and `--tiered-blend off`, in the dtype
-    the shared server chose (so that their outputs compare token for token)."""
+    """The shared configuration with SGLang's `torch_native` CPU attention, `--tiered-blend off` and importance
+    capture off, in the dtype the shared server chose (so that their outputs compare token for token)."""
     tmp = tmp_path_factory.mktemp("torch-native")
     args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
-                       "--dtype", chosen_dtype(shared_server))
+                       "--tiered-importance-heads", "0", "--dtype", chosen_dtype(shared_server))
     with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
         yield server

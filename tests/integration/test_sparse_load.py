@@ -1,0 +1,77 @@
+"""Gated sparse loading (`--tiered-importance-load gated`) in a live server (CPU, SmolLM2 in fp32 so that exact paths
+compare token for token).
+
+1. A prompt is served cold; its pages reach the SSD tier and are repacked in importance order (logged).
+2. After a restart on the same SSD directory, with device and host empty:
+   * `tiered_importance: off` -- SGLang loads the repacked pages through the group's map: output identical to the
+     cold run (reordering is exact);
+   * `full` -- the sparse path with every token loaded (the gate forced to fail): identical too;
+   * `gated` -- the gate decides per layer: answered, fewer bytes read than `full`, token-layers skipped,
+     counted; and kept out of the radix tree (the same request again is a sparse load again, not a device hit).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from tests.integration.helpers import tiered_args
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+
+def server(tmp: Path, name: str) -> ServerProcess:
+    args = tiered_args(tmp / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32", "--enable-metrics")
+    return ServerProcess(args, log_path=tmp / f"{name}.log")
+
+
+def ask(s: ServerProcess, text: str, mode: str | None = None) -> dict:
+    params: dict = {"max_new_tokens": 12, "temperature": 0}
+    if mode:
+        params["custom_params"] = {"tiered_importance": mode}
+    status, body = s.request("/generate", {"text": text, "sampling_params": params})
+    assert status == 200, body
+    return body
+
+
+def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays):
+    prompt = essays[7] + "\n\nQuestion: What is this essay about?\nAnswer:"
+    with server(tmp_path, "first") as s:
+        cold = ask(s, prompt)
+        deadline = time.monotonic() + 60
+        while not s.log_lines("tiered repack:") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert s.log_lines("tiered repack:"), "the prompt's pages were never repacked"
+    assert list((tmp_path / "ssd").glob("*/groups/*.kvg"))
+
+    with server(tmp_path, "restart") as s:
+        full_load = ask(s, prompt, "off")
+        assert cached_details(full_load)["storage"] >= 640  # SGLang read the pages back through the group
+        assert full_load["output_ids"] == cold["output_ids"]
+
+        s.flush_cache()
+        exact = ask(s, prompt, "full")
+        assert exact["output_ids"] == cold["output_ids"]
+        before = s.get("/metrics")
+        s.flush_cache()
+        gated = ask(s, prompt)
+        gated_again = ask(s, prompt)
+        after = s.get("/metrics")
+        lines = s.log_lines("tiered importance: rid")
+
+    assert gated["meta_info"]["completion_tokens"] >= 1
+    assert len(lines) == 3 and "mode=full" in lines[0] and "mode=gated" in lines[1], lines
+    assert "loaded 1.000 of the stored token-layers" in lines[0]
+
+    def delta(name: str) -> float:
+        return metric_total(after, f"sglang_tiered:importance_{name}_total") - \
+            metric_total(before, f"sglang_tiered:importance_{name}_total")
+
+    full_bytes = metric_total(before, "sglang_tiered:importance_bytes_read_total")  # the `full` load alone
+    assert delta("sparse_requests") == 2
+    assert delta("gate_passes") >= 1 and delta("tokens_skipped") > 0
+    assert delta("bytes_read") / 2 < full_bytes  # each gated load read less than the full one
+    assert cached_details(gated_again)["device"] == 0  # approximate KV never entered the radix tree
