@@ -13,18 +13,28 @@ device / host / SSD / computed.
 
     .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
 
-Writes benchmarks/results/importance.json and .png, prints one verdict line per part. Gated sparse loading and
-reordered pages are not built yet: the ablation stops at placement.
+Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-tokens` tokens, each with a planted
+fact ("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores
+the tokens and gets the pages repacked), then -- device and host flushed, page cache dropped -- asked for the code
+three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
+everything (`full`) and the gated load. TTFT, bytes the server read from storage (/proc/<pid>/io), whether the
+answer holds the code, and agreement with the full load's answer; natively and at `--slow-mbps`.
+
+Writes benchmarks/results/importance.json (parts not run keep their last results) and .png, prints one verdict line
+per part.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -111,13 +121,91 @@ def placement(source: PromptSource, dtype: str, docs: int, requests: int, client
     return out
 
 
+FACT = "The access code for the archive room is {code}. "
+QUESTION = "\n\nQuestion: What is the access code for the archive room?\nAnswer: The access code is"
+WARMUP = "\n\nQuestion: What is the text above about?\nAnswer:"
+
+
+def server_read_bytes(server: ServerProcess) -> int:
+    """Bytes the server's processes read from storage (/proc/<pid>/io read_bytes: what reached the block layer)."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != server.proc.pid:
+                continue
+            with open(f"/proc/{pid}/io") as f:
+                total += int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total
+
+
+def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int) -> dict:
+    """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
+    the sparse path loading everything (full) and the gated load, same server, page cache dropped before each."""
+    rng = random.Random(1)
+    texts, codes = [], []
+    for _ in range(docs):
+        body, code = source.take(tokens), f"{rng.randint(1000, 9999)}"
+        cut = len(body) // 3
+        texts.append(body[:cut] + FACT.format(code=code) + body[cut:])
+        codes.append(code)
+    out: dict = {}
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
+        for disk in ("native", f"{slow_mbps} MB/s"):
+            wrapper = [] if disk == "native" else [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
+            args = ["--kv-backend", "tiered", "--max-total-tokens", str(2 * tokens + 1024), "--dtype", dtype,
+                    "--tiered-ssd-dir", f"{tmp}/{len(out)}", "--tiered-stats-interval", "0",
+                    "--tiered-importance-load", "gated"]
+            rows: dict = {m: [] for m in ("off", "full", "gated")}
+            with ServerProcess(args, log_path=Path(tmp) / f"sparse-{len(out)}.log", wrapper=wrapper) as s:
+                for i, text in enumerate(texts):
+                    s.generate(text + WARMUP, max_new_tokens=1)
+                    deadline = time.monotonic() + 60
+                    while len(s.log_lines("tiered repack:")) <= i and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                for text, code in zip(texts, codes):
+                    for mode in rows:
+                        s.flush_cache()
+                        drop_page_cache()
+                        before = server_read_bytes(s)
+                        t0 = time.perf_counter()
+                        status, r = s.request("/generate", {"text": text + QUESTION, "sampling_params": {
+                            "max_new_tokens": 8, "temperature": 0, "custom_params": {"tiered_importance": mode}}})
+                        ttft = time.perf_counter() - t0
+                        rows[mode].append({"ttft_s": ttft, "read_bytes": server_read_bytes(s) - before,
+                                           "output_ids": r["output_ids"], "correct": code in r["text"],
+                                           "cached": cached_details(r)})
+                log = s.log_lines("tiered importance: rid")
+            res = {}
+            for mode, rs in rows.items():
+                res[mode] = {"median_s": statistics.median(r["ttft_s"] for r in rs),
+                             "read_mib": statistics.median(r["read_bytes"] for r in rs) / 2**20,
+                             "accuracy": sum(r["correct"] for r in rs) / len(rs), "rows": rs}
+            off = rows["off"]
+            for mode in ("full", "gated"):
+                same = [a["output_ids"] == b["output_ids"] for a, b in zip(rows[mode], off)]
+                res[mode]["identical_to_off"] = sum(same) / len(same)
+                agree = [sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) / len(b["output_ids"])
+                         for a, b in zip(rows[mode], off)]
+                res[mode]["token_agreement"] = statistics.mean(agree)
+            res["log"] = log[-docs:]
+            out[disk] = res
+            print(f"[sparse] disk {disk}: " + "; ".join(
+                f"{m} {res[m]['median_s']:.3f} s, {res[m]['read_mib']:.1f} MiB, accuracy {res[m]['accuracy']:.2f}"
+                for m in rows), flush=True)
+    return out
+
+
 def plot(data: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [p for p in ("capture", "placement") if p in data]
+    parts = [p for p in ("capture", "placement", "sparse") if p in data]
     fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4), squeeze=False)
     for ax, part in zip(axes[0], parts):
         if part == "capture":
@@ -125,6 +213,16 @@ def plot(data: dict, path: Path) -> None:
             ax.bar(names, [data["capture"][n]["median_s"] for n in names])
             ax.set_ylabel("cold TTFT, median (s)")
             ax.set_title(f"importance capture: {data['capture']['overhead']:+.1%}")
+        elif part == "sparse":
+            disks = list(data["sparse"])
+            modes = ["off", "full", "gated"]
+            for i, mode in enumerate(modes):
+                ax.bar([j + i * 0.27 for j in range(len(disks))], [data["sparse"][d][mode]["median_s"] for d in disks],
+                       0.27, label=mode)
+            ax.set_xticks([j + 0.27 for j in range(len(disks))], [f"disk {d}" for d in disks])
+            ax.set_ylabel("TTFT of an SSD hit, median (s)")
+            ax.set_title("gated sparse loading")
+            ax.legend()
         else:
             names = list(data["placement"])
             xs = range(len(names))
@@ -140,7 +238,10 @@ def plot(data: dict, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["capture", "placement"], choices=["capture", "placement"])
+    p.add_argument("--parts", nargs="+", default=["capture", "placement", "sparse"],
+                   choices=["capture", "placement", "sparse"])
+    p.add_argument("--sparse-docs", type=int, default=6)
+    p.add_argument("--sparse-tokens", type=int, default=2048)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--docs", type=int, default=12)
@@ -150,7 +251,9 @@ def main() -> int:
     a = p.parse_args()
     dtype = a.dtype or auto_dtype()
     source = PromptSource()
-    data: dict = {"machine": machine(), "dtype": dtype}
+    path = RESULTS / "importance.json"
+    data: dict = json.loads(path.read_text()) if path.exists() else {}  # parts not run keep their last results
+    data.update({"machine": machine(), "dtype": dtype})
     verdicts = []
     if "capture" in a.parts:
         data["capture"] = capture_cost(source, dtype, 2048, a.repeats)
@@ -167,6 +270,19 @@ def main() -> int:
         verdicts.append(f"placement at {slow}: importance median {imp['median_s']:.3f} s vs LRU {lru['median_s']:.3f}"
                         f" s ({lru['median_s'] / imp['median_s']:.2f}x), SSD tokens {imp['tokens']['storage']} vs "
                         f"{lru['tokens']['storage']}")
+    if "sparse" in a.parts:
+        data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps)
+        data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps}
+        r = data["sparse"][f"{a.slow_mbps} MB/s"]
+        off, gated = r["off"], r["gated"]
+        bytes_x = off["read_mib"] / max(gated["read_mib"], 1e-9)
+        ttft_x = off["median_s"] / gated["median_s"]
+        verdicts.append(f"gated sparse load at {a.slow_mbps} MB/s: {bytes_x:.2f}x fewer bytes read (target >= 2x: "
+                        f"{'PASS' if bytes_x >= 2 else 'MISS'}), TTFT {gated['median_s']:.3f} vs {off['median_s']:.3f}"
+                        f" s = {ttft_x:.2f}x (target >= 1.5x: {'PASS' if ttft_x >= 1.5 else 'MISS'}); accuracy "
+                        f"{gated['accuracy']:.2f} vs full load {off['accuracy']:.2f}, answers identical to the full "
+                        f"load {gated['identical_to_off']:.2f} (target >= 0.95: "
+                        f"{'PASS' if gated['identical_to_off'] >= 0.95 else 'MISS'})")
     save("importance", data)
     plot(data, RESULTS / "importance.png")
     for v in verdicts:

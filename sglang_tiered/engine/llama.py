@@ -123,28 +123,7 @@ class LlamaModel:
     @classmethod
     def random(cls, cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaModel:
         """Random weights with sane scales (outputs neither vanish nor explode over the layers)."""
-        g = torch.Generator().manual_seed(seed)
-
-        def rnd(*shape, fan_in):
-            return torch.randn(*shape, generator=g) / fan_in**0.5
-
-        h, d = cfg.hidden, cfg.head_dim
-        w = {"model.embed_tokens.weight": torch.randn(cfg.vocab, h, generator=g),
-             "model.norm.weight": torch.ones(h), "lm_head.weight": rnd(cfg.vocab, h, fan_in=h)}
-        for i in range(cfg.layers):
-            p = f"model.layers.{i}."
-            w.update({
-                p + "input_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-                p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-                p + "self_attn.q_proj.weight": rnd(cfg.heads * d, h, fan_in=h),
-                p + "self_attn.k_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),
-                p + "self_attn.v_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),
-                p + "self_attn.o_proj.weight": rnd(h, cfg.heads * d, fan_in=cfg.heads * d),
-                p + "mlp.gate_proj.weight": rnd(cfg.intermediate, h, fan_in=h),
-                p + "mlp.up_proj.weight": rnd(cfg.intermediate, h, fan_in=h),
-                p + "mlp.down_proj.weight": rnd(h, cfg.intermediate, fan_in=cfg.intermediate),
-            })
-        return cls(cfg, w, dtype)
+        return cls(cfg, random_weights(cfg, seed), dtype)
 
     # ------------------------------------------------------------------ per-layer steps
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -205,3 +184,46 @@ class LlamaModel:
             kv[layer, :, 0], kv[layer, :, 1] = k, v
             x = self.finish_layer(layer, x, causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], 0))
         return PrefillResult(self.logits(x[-1:])[0], kv)
+
+
+def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hugging Face-named random weights of a Llama model with sane scales (fp32)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, fan_in):
+        return torch.randn(*shape, generator=g) / fan_in**0.5
+
+    h, d = cfg.hidden, cfg.head_dim
+    w = {"model.embed_tokens.weight": torch.randn(cfg.vocab, h, generator=g),
+         "model.norm.weight": torch.ones(h), "lm_head.weight": rnd(cfg.vocab, h, fan_in=h)}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        w.update({
+            p + "input_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+            p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+            p + "self_attn.q_proj.weight": rnd(cfg.heads * d, h, fan_in=h),
+            p + "self_attn.k_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),
+            p + "self_attn.v_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),
+            p + "self_attn.o_proj.weight": rnd(h, cfg.heads * d, fan_in=cfg.heads * d),
+            p + "mlp.gate_proj.weight": rnd(cfg.intermediate, h, fan_in=h),
+            p + "mlp.up_proj.weight": rnd(cfg.intermediate, h, fan_in=h),
+            p + "mlp.down_proj.weight": rnd(h, cfg.intermediate, fan_in=cfg.intermediate),
+        })
+    return w
+
+
+def save_random_checkpoint(path: str | Path, cfg: LlamaConfig, seed: int = 0) -> Path:
+    """A Hugging Face-layout Llama checkpoint with random weights (config.json + model.safetensors, fp32), loadable by
+    `LlamaModel.from_pretrained` and by SGLang; the tokenizer is not included."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden,
+              "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+              "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate, "vocab_size": cfg.vocab,
+              "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
+              "max_position_embeddings": 8192, "hidden_act": "silu", "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in random_weights(cfg, seed).items()}, str(out / "model.safetensors"))
+    return out

@@ -168,7 +168,7 @@ def test_a_marked_request_in_a_mixed_batch_falls_back_counted(tmp_path):
     cannot run, the marked request gets SGLang's normal prefill, logged and counted, and is still answered."""
     with server(tmp_path, "mixed", "--enable-mixed-chunk", "--enable-metrics") as s:
         with ThreadPoolExecutor(1) as pool:
-            decoding = pool.submit(s.generate, "The gardens along the river", 200)  # decodes for seconds
+            decoding = pool.submit(s.generate, "The gardens along the river", 120)  # decodes for seconds
             deadline = time.monotonic() + 60
             while "Decode batch" not in (tmp_path / "mixed.log").read_text():
                 assert time.monotonic() < deadline, "the plain request never decoded"

@@ -133,18 +133,23 @@ def test_translation_into_sglang_fields(tmp_path):
 
 @pytest.mark.slow
 def test_runahead_tune_writes_the_table_the_server_picks_up(tmp_path, monkeypatch):
-    """`sglang-tiered runahead-tune` measures splits on real ranks (progress on stdout) and writes the table to the
-    default path, where `--tiered-runahead-ranks` finds it without `--tiered-runahead-partitions`."""
+    """`sglang-tiered runahead-tune` measures splits on real ranks (progress on stdout; a small random checkpoint
+    keeps it quick) and writes the table to the default path, where `--tiered-runahead-ranks` finds it without
+    `--tiered-runahead-partitions`."""
     import argparse
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
+    from sglang_tiered.engine.llama import LlamaConfig, save_random_checkpoint
     from sglang_tiered.integration import settings
     from sglang_tiered.policy.partition import PartitionTable
 
+    small = save_random_checkpoint(tmp_path / "small", LlamaConfig(hidden=64, layers=2, heads=4, kv_heads=2,
+                                                                    head_dim=16, intermediate=128, vocab=512))
     cli = os.path.join(os.path.dirname(sys.executable), "sglang-tiered")
-    r = subprocess.run([cli, "runahead-tune", "--ranks", "2", "--lengths", "128", "256", "--repeats", "1"],
+    r = subprocess.run([cli, "runahead-tune", "--ranks", "2", "--lengths", "128", "256", "--repeats", "1",
+                        "--model-path", str(small)],
                        capture_output=True, text=True, timeout=300, start_new_session=True,
                        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]

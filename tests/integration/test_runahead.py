@@ -53,82 +53,92 @@ def wait_ready(log: Path, count: int, timeout: float = 120.0) -> list[int]:
     raise TimeoutError(f"chain not ready ({count}) after {timeout} s")
 
 
-def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(tmp_path, essays, fp32_server):
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, model_dir):
+    """One runahead server for the module, on a copy of the model directory made of symlinks (so that the
+    give-up test can take the weights away). Yields (server, log, model directory, helper pids seen)."""
+    tmp = tmp_path_factory.mktemp("runahead")
+    model = tmp / "model"
+    model.mkdir()
+    for f in model_dir.iterdir():
+        if f.is_file():
+            os.symlink(f, model / f.name)
+    pids: list[int] = []
+    with server(tmp, "chain", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
+                "--tiered-runahead-timeout", str(TIMEOUT_S), "--enable-metrics", model_path=str(model)) as s:
+        yield s, tmp / "chain.log", model, pids
+    assert not any(process_alive(p) for p in pids)  # no helper outlives the server
+
+
+def test_chained_prefill_is_exact_and_survives_dead_and_stalled_ranks(essays, fp32_server, chain):
     a, c, d, e = essays[0], essays[2], essays[3], essays[4]
     b = a + essays[1][:1600]  # extends a's cached prefix by ~400 tokens
     prompts = [a, b, c, d, e]
     fp32_server.flush_cache()
     base = [fp32_server.generate(p, max_new_tokens=12)["text"] for p in prompts]  # SGLang's own fp32 prefill
 
-    log = tmp_path / "chain.log"
-    pids_seen: list[int] = []
-    with server(tmp_path, "chain", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
-                "--tiered-runahead-timeout", str(TIMEOUT_S), "--enable-metrics") as s:
-        pids_seen += wait_ready(log, 1)
-        assert s.generate(a, max_new_tokens=12)["text"] == base[0]
-        assert s.generate(b, max_new_tokens=12)["text"] == base[1]
-        chained = lines(log, "tiered runahead: rid")
-        assert len(chained) == 2 and "radix_prefix=0" in chained[0], chained
-        assert re.search(r"radix_prefix=[1-9]\d* ranks=2", chained[1]), chained  # the chain extended a prefix
+    s, log, _, pids_seen = chain
+    pids_seen += wait_ready(log, 1)
+    assert s.generate(a, max_new_tokens=12)["text"] == base[0]
+    assert s.generate(b, max_new_tokens=12)["text"] == base[1]
+    chained = lines(log, "tiered runahead: rid")
+    assert len(chained) == 2 and "radix_prefix=0" in chained[0], chained
+    assert re.search(r"radix_prefix=[1-9]\d* ranks=2", chained[1]), chained  # the chain extended a prefix
 
-        os.kill(pids_seen[0], signal.SIGSTOP)  # stall: the chain waits TIMEOUT_S, then SGLang prefills
-        t0 = time.monotonic()
-        assert s.generate(c, max_new_tokens=12)["text"] == base[2]
-        assert time.monotonic() - t0 < 60
-        assert "chain failed" in lines(log, "runs a normal prefill")[-1]
+    os.kill(pids_seen[0], signal.SIGSTOP)  # stall: the chain waits TIMEOUT_S, then SGLang prefills
+    t0 = time.monotonic()
+    assert s.generate(c, max_new_tokens=12)["text"] == base[2]
+    assert time.monotonic() - t0 < 60
+    assert "chain failed" in lines(log, "runs a normal prefill")[-1]
 
-        pids_seen += wait_ready(log, 2)  # restarted in the background
-        assert not process_alive(pids_seen[0])
-        victim = pids_seen[1]
-        os.kill(victim, signal.SIGSTOP)  # the job waits unread; the chain blocks on the victim, which then dies
-        threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
-        t0 = time.monotonic()
-        assert s.generate(d, max_new_tokens=12)["text"] == base[3]
-        fallbacks = lines(log, "runs a normal prefill")
-        assert len(fallbacks) == 2 and "chain failed" in fallbacks[-1], fallbacks
+    pids_seen += wait_ready(log, 2)  # restarted in the background
+    assert not process_alive(pids_seen[0])
+    victim = pids_seen[1]
+    os.kill(victim, signal.SIGSTOP)  # the job waits unread; the chain blocks on the victim, which then dies
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    assert s.generate(d, max_new_tokens=12)["text"] == base[3]
+    fallbacks = lines(log, "runs a normal prefill")
+    assert len(fallbacks) == 2 and "chain failed" in fallbacks[-1], fallbacks
 
-        pids_seen += wait_ready(log, 3)
-        assert s.generate(e, max_new_tokens=12)["text"] == base[4]
-        assert len(lines(log, "tiered runahead: rid")) == 5 and "(chained prefills 3, fallbacks 2)" in \
-            lines(log, "tiered runahead: rid")[-1]
-        text = s.get("/metrics")
-        assert metric_total(text, "sglang_tiered:runahead_prefills_total") == 3
-        assert metric_total(text, "sglang_tiered:runahead_fallbacks_total") == 2
-        assert metric_total(text, "sglang_tiered:runahead_bytes_sent_total") > 0
-    assert not any(process_alive(p) for p in pids_seen)
+    pids_seen += wait_ready(log, 3)
+    assert s.generate(e, max_new_tokens=12)["text"] == base[4]
+    assert len(lines(log, "tiered runahead: rid")) == 5 and "(chained prefills 3, fallbacks 2)" in \
+        lines(log, "tiered runahead: rid")[-1]
+    text = s.get("/metrics")
+    assert metric_total(text, "sglang_tiered:runahead_prefills_total") == 3
+    assert metric_total(text, "sglang_tiered:runahead_fallbacks_total") == 2
+    assert metric_total(text, "sglang_tiered:runahead_bytes_sent_total") > 0
+    assert not any(process_alive(p) for p in pids_seen[:-1])  # the replaced helpers are gone
 
 
-def test_a_chain_that_keeps_failing_is_given_up_and_the_server_keeps_answering(tmp_path, model_dir, essays):
-    """Helpers load the weights from the model directory whenever they (re)start. Take the weights away after the
-    first start and kill the helper: the chain fails, every restart fails, and after MAX_RESTARTS + 1 consecutive
-    failures the server stops trying; every request is still answered by SGLang's own prefill."""
+def test_a_chain_that_keeps_failing_is_given_up_and_the_server_keeps_answering(essays, chain):
+    """Helpers load the weights from the model directory whenever they (re)start. Take the weights away and kill
+    the helper: the chain fails, every restart fails, and after MAX_RESTARTS + 1 consecutive failures the server
+    stops trying; every request is still answered by SGLang's own prefill. (Runs after the test above on the same
+    server, whose last chained prefill succeeded: the failure count starts at 0.)"""
     from sglang_tiered.integration.runahead import MAX_RESTARTS
 
-    model = tmp_path / "model"
-    model.mkdir()
-    for f in model_dir.iterdir():
-        if f.is_file():
-            os.symlink(f, model / f.name)
-    log = tmp_path / "giveup.log"
-    with server(tmp_path, "giveup", "--tiered-runahead-ranks", "2", "--tiered-runahead-min-tokens", "256",
-                "--tiered-runahead-timeout", str(TIMEOUT_S), model_path=str(model)) as s:
-        helper = wait_ready(log, 1)[0]
-        for f in model.glob("*.safetensors"):
-            f.unlink()
-        os.kill(helper, signal.SIGKILL)
-        assert s.generate(essays[0], max_new_tokens=4)["text"].strip()  # the chain fails: a normal prefill
-        assert "chain failed" in lines(log, "runs a normal prefill")[-1]
-        deadline = time.monotonic() + 180
-        while not lines(log, f"failed to start ({MAX_RESTARTS + 1}/{MAX_RESTARTS + 1})"):
-            assert time.monotonic() < deadline, lines(log, "failed to start")
-            s.generate("A short prompt keeps the scheduler stepping", max_new_tokens=4)  # restarts need forwards
-            time.sleep(1.0)
-        attempts = len(lines(log, "failed to start"))
-        assert attempts == MAX_RESTARTS  # the first failure was the chain itself, then the restarts
-        for essay in essays[1:3]:
-            assert s.generate(essay, max_new_tokens=4)["text"].strip()
-        assert "(given up)" in lines(log, "runs a normal prefill")[-1]
-        assert len(lines(log, f"giving up after {MAX_RESTARTS + 1} consecutive chain failures")) == 1
-        assert len(lines(log, "failed to start")) == attempts  # no further attempt
-        assert len(lines(log, "chain ranks ready")) == 1
-    assert not process_alive(helper)
+    s, log, model, pids = chain
+    mark = s.log_mark()
+    ready = lines(log, "chain ranks ready")
+    helper = int(re.search(r"helper pids \[([\d, ]+)\]", ready[-1]).group(1).split(",")[0])
+    pids.append(helper)
+    for f in model.glob("*.safetensors"):
+        f.unlink()
+    os.kill(helper, signal.SIGKILL)
+    assert s.generate(essays[5], max_new_tokens=4)["text"].strip()  # the chain fails: a normal prefill
+    assert "chain failed" in s.log_lines("runs a normal prefill", mark)[-1]
+    deadline = time.monotonic() + 180
+    while not s.log_lines(f"failed to start ({MAX_RESTARTS + 1}/{MAX_RESTARTS + 1})", mark):
+        assert time.monotonic() < deadline, s.log_lines("failed to start", mark)
+        s.generate("A short prompt keeps the scheduler stepping", max_new_tokens=4)  # restarts need forwards
+        time.sleep(1.0)
+    attempts = len(s.log_lines("failed to start", mark))
+    assert attempts == MAX_RESTARTS  # the first failure was the chain itself, then the restarts
+    for essay in essays[6:8]:
+        assert s.generate(essay, max_new_tokens=4)["text"].strip()
+    assert "(given up)" in s.log_lines("runs a normal prefill", mark)[-1]
+    assert len(s.log_lines(f"giving up after {MAX_RESTARTS + 1} consecutive chain failures", mark)) == 1
+    assert len(s.log_lines("failed to start", mark)) == attempts  # no further attempt
+    assert not s.log_lines("chain ranks ready", mark)
