@@ -4,7 +4,8 @@ JSON file per rank at `<ssd dir>/stats/<namespace id>.json` (read by `sglang-tie
 Prometheus metrics (label `tp_rank`), all prefixed `sglang_tiered:ssd_`:
 hit_pages_total, hit_tokens_total, miss_pages_total, read_bytes_total, written_pages_total, written_bytes_total,
 evicted_pages_total, corrupt_pages_total, foreign_pages_total, lost_pages_total, io_errors_total,
-rejected_pages_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
+rejected_pages_total, repacked_groups_total, repacked_pages_total,
+group_reads_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
 Device and host hit tokens are SGLang's own `sglang:cached_tokens_total{source="device"|"host"|"storage"}`.
 
 Counters of the forward mechanisms (`count`, summed over scheduler processes), when SGLang's metrics are on:
@@ -40,6 +41,9 @@ _COUNTERS = {
     "lost_pages": "lost_pages_total",
     "io_errors": "io_errors_total",
     "rejected_pages": "rejected_pages_total",
+    "repacked_groups": "repacked_groups_total",
+    "repacked_pages": "repacked_pages_total",
+    "group_reads": "group_reads_total",
 }
 
 
@@ -48,6 +52,9 @@ def format_stats(s: dict, page_size: int) -> str:
     imp = s.get("importance")
     learned = (f" importance: {imp['observed_pages']} of {imp['pages']} pages scored, {imp['reuses']} page reuses"
                if imp else "")
+    if s.get("repacked_groups"):
+        learned += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages), "
+                    f"group reads={s.get('group_reads', 0)}")
     return (
         f"hits={s['hit_pages']} pages ({s['hit_pages'] * page_size} tokens, {s['bytes_read'] / mib:.1f} MiB) "
         f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "
@@ -193,6 +200,7 @@ EVENTS = {
     "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the heads disagreed)",
     "importance_tokens_skipped": "Token-layers of stored prefixes not loaded by sparse loads",
     "importance_bytes_read": "Bytes read from repacked groups by sparse loads (probe + chunks)",
+    "importance_bytes_needed": "Bytes of the K and V of the stored tokens sparse loads used",
     "importance_fallbacks": "Gated requests whose stored span SGLang computed instead",
 }
 _event_counters: dict = {}

@@ -19,7 +19,8 @@ served by `engine.sparse.sparse_prefill` instead of SGLang's load of every page:
 
 Counters: `sglang_tiered:importance_sparse_requests_total`, `..._importance_gate_passes_total`,
 `..._importance_gate_fails_total` (layers), `..._importance_tokens_skipped_total` (token-layers of S not loaded),
-`..._importance_bytes_read_total`, `..._importance_fallbacks_total`; one log line per sparse request.
+`..._importance_bytes_read_total` (probe + chunks), `..._importance_bytes_needed_total` (K and V of the tokens
+used: read amplification = read / needed), `..._importance_fallbacks_total`; one log line per sparse request.
 """
 
 from __future__ import annotations
@@ -181,15 +182,17 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
             _holes.popitem(last=False)
     passes = sum(g.passed for g in res.gates)
     skipped = sum(s - g.loaded for g in res.gates)
+    needed = sum(g.loaded for g in res.gates) * engine.cfg.geometry(engine.dtype.itemsize).token_layer_bytes
     metrics.count("importance_sparse_requests")
     metrics.count("importance_gate_passes", passes)
     metrics.count("importance_gate_fails", len(res.gates) - passes)
     metrics.count("importance_tokens_skipped", skipped)
     metrics.count("importance_bytes_read", span.bytes_read)
+    metrics.count("importance_bytes_needed", needed)
     logger.info("tiered importance: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s gate passed %d/%d "
-                "layers, loaded %.3f of the stored token-layers, %.1f MiB read, total=%.3fs", req.rid, prefix, s,
-                ext - s, mode, passes, len(res.gates), res.loaded_fraction, span.bytes_read / 2**20,
-                time.perf_counter() - t0)
+                "layers, loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), total=%.3fs",
+                req.rid, prefix, s, ext - s, mode, passes, len(res.gates), res.loaded_fraction,
+                span.bytes_read / 2**20, span.bytes_read / max(1, needed), time.perf_counter() - t0)
     return hidden
 
 
