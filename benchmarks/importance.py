@@ -9,7 +9,8 @@ for every configuration), sent by `--clients` concurrent clients. Configurations
 default) and importance placement, each at the disk's own speed and with the server's block-device reads
 throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the OS page cache is dropped
 before every request so that SSD hits really read the device). Reported: TTFT median and p90, tokens served from
-device / host / SSD / computed.
+device / host / SSD / computed. (The results recorded before 2026-11-23 04:30 dropped the whole OS page cache before
+every request instead, which made every configuration re-read its code pages too.)
 
     .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
 
@@ -17,8 +18,13 @@ Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-toke
 fact ("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores
 the tokens and gets the pages repacked), then -- device and host flushed, page cache dropped -- asked for the code
 three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
-everything (`full`) and the gated load. TTFT, bytes the server read from storage (/proc/<pid>/io), whether the
+everything (`full`) and the gated load, the SSD tier's files evicted from the page cache before each (only those:
+`posix_fadvise`). TTFT, bytes the server read from storage (/proc/<pid>/io), whether the
 answer holds the code, and agreement with the full load's answer; natively and at `--slow-mbps`.
+
+Part `quality`: the same kind of documents through the engine alone (fp32): importance from a first question, the
+code question after a full prefill vs gated sparse loads at `--ratios`, by 16-token chunks (as the server loads) and
+by single tokens; accuracy, agreement with the full load's greedy answer, fraction loaded, gate pass rate.
 
 Writes benchmarks/results/importance.json (parts not run keep their last results) and .png, prints one verdict line
 per part.
@@ -38,7 +44,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, PromptSource, auto_dtype, drop_page_cache, machine, save  # noqa: E402
+from _harness import (  # noqa: E402
+    RESULTS,
+    PromptSource,
+    auto_dtype,
+    evict_from_page_cache,
+    machine,
+    save,
+)
 
 from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
 
@@ -67,9 +80,10 @@ def zipf_sequence(docs: int, requests: int, s: float, seed: int) -> list[int]:
     return rng.choices(range(docs), weights, k=requests)
 
 
-def run_workload(server: ServerProcess, prompts: list[str], docs: list[int], clients: int) -> list[dict]:
-    """Send `prompts` in order from `clients` threads (greedy, one new token), dropping the OS page cache before each
-    request; one row per request: its document, TTFT and where its cached tokens came from."""
+def run_workload(server: ServerProcess, prompts: list[str], docs: list[int], clients: int, store: Path) -> list[dict]:
+    """Send `prompts` in order from `clients` threads (greedy, one new token), evicting the SSD tier's files (`store`)
+    from the page cache before each request; one row per request: its document, TTFT and where its cached tokens came
+    from."""
     rows: list[dict] = []
     lock = threading.Lock()
     jobs = iter(range(len(prompts)))
@@ -79,7 +93,7 @@ def run_workload(server: ServerProcess, prompts: list[str], docs: list[int], cli
             with lock:
                 i = next(jobs, None)
                 if i is not None:
-                    drop_page_cache()
+                    evict_from_page_cache(store)
             if i is None:
                 return
             r = server.generate(prompts[i], max_new_tokens=1)
@@ -110,7 +124,8 @@ def placement(source: PromptSource, dtype: str, docs: int, requests: int, client
                         "--dtype", dtype, "--tiered-placement", policy]
                 with ServerProcess(args, log_path=Path(tmp) / f"{len(out)}.log", wrapper=wrapper) as s:
                     s.generate(source.take(64), max_new_tokens=1)
-                    rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients)
+                    rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients,
+                                        Path(f"{tmp}/{policy}-{len(out)}"))
                 ttft = sorted(r["ttft_s"] for r in rows)
                 tiers = {k: sum(r[k] for r in rows) for k in ("device", "host", "storage")}
                 tiers["computed"] = sum(r["prompt"] for r in rows) - sum(tiers.values())
@@ -169,7 +184,7 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
                 for text, code in zip(texts, codes):
                     for mode in rows:
                         s.flush_cache()
-                        drop_page_cache()
+                        evict_from_page_cache(Path(tmp) / str(len(out)))
                         before = server_read_bytes(s)
                         t0 = time.perf_counter()
                         status, r = s.request("/generate", {"text": text + QUESTION, "sampling_params": {
@@ -197,6 +212,94 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
                 f"{m} {res[m]['median_s']:.3f} s, {res[m]['read_mib']:.1f} MiB, accuracy {res[m]['accuracy']:.2f}"
                 for m in rows), flush=True)
     return out
+
+
+class _MemorySpan:
+    """A stored span held in memory, in 16-token units ordered by importance (what a repacked group holds)."""
+
+    def __init__(self, kv, units) -> None:
+        self.kv, self.tokens, self.units = kv, kv.shape[1], units
+
+    def probe(self, layer, heads):
+        return self.kv[layer, :, 0, heads]
+
+    def load(self, layer, idx):
+        return self.kv[layer, idx]
+
+
+def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -> dict:
+    """Engine-level quality of gated loading on SmolLM2 (fp32, no server): the planted-fact documents, importance
+    learned from a first question, then the code question answered after a full prefill vs a gated sparse load
+    (greedy, 8 tokens; decoding attends to the loaded tokens only, as in the server)."""
+    import torch
+
+    from sglang_tiered.engine.blend import greedy_continue
+    from sglang_tiered.engine.sparse import sparse_prefill
+    from sglang_tiered.engine.tuning import load_model
+    from sglang_tiered.kernels.extend_attention import causal_attention
+    from sglang_tiered.kernels.importance import sampled_heads, window_scores
+    from sglang_tiered.models import default_model_path
+
+    model = load_model(("pretrained", str(default_model_path())), torch.float32)
+    tok = source.tok
+    c = model.cfg
+
+    @torch.inference_mode()
+    def scores(ids):  # what importance capture computes
+        n = ids.shape[0]
+        pos, x, total = torch.arange(n), model.embed(ids), torch.zeros(n)
+        heads = sampled_heads(c.heads, c.kv_heads, 3)
+        for layer in range(c.layers):
+            q, k, v = model.qkv(layer, x, pos)
+            total += window_scores(q[-32:], k, pos[-32:], heads)
+            x = model.finish_layer(layer, x, causal_attention(q, k, v, 0))
+        return total
+
+    @torch.inference_mode()
+    def decode(layers_kv, logits, n, steps=8):  # attends per layer only to the given KV
+        caches, out = [kv.clone() for kv in layers_kv], [int(logits.argmax())]
+        for t in range(steps - 1):
+            x = model.embed(torch.tensor([out[-1]]))
+            for layer in range(c.layers):
+                q, k, v = model.qkv(layer, x, torch.tensor([n + t]))
+                caches[layer] = torch.cat([caches[layer], torch.stack([k, v], 1)])
+                kv = caches[layer]
+                x = model.finish_layer(layer, x, causal_attention(q, kv[:, 0], kv[:, 1], kv.shape[0] - 1))
+            out.append(int(model.logits(x)[0].argmax()))
+        return out
+
+    rng = random.Random(2)
+    rows: dict = {"full": []}
+    for _ in range(docs):
+        body, code = source.take(tokens), f"{rng.randint(1000, 9999)}"
+        cut = len(body) // 3
+        d_ids = tok(body[:cut] + FACT.format(code=code) + body[cut:])["input_ids"]
+        d_ids = d_ids[: len(d_ids) // 64 * 64]
+        s = len(d_ids)
+        imp = scores(torch.tensor(d_ids + tok(WARMUP, add_special_tokens=False)["input_ids"]))[:s]
+        order = sorted(range(s), key=lambda t: (-float(imp[t]), t))
+        slots = torch.empty(s, dtype=torch.int64)
+        slots[torch.tensor(order)] = torch.arange(s)
+        ids = torch.tensor(d_ids + tok(QUESTION, add_special_tokens=False)["input_ids"])
+        full = model.prefill(ids)
+        ref = greedy_continue(model, full.kv, full.logits, 8)
+        rows["full"].append({"correct": code in tok.decode(ref), "agreement": 1.0, "loaded": 1.0, "passes": 0})
+        for ratio in ratios:
+            for unit in ("chunks", "tokens"):
+                span = _MemorySpan(full.kv[:, :s], slots // 16 if unit == "chunks" else None)
+                r = sparse_prefill(model, ids[s:], prefix_len=0, span=span, ratio=ratio)
+                out = decode([torch.cat([r.kept_kv[layer], r.kv[layer]]) for layer in range(c.layers)], r.logits,
+                             ids.shape[0])
+                rows.setdefault(f"gated {ratio:.2f}, {unit}", []).append({
+                    "correct": code in tok.decode(out), "agreement": sum(a == b for a, b in zip(out, ref)) / 8,
+                    "identical": out == ref, "loaded": r.loaded_fraction,
+                    "passes": sum(g.passed for g in r.gates) / c.layers})
+        print(f"[quality] document {len(rows['full'])}: code {code}, full load says {tok.decode(ref)!r}", flush=True)
+    summary = {name: {k: statistics.mean(float(x[k]) for x in rs) for k in rs[0]} for name, rs in rows.items()}
+    for name, m in summary.items():
+        print(f"[quality] {name}: accuracy {m['correct']:.2f}, agreement {m['agreement']:.2f}, loaded "
+              f"{m['loaded']:.2f} of the token-layers, gate passes {m['passes']:.2f} of the layers", flush=True)
+    return {"summary": summary, "rows": rows, "docs": docs, "tokens": tokens}
 
 
 def plot(data: dict, path: Path) -> None:
@@ -238,8 +341,10 @@ def plot(data: dict, path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["capture", "placement", "sparse"],
-                   choices=["capture", "placement", "sparse"])
+    p.add_argument("--parts", nargs="+", default=["capture", "placement", "sparse", "quality"],
+                   choices=["capture", "placement", "sparse", "quality"])
+    p.add_argument("--quality-docs", type=int, default=12)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.5])
     p.add_argument("--sparse-docs", type=int, default=6)
     p.add_argument("--sparse-tokens", type=int, default=2048)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
@@ -263,7 +368,8 @@ def main() -> int:
     if "placement" in a.parts:
         data["placement"] = placement(source, dtype, a.docs, a.requests, a.clients, a.slow_mbps)
         data["workload"] = {"docs": a.docs, "doc_tokens": 1000, "requests": a.requests, "clients": a.clients,
-                            "zipf_s": 1.1, "device_tokens": 2304, "host": "2x", "slow_mbps": a.slow_mbps}
+                            "zipf_s": 1.1, "device_tokens": 2304, "host": "2x", "slow_mbps": a.slow_mbps,
+                            "cache_note": "the SSD tier's files evicted from the page cache before every request"}
         r = data["placement"]
         slow = f"{a.slow_mbps} MB/s"
         lru, imp = r[f"lru, disk {slow}"], r[f"importance, disk {slow}"]
@@ -283,6 +389,14 @@ def main() -> int:
                         f"{gated['accuracy']:.2f} vs full load {off['accuracy']:.2f}, answers identical to the full "
                         f"load {gated['identical_to_off']:.2f} (target >= 0.95: "
                         f"{'PASS' if gated['identical_to_off'] >= 0.95 else 'MISS'})")
+    if "quality" in a.parts:
+        data["quality"] = quality(source, a.quality_docs, a.sparse_tokens, a.ratios)
+        q = data["quality"]["summary"]
+        best = max((n for n in q if n != "full"), key=lambda n: q[n]["agreement"])
+        verdicts.append(f"gated quality (engine, {a.quality_docs} documents): full load accuracy "
+                        f"{q['full']['correct']:.2f}; best setting {best}: accuracy {q[best]['correct']:.2f}, answer "
+                        f"agreement {q[best]['agreement']:.2f} (target >= 0.95: "
+                        f"{'PASS' if q[best]['agreement'] >= 0.95 else 'MISS'}), loading {q[best]['loaded']:.2f}")
     save("importance", data)
     plot(data, RESULTS / "importance.png")
     for v in verdicts:

@@ -75,7 +75,8 @@ def main() -> int:
             w = d["workload"]
             out += [f"Zipf workload: {w['docs']} documents x {w['doc_tokens']} tokens + a new question each, "
                     f"{w['requests']} requests, {w['clients']} clients, s = {w['zipf_s']}; device pool "
-                    f"{w['device_tokens']} tokens, host {w['host']}; page cache dropped before every request.", "",
+                    f"{w['device_tokens']} tokens, host {w['host']}; "
+                    f"{w.get('cache_note', 'whole OS page cache dropped before every request')}.", "",
                     "| configuration | TTFT median (s) | p90 (s) | device tokens | host tokens | SSD tokens | "
                     "computed tokens |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for name, r in d["placement"].items():

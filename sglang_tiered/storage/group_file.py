@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from sglang_tiered.storage.page_file import read_meta_block
+
 MAGIC = b"SGTKG\x00\x01\x00"
 _FIXED = struct.Struct("<8sII")
 GROUP_SUFFIX = ".kvg"
@@ -138,21 +140,12 @@ def write_group(path: str, meta: dict, probes: Sequence[tuple[np.ndarray, np.nda
 
 
 def read_meta(fd: int) -> GroupMeta:
-    fixed = os.pread(fd, _FIXED.size, 0)
-    if len(fixed) != _FIXED.size:
-        raise GroupError("truncated header")
-    magic, n, crc = _FIXED.unpack(fixed)
-    if magic != MAGIC or n > 1 << 24:
-        raise GroupError("bad magic or metadata length")
-    blob = os.pread(fd, n, _FIXED.size)
-    if len(blob) != n or zlib.crc32(blob) != crc:
-        raise GroupError("metadata checksum mismatch")
+    m, offset = read_meta_block(fd, MAGIC, 1 << 24, GroupError)
     try:
-        m = msgpack.unpackb(blob)
         meta = GroupMeta(str(m["ns"]), str(m["gid"]), tuple(m["keys"]), int(m["page_size"]), int(m["tokens"]),
                          int(m["layers"]), int(m["heads"]), int(m["dim"]), int(m["itemsize"]), tuple(m["perm"]),
                          tuple(m["probe_heads"]), int(m["chunk"]), tuple(m["probe_crc"]),
-                         tuple(tuple(x) for x in m["data_crc"]), _FIXED.size + n)
+                         tuple(tuple(x) for x in m["data_crc"]), offset)
     except Exception as exc:
         raise GroupError(f"bad metadata: {exc}") from exc
     if os.fstat(fd).st_size != meta.file_bytes or sorted(meta.perm) != list(range(meta.tokens)):

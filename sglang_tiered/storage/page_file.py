@@ -11,10 +11,9 @@ Layout (all integers little-endian)::
 
 A page is written to a temporary name and renamed into place, so it becomes visible only when complete. Every
 segment has its own checksum (pages written before per-segment checksums have one "crc32" over the whole payload),
-verified on every read -- a whole page, or only some of its segments (`read_segments`, e.g. one layer's keys) -- so
-a page torn by a crash or power loss (rename without fsync) reads as corrupt, never as data. `read_page`/`write_page`
-move bytes directly between the file and caller-owned buffers (`os.preadv`/`os.pwritev`), so the host KV pool is
-the I/O buffer (zero copy).
+verified on every read, so a page torn by a crash or power loss (rename without fsync) reads as corrupt, never as
+data. `read_page`/`write_page` move bytes directly between the file and caller-owned buffers
+(`os.preadv`/`os.pwritev`), so the host KV pool is the I/O buffer (zero copy).
 """
 
 from __future__ import annotations
@@ -113,21 +112,33 @@ def write_page(path: str, namespace: str, key: str, segments: Sequence[memoryvie
     return total
 
 
-def read_header(fd: int, file_size: int) -> tuple[PageHeader, int]:
-    """Parse and validate the header. Returns (header, payload offset)."""
+def read_meta_block(fd: int, magic: bytes, max_len: int, error: type[Exception]) -> tuple[dict, int]:
+    """The msgpack metadata after a file's fixed header (`magic`, length, crc32), verified; (metadata, offset of what
+    follows it). Raises `error` for a truncated, foreign or corrupt header."""
     fixed = os.pread(fd, _FIXED.size, 0)
     if len(fixed) != _FIXED.size:
-        raise CorruptPage("truncated header")
-    magic, meta_len, meta_crc = _FIXED.unpack(fixed)
-    if magic != MAGIC:
-        raise CorruptPage("bad magic")
-    if meta_len > 65536:
-        raise CorruptPage("implausible metadata length")
-    meta_bytes = os.pread(fd, meta_len, _FIXED.size)
-    if len(meta_bytes) != meta_len or zlib.crc32(meta_bytes) != meta_crc:
-        raise CorruptPage("metadata checksum mismatch")
+        raise error("truncated header")
+    found, meta_len, meta_crc = _FIXED.unpack(fixed)
+    if found != magic:
+        raise error("bad magic")
+    if meta_len > max_len:
+        raise error("implausible metadata length")
+    blob = os.pread(fd, meta_len, _FIXED.size)
+    if len(blob) != meta_len or zlib.crc32(blob) != meta_crc:
+        raise error("metadata checksum mismatch")
     try:
-        meta = msgpack.unpackb(meta_bytes)
+        meta = msgpack.unpackb(blob)
+    except Exception as exc:  # malformed msgpack with a colliding crc: treat as corrupt
+        raise error(f"bad metadata: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise error("bad metadata")
+    return meta, _FIXED.size + meta_len
+
+
+def read_header(fd: int, file_size: int) -> tuple[PageHeader, int]:
+    """Parse and validate the header. Returns (header, payload offset)."""
+    meta, offset = read_meta_block(fd, MAGIC, 65536, CorruptPage)
+    try:
         crc = meta.get("crc32")
         header = PageHeader(str(meta["ns"]), str(meta["key"]), int(meta["nbytes"]), None if crc is None else int(crc),
                             tuple(int(n) for n in meta.get("segs", ())), tuple(int(c) for c in meta.get("seg_crc", ())))
@@ -135,7 +146,6 @@ def read_header(fd: int, file_size: int) -> tuple[PageHeader, int]:
         raise CorruptPage(f"bad metadata: {exc}") from exc
     if header.crc32 is None and (len(header.segs) != len(header.seg_crc) or sum(header.segs) != header.nbytes):
         raise CorruptPage("segment table does not add up")
-    offset = _FIXED.size + meta_len
     if file_size != offset + header.nbytes:
         raise CorruptPage(f"size {file_size} != {offset + header.nbytes}")
     return header, offset
@@ -167,32 +177,6 @@ def read_page(path: str, namespace: str, key: str, segments: Sequence[memoryview
     else:
         _verify(header, list(range(len(header.segs))), _split(segments, header.segs))
     return expected
-
-
-def read_segments(path: str, namespace: str, key: str, wanted: dict[int, memoryview]) -> int:
-    """Read only the segments `wanted` ({segment index: buffer of exactly that segment's size}) of a page with
-    per-segment checksums, each verified. Returns bytes read. Raises FileNotFoundError, CorruptPage, ForeignPage, or
-    NotImplementedError for a page written before per-segment checksums (read it whole)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        header, offset = read_header(fd, os.fstat(fd).st_size)
-        if header.namespace != namespace or header.key != key:
-            raise ForeignPage(f"page {path} is ns={header.namespace} key={header.key}")
-        if header.crc32 is not None:
-            raise NotImplementedError("this page has one checksum over the whole payload")
-        starts = header.segment_offsets()
-        total = 0
-        for i, buf in sorted(wanted.items()):
-            if not 0 <= i < len(header.segs) or buf.nbytes != header.segs[i]:
-                raise ForeignPage(f"page {path} has no segment {i} of {buf.nbytes} bytes")
-            got = _vectored_all(os.preadv, fd, [buf], offset + starts[i])
-            if got != buf.nbytes:
-                raise CorruptPage(f"short read of segment {i}")
-            total += got
-    finally:
-        os.close(fd)
-    _verify(header, sorted(wanted), [wanted[i] for i in sorted(wanted)])
-    return total
 
 
 def _split(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[memoryview]:

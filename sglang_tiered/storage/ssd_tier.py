@@ -41,7 +41,6 @@ from sglang_tiered.storage.page_file import (
     ForeignPage,
     header_bound,
     read_page,
-    read_segments,
     write_page,
 )
 from sglang_tiered.storage.stats import TierStats
@@ -139,45 +138,6 @@ class SSDTier:
     def write_pages(self, pages: Sequence[PageIO]) -> list[bool]:
         """Persist each page. result[i] is True if the page is stored (now or already)."""
         return self._map(self._write_one, pages)
-
-    def read_segments(self, key: str, wanted: dict[int, memoryview]) -> bool:
-        """Fill only the segments `wanted` ({segment index: buffer}) of one page, each checksummed on its own (e.g.
-        one layer's keys). False on a miss of any kind, counted like a page miss (a page written before per-segment
-        checksums cannot be read in part: a miss here, still served whole by `read_pages`). Blocking; call from an
-        I/O thread."""
-        with self._lock:
-            known = key in self._index
-        if not known:
-            self.stats.add(miss_pages=1)
-            return False
-        path = self._path(key)
-        t0 = time.perf_counter()
-        try:
-            n = read_segments(str(path), self.ns_id, key, wanted)
-        except NotImplementedError:
-            self.stats.add(miss_pages=1)
-            return False
-        except FileNotFoundError:
-            self._forget(key, delete=False)
-            self.stats.add(lost_pages=1, miss_pages=1)
-            return False
-        except (CorruptPage, ForeignPage) as exc:
-            logger.warning("tiered ssd: bad page %s (%s): removed", key, exc)
-            self._forget(key, delete=True)
-            self.stats.add(corrupt_pages=int(isinstance(exc, CorruptPage)),
-                           foreign_pages=int(isinstance(exc, ForeignPage)), miss_pages=1)
-            return False
-        except OSError as exc:
-            logger.warning("tiered ssd: read error on %s: %s", key, exc)
-            self.stats.add(io_errors=1, miss_pages=1)
-            return False
-        self.stats.add(segment_reads=1, bytes_read=n, read_seconds=time.perf_counter() - t0)
-        return True
-
-    def index_size(self, key: str) -> Optional[int]:
-        """File size of a stored page (header included), or None."""
-        with self._lock:
-            return self._index.get(key)
 
     def _map(self, fn: Callable[[PageIO], bool], pages: Sequence[PageIO]) -> list[bool]:
         if len(pages) <= 1:

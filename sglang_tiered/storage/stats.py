@@ -12,7 +12,6 @@ class TierStats:
     group_reads: int = 0  # reads from repacked groups (a probe layer, or chunks of one layer)
     repacked_groups: int = 0  # groups committed (importance-ordered rewrites of a run of pages)
     repacked_pages: int = 0  # pages rewritten into groups
-    segment_reads: int = 0  # pages read in part (some segments, e.g. one layer's keys), each checksummed
     miss_pages: int = 0  # asked for and not in the index
     bytes_read: int = 0
     read_seconds: float = 0.0

@@ -15,7 +15,6 @@ from sglang_tiered.storage.page_file import (
     CorruptPage,
     ForeignPage,
     read_page,
-    read_segments,
     write_page,
 )
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -84,23 +83,14 @@ def test_checksum_mismatch_is_corrupt(tmp_path):
         read_page(str(path), "ns1", "k1", empty())
 
 
-def test_single_segments_are_read_and_verified_on_their_own(tmp_path):
+def test_each_segment_is_verified(tmp_path):
     path = tmp_path / "p"
-    segs = page(5)
-    write_page(str(path), "ns1", "k1", segs)
-    want = {2: memoryview(bytearray(PAGE // 4)), 0: memoryview(bytearray(PAGE // 4))}
-    assert read_segments(str(path), "ns1", "k1", want) == PAGE // 2
-    assert bytes(want[2]) == bytes(segs[2]) and bytes(want[0]) == bytes(segs[0])
+    write_page(str(path), "ns1", "k1", page(5))
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01  # corrupt the last segment only
     path.write_bytes(bytes(data))
-    assert read_segments(str(path), "ns1", "k1", {0: memoryview(bytearray(PAGE // 4))}) == PAGE // 4  # still fine
-    with pytest.raises(CorruptPage, match="segment 3 checksum"):
-        read_segments(str(path), "ns1", "k1", {3: memoryview(bytearray(PAGE // 4))})
     with pytest.raises(CorruptPage, match="segment 3 checksum"):
         read_page(str(path), "ns1", "k1", empty())
-    with pytest.raises(ForeignPage):
-        read_segments(str(path), "ns1", "k1", {1: memoryview(bytearray(7))})  # not that segment's size
 
 
 def test_pages_with_one_whole_payload_checksum_still_read(tmp_path):
@@ -117,8 +107,6 @@ def test_pages_with_one_whole_payload_checksum_still_read(tmp_path):
     path.write_bytes(struct.pack("<8sII", b"SGTKV\x00\x01\x00", len(meta), zlib.crc32(meta)) + meta + payload)
     out = empty()
     assert read_page(str(path), "ns1", "k1", out) == PAGE and joined(out) == payload
-    with pytest.raises(NotImplementedError):
-        read_segments(str(path), "ns1", "k1", {0: memoryview(bytearray(PAGE // 4))})
     data = bytearray(path.read_bytes())
     data[-9] ^= 0x10
     path.write_bytes(bytes(data))
@@ -310,19 +298,3 @@ def test_concurrent_readers_and_writers(tmp_path):
     assert s["corrupt_pages"] == 0 and s["foreign_pages"] == 0
     tier.check_integrity()
     assert tier.used_bytes <= tier.capacity_bytes
-
-
-def test_tier_reads_segments_and_counts_bad_pages(tmp_path):
-    tier = SSDTier(tmp_path, ns(), 1 << 20)
-    segs = page(7)
-    assert tier.write_pages([(key(1), segs)]) == [True]
-    got = {1: memoryview(bytearray(PAGE // 4))}
-    assert tier.read_segments(key(1), got) and bytes(got[1]) == bytes(segs[1])
-    assert not tier.read_segments(key(2), {0: memoryview(bytearray(PAGE // 4))})  # not stored: a miss
-    data = bytearray(page_file(tier, key(1)).read_bytes())
-    data[-1] ^= 0x01
-    page_file(tier, key(1)).write_bytes(bytes(data))
-    assert not tier.read_segments(key(1), {3: memoryview(bytearray(PAGE // 4))})  # corrupt: removed, counted
-    s = tier.stats.snapshot()
-    assert s["segment_reads"] == 1 and s["corrupt_pages"] == 1 and s["miss_pages"] == 2 and not tier.contains(key(1))
-    tier.check_integrity()
