@@ -83,6 +83,28 @@ def main() -> int:
                 t = r["tokens"]
                 out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {t['device']} | {t['host']} | "
                            f"{t['storage']} | {t['computed']} |")
+        if "sparse" in d:
+            w = d.get("sparse_workload", {})
+            out += ["", f"Gated sparse loading through the server: {w.get('docs')} documents x {w.get('tokens')} "
+                    "tokens with a planted fact, SSD hits (the SSD tier's files evicted from the page cache), asked "
+                    "for the fact after a different first question; bytes = what the server read from storage:", "",
+                    "| disk | mode | TTFT median (s) | read (MiB, median) | answer has the fact | same answer as "
+                    "the full load |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+            for disk, r in d["sparse"].items():
+                for mode in ("off", "full", "gated"):
+                    m = r[mode]
+                    same = f"{m['identical_to_off']:.2f}" if "identical_to_off" in m else "-"
+                    out.append(f"| {disk} | {mode} | {m['median_s']:.3f} | {m['read_mib']:.1f} | "
+                               f"{m['accuracy']:.2f} | {same} |")
+        if "quality" in d:
+            q = d["quality"]
+            out += ["", f"Gated loading quality through the engine alone (fp32, {q['docs']} documents x "
+                    f"{q['tokens']} tokens, decoding over the loaded tokens only):", "",
+                    "| setting | answer has the fact | token agreement with the full load | token-layers loaded | "
+                    "gate passes (layers) |", "| --- | ---: | ---: | ---: | ---: |"]
+            for name, m in q["summary"].items():
+                out.append(f"| {name} | {m['correct']:.2f} | {m['agreement']:.2f} | {m['loaded']:.2f} | "
+                           f"{m['passes']:.2f} |")
         out += ["", "![importance](benchmarks/results/importance.png)", ""]
     tier = RESULTS / "tier_hits.json"
     if tier.exists():
