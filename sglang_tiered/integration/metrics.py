@@ -55,6 +55,10 @@ def format_stats(s: dict, page_size: int) -> str:
     if s.get("repacked_groups"):
         learned += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages), "
                     f"group reads={s.get('group_reads', 0)}")
+    if s.get("sparse_bytes_needed"):
+        read, needed = s["sparse_bytes_read"], s["sparse_bytes_needed"]
+        learned += (f" sparse loads read {read / mib:.1f} MiB for {needed / mib:.1f} MiB used (read amplification "
+                    f"{read / needed:.2f})")
     return (
         f"hits={s['hit_pages']} pages ({s['hit_pages'] * page_size} tokens, {s['bytes_read'] / mib:.1f} MiB) "
         f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "

@@ -189,6 +189,7 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     metrics.count("importance_tokens_skipped", skipped)
     metrics.count("importance_bytes_read", span.bytes_read)
     metrics.count("importance_bytes_needed", needed)
+    importance.tier().stats.add(sparse_bytes_read=span.bytes_read, sparse_bytes_needed=needed)
     logger.info("tiered importance: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s gate passed %d/%d "
                 "layers, loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), total=%.3fs",
                 req.rid, prefix, s, ext - s, mode, passes, len(res.gates), res.loaded_fraction,

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field, fields
 @dataclass
 class TierStats:
     hit_pages: int = 0
+    sparse_bytes_read: int = 0  # bytes sparse loads read from groups (probe + chunks)
+    sparse_bytes_needed: int = 0  # bytes of the K and V of the tokens those loads used
     group_reads: int = 0  # reads from repacked groups (a probe layer, or chunks of one layer)
     repacked_groups: int = 0  # groups committed (importance-ordered rewrites of a run of pages)
     repacked_pages: int = 0  # pages rewritten into groups

@@ -74,11 +74,14 @@ def test_stats_reporter_writes_json(tmp_path):
     rep = StatsReporter(stats, json_path=tmp_path / "stats" / "ns.json", page_size=64, capacity_bytes=10,
                         tp_rank=0, describe=lambda: {"id": "ns", "tp_rank": 0}, prometheus=False, log_interval=0,
                         tick=0.05, extras=lambda: {"importance": dict(coverage)})
-    stats.add(hit_pages=3, bytes_read=300)
+    stats.add(hit_pages=3, bytes_read=300, repacked_groups=2, repacked_pages=9, sparse_bytes_read=3 << 20,
+              sparse_bytes_needed=2 << 20)
     coverage.update(pages=5, observed_pages=4, reuses=7)
     rep.stop()
     rows = read_stats_files(str(tmp_path))
     assert len(rows) == 1 and rows[0]["hit_pages"] == 3 and rows[0]["hit_tokens"] == 192
     assert rows[0]["importance"] == {"pages": 5, "observed_pages": 4, "reuses": 7}
     assert "hits=3 pages (192 tokens" in format_stats(rows[0], 64)
-    assert "importance: 4 of 5 pages scored, 7 page reuses" in format_stats(rows[0], 64)
+    line = format_stats(rows[0], 64)
+    assert "importance: 4 of 5 pages scored, 7 page reuses" in line and "repacked=2 groups (9 pages)" in line
+    assert "read 3.0 MiB for 2.0 MiB used (read amplification 1.50)" in line
