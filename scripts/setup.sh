@@ -24,7 +24,7 @@ step() {  # step "what is happening" command...: run quietly, append everything 
 stamp=".venv/.deps-$(cat requirements-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     : > "$LOG"
-    echo "[setup] first install into .venv (about 5 minutes on 2 cores; pip's output: $LOG)"
+    echo "[setup] first install into .venv (about 2 minutes on 2 cores; pip's output: $LOG)"
     t0=$SECONDS
     step "torch 2.13 (CPU build)" "${PIP[@]}" torch==2.13.0
     # --no-deps: SGLang's own pins pull CUDA torch; torchvision is needed by SGLang's configs (see
