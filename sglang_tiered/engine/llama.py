@@ -75,6 +75,15 @@ class LayerWeights:
     w_up: torch.Tensor
     w_down: torch.Tensor
 
+    @property
+    def wkv(self) -> torch.Tensor:
+        """[W_K; W_V] as one matrix (a view when they are adjacent rows of one fused weight, as in SGLang)."""
+        k, v = self.wk, self.wv
+        if (k.is_contiguous() and v.is_contiguous() and v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+                and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()):
+            return k.as_strided((k.shape[0] + v.shape[0], k.shape[1]), k.stride())
+        return torch.cat([k, v])
+
 
 @dataclass
 class PrefillResult:
@@ -147,11 +156,22 @@ class LlamaModel:
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
         """Queries [n, Hq, D], keys [n, Hkv, D] (post-RoPE) and values [n, Hkv, D] of tokens at `positions`."""
         w, c = self.layer_weights[layer], self.cfg
-        h = self._rms(x, w.input_norm)
+        h = self.attention_input(layer, x)
         q = F.linear(h, w.wq).view(-1, c.heads, c.head_dim)
         k = F.linear(h, w.wk).view(-1, c.kv_heads, c.head_dim)
         v = F.linear(h, w.wv).view(-1, c.kv_heads, c.head_dim)
         return self.rope(q, positions), self.rope(k, positions), v
+
+    def attention_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The layer's attention input: the residual stream after its input RMSNorm (what KVPR stores)."""
+        return self._rms(x, self.layer_weights[layer].input_norm)
+
+    def kv_from_input(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
+        """Keys [n, Hkv, D] (post-RoPE) and values of tokens at `positions` from their attention input `h`
+        [n, hidden] (`attention_input`): the partial-recompute loader's K = X W_K, V = X W_V."""
+        w, c = self.layer_weights[layer], self.cfg
+        kv = F.linear(h, w.wkv).view(-1, 2, c.kv_heads, c.head_dim)
+        return self.rope(kv[:, 0], positions), kv[:, 1]
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream after the layer, given the attention output [n, Hq, D] of its tokens."""

@@ -179,6 +179,43 @@ def read_page(path: str, namespace: str, key: str, segments: Sequence[memoryview
     return expected
 
 
+class PageReader:
+    """Random access to the segments of one page file: the header is read and checked once (namespace, key,
+    segment sizes), then `read(first, count)` returns segments first .. first + count - 1, each verified against
+    its own checksum. Raises FileNotFoundError, CorruptPage or ForeignPage (and CorruptPage for a page written
+    before per-segment checksums, which cannot be verified piecewise)."""
+
+    def __init__(self, path: str, namespace: str, key: str, segment_bytes: Sequence[int]) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self.header, self.offset = read_header(self.fd, os.fstat(self.fd).st_size)
+            h = self.header
+            if h.namespace != namespace or h.key != key or list(h.segs) != list(segment_bytes):
+                raise ForeignPage(f"page {path} is ns={h.namespace} key={h.key} segs={len(h.segs)}, expected "
+                                  f"ns={namespace} key={key} segs={len(segment_bytes)}")
+            if h.crc32 is not None:
+                raise CorruptPage("page has no per-segment checksums")
+            self._starts = h.segment_offsets()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read(self, first: int, count: int) -> list[bytearray]:
+        """Segments [first, first + count), verified. Raises CorruptPage (short read, checksum mismatch)."""
+        segs = self.header.segs
+        if first < 0 or count < 1 or first + count > len(segs):
+            raise ValueError(f"segments {first}..{first + count} of {len(segs)}")
+        bufs = [bytearray(n) for n in segs[first : first + count]]
+        got = _vectored_all(os.preadv, self.fd, [memoryview(b) for b in bufs], self.offset + self._starts[first])
+        if got != sum(segs[first : first + count]):
+            raise CorruptPage(f"short read {got} of segments {first}..{first + count}")
+        _verify(self.header, range(first, first + count), [memoryview(b) for b in bufs])
+        return bufs
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def _split(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[memoryview]:
     """The caller's buffers cut at the page's segment boundaries (they may be laid out differently)."""
     flat = [memoryview(s).cast("B") if s.format != "B" or s.ndim != 1 else s for s in segments]

@@ -39,6 +39,7 @@ from sglang_tiered.storage.page_file import (
     TMP_SUFFIX,
     CorruptPage,
     ForeignPage,
+    PageReader,
     header_bound,
     read_page,
     write_page,
@@ -134,6 +135,42 @@ class SSDTier:
             for i, ok in zip(idx, self._read_from_group(gid, [pages[i] for i in idx])):
                 out[i] = ok
         return out
+
+    def open_page(self, key: str, segment_bytes: Sequence[int]) -> Optional[PageReader]:
+        """A reader of the stored plain page `key` (random access to its segments, e.g. one layer), or None for a
+        miss of any kind (counted and handled like `read_pages`; a page inside a group is a miss here). A segment
+        that then fails its checksum raises CorruptPage from `PageReader.read`: hand it to `drop_corrupt`."""
+        with self._lock:
+            known = key in self._index
+        if not known:
+            self.stats.add(miss_pages=1)
+            return None
+        path = self._path(key)
+        try:
+            reader = PageReader(str(path), self.ns_id, key, segment_bytes)
+        except FileNotFoundError:
+            self._forget(key, delete=False)
+            self.stats.add(lost_pages=1, miss_pages=1)
+            return None
+        except (CorruptPage, ForeignPage) as exc:
+            self.drop_corrupt(key, exc)
+            return None
+        except OSError as exc:
+            logger.warning("tiered ssd: read error on %s: %s", key, exc)
+            self.stats.add(io_errors=1, miss_pages=1)
+            return None
+        with self._lock:
+            self._policy.touch(key)
+        _bump_mtime(path)
+        self.stats.add(hit_pages=1)
+        return reader
+
+    def drop_corrupt(self, key: str, exc: Exception) -> None:
+        """Remove page `key` found corrupt or foreign by a reader (counted)."""
+        foreign = isinstance(exc, ForeignPage)
+        logger.warning("tiered ssd: %s page %s (%s): removed", "foreign" if foreign else "corrupt", key, exc)
+        self._forget(key, delete=True)
+        self.stats.add(miss_pages=1, **{"foreign_pages" if foreign else "corrupt_pages": 1})
 
     def write_pages(self, pages: Sequence[PageIO]) -> list[bool]:
         """Persist each page. result[i] is True if the page is stored (now or already)."""

@@ -1,0 +1,95 @@
+"""The partial-recompute split (KVPR): how many leading pages of a stored prefix to load as activations and
+recompute, while the KV of the rest streams in. Pure arithmetic, no torch, no SGLang.
+
+A stored span of s tokens is loaded layer by layer. For its first l tokens the loader reads the layer inputs X
+(`x_bytes` per token-layer) and recomputes K = X W_K, V = X W_V (`recompute_s` per token-layer); for the other s - l
+tokens it reads the KV (`kv_bytes` per token-layer). The seed paper's Eq. 10-11 for one layer,
+
+    t(l) = M_X[0:l] / v + max(t_rec(l), M_KV[l:s] / v),
+
+assumes X crosses the link first and the recompute then overlaps the KV transfer. Our loader reads every layer's
+data one layer ahead of the compute over ONE channel (the SSD), so only the first layer's X is exposed; the X of
+the other layers shares the channel with the KV and joins the transfer term, and the compute stream also carries
+the new tokens' layers (`new_s`):
+
+    t(l) = X_1[0:l] / v + max(L * l * recompute_s + new_s,  (M_X[0:l] - X_1[0:l] + M_KV[l:s]) / v)
+
+with L layers, M over all layers and X_1 the first layer's. `choose_split` evaluates t at every page boundary
+(exact over the integer range) and returns the smallest l of the minimum. l = 0 whenever X is not smaller than the
+KV it replaces (GQA models such as SmolLM2: `gate()` says why) or when recompute is slower than the transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured speeds of this machine for the served model (see engine/kvpr_profile.py)."""
+
+    read_bytes_per_s: float  # the SSD read path, page cache bypassed
+    recompute_s: float  # seconds to recompute K and V of one token in one layer from its activations
+    layer_s: float  # seconds of one layer of the model for one new token (projections and MLP, no long attention)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Bytes per token per layer of the two representations."""
+
+    layers: int
+    x_bytes: int  # hidden * itemsize
+    kv_bytes: int  # 2 * kv_heads * head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class Split:
+    pages: int  # l in pages: the leading pages recomputed from activations
+    tokens: int  # l in tokens
+    predicted_s: float  # t(l)
+    full_s: float  # t(0): everything loaded as KV
+    reason: str  # why this l (one line, for the log)
+
+
+def gate(shape: Shape) -> Optional[str]:
+    """None if activations can pay on this model, else why not."""
+    if shape.x_bytes >= shape.kv_bytes:
+        return (f"activations ({shape.x_bytes} B per token-layer) are not smaller than the KV they would replace "
+                f"({shape.kv_bytes} B, {shape.x_bytes / shape.kv_bytes:.2f}x): GQA model, nothing to save")
+    return None
+
+
+def load_time(l_tokens: int, s_tokens: int, new_tokens: int, shape: Shape, prof: Profile) -> float:
+    """t(l) of the module docstring, in seconds."""
+    v = prof.read_bytes_per_s
+    x1 = l_tokens * shape.x_bytes / v
+    transfer = (shape.layers - 1) * l_tokens * shape.x_bytes / v + (s_tokens - l_tokens) * shape.layers * \
+        shape.kv_bytes / v
+    compute = shape.layers * (l_tokens * prof.recompute_s + new_tokens * prof.layer_s)
+    return x1 + max(compute, transfer)
+
+
+def choose_split(pages: int, page_size: int, new_tokens: int, shape: Shape, prof: Profile,
+                 max_pages: Optional[int] = None) -> Split:
+    """The l (whole pages, at most `max_pages` -- the leading pages whose activations are stored) minimizing t(l)."""
+    if pages < 0 or page_size < 1:
+        raise ValueError(f"pages must be >= 0 and page_size >= 1, got {pages}, {page_size}")
+    s = pages * page_size
+    full = load_time(0, s, new_tokens, shape, prof)
+    why_not = gate(shape)
+    if why_not is not None:
+        return Split(0, 0, full, full, why_not)
+    limit = pages if max_pages is None else max(0, min(pages, max_pages))
+    best, best_t = 0, full
+    for p in range(1, limit + 1):
+        t = load_time(p * page_size, s, new_tokens, shape, prof)
+        if t < best_t:
+            best, best_t = p, t
+    if best == 0:
+        reason = ("no stored activations" if limit == 0 else
+                  "recompute is slower than reading the KV here" if prof.recompute_s * prof.read_bytes_per_s
+                  >= shape.kv_bytes - shape.x_bytes else "the transfer already hides behind compute")
+    else:
+        reason = f"predicted {best_t:.3f}s vs {full:.3f}s for a full load"
+    return Split(best, best * page_size, best_t, full, reason)

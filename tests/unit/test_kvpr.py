@@ -1,0 +1,116 @@
+"""Partial-recompute loading (KVPR) without SGLang: the split arithmetic, the engine's exactness at every split,
+and per-layer reads of stored pages (checksums per segment, corrupt activations fall back to KV)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_tiered.engine.kvpr import MemorySpan, kvpr_prefill, prefill_with_inputs
+from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+from sglang_tiered.policy.kvpr import Profile, Shape, choose_split, gate, load_time
+from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
+
+MHA = LlamaConfig(hidden=96, layers=4, heads=6, kv_heads=6, head_dim=16, intermediate=192, vocab=300)
+
+
+# ---------------------------------------------------------------------------------------------- split arithmetic
+def mha_shape(layers=30):
+    return Shape(layers=layers, x_bytes=576 * 2, kv_bytes=2 * 9 * 64 * 2)
+
+
+def test_gate_refuses_gqa_models_where_activations_are_larger():
+    smollm2 = Shape(layers=30, x_bytes=576 * 2, kv_bytes=2 * 3 * 64 * 2)  # GQA 9/3: X is 1.5x its KV
+    assert gate(smollm2) is not None and "1.50x" in gate(smollm2)
+    split = choose_split(64, 64, 16, smollm2, Profile(1e6, 1e-9, 1e-6))  # even a very slow link: l = 0
+    assert split.pages == 0 and "not smaller" in split.reason
+    assert gate(mha_shape()) is None
+
+
+@pytest.mark.parametrize("mbps,rec_us", [(50, 20), (100, 20), (200, 20), (3000, 20), (100, 200), (50, 1)])
+def test_choose_split_is_the_exact_minimum_over_pages(mbps, rec_us):
+    shape, prof = mha_shape(), Profile(mbps * 1e6, rec_us * 1e-6, 50e-6)
+    pages, ps, new = 40, 64, 32
+    split = choose_split(pages, ps, new, shape, prof)
+    times = [load_time(p * ps, pages * ps, new, shape, prof) for p in range(pages + 1)]
+    assert split.pages == min(range(pages + 1), key=lambda p: (times[p], p))
+    assert math.isclose(split.predicted_s, times[split.pages]) and math.isclose(split.full_s, times[0])
+
+
+def test_split_follows_the_link_speed():
+    shape = mha_shape()
+    fast = choose_split(64, 64, 16, shape, Profile(20e9, 20e-6, 50e-6))  # a 20 GB/s link: recompute never pays
+    slow = choose_split(64, 64, 16, shape, Profile(50e6, 20e-6, 50e-6))
+    assert fast.pages == 0 and slow.pages > 0 and slow.predicted_s < 0.8 * slow.full_s
+    assert choose_split(64, 64, 16, shape, Profile(50e6, 20e-6, 50e-6), max_pages=3).pages <= 3
+    assert choose_split(64, 64, 16, shape, Profile(50e6, 20e-6, 50e-6), max_pages=0).reason == "no stored activations"
+
+
+def test_load_time_of_a_full_load_is_transfer_or_compute_whichever_is_longer():
+    shape, prof = mha_shape(layers=2), Profile(1e6, 1e-3, 1e-3)
+    assert load_time(0, 100, 10, shape, prof) == max(2 * 10 * 1e-3, 100 * 2 * shape.kv_bytes / 1e6)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def mha():
+    model = LlamaModel.random(MHA, seed=3)
+    ids = torch.randint(0, MHA.vocab, (100,), generator=torch.Generator().manual_seed(2))
+    return model, ids, *prefill_with_inputs(model, ids)
+
+
+@pytest.mark.parametrize("split", [0, 1, 37, 64, 80])
+@pytest.mark.parametrize("p", [0, 12])
+def test_every_split_reproduces_the_full_prefill(mha, split, p):
+    model, ids, logits, kv, xs = mha
+    s = 80 - p
+    split = min(split, s)
+    span = MemorySpan(kv[:, p:80], xs[:, p:80], split)
+    res = kvpr_prefill(model, ids[80:], prefix_len=p, span=span, prefix_loader=(lambda layer: kv[layer, :p]))
+    assert res.recomputed == split * MHA.layers
+    torch.testing.assert_close(res.kv, kv[:, p:], rtol=1e-4, atol=1e-4)  # recomputed K, V == stored K, V
+    torch.testing.assert_close(model.logits(res.hidden[None])[0], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_recompute_in_bf16_stays_within_the_dtype_tolerance(mha):
+    model = LlamaModel.random(MHA, seed=3, dtype=torch.bfloat16)
+    ids = mha[1]
+    logits, kv, xs = prefill_with_inputs(model, ids)
+    res = kvpr_prefill(model, ids[80:], prefix_len=0, span=MemorySpan(kv[:, :80], xs[:, :80], 48))
+    torch.testing.assert_close(res.kv[:, :48].float(), kv[:, :48].float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(res.kv[:, 48:80], kv[:, 48:80])  # the loaded part is the stored bytes
+
+
+def test_a_failing_source_raises_from_the_engine(mha):
+    model, ids, _, kv, xs = mha
+
+    class Broken(MemorySpan):
+        def fetch(self, layer):
+            if layer == 2:
+                raise OSError("disk gone")
+            return super().fetch(layer)
+
+    with pytest.raises(OSError, match="disk gone"):
+        kvpr_prefill(model, ids[80:], prefix_len=0, span=Broken(kv[:, :80], xs[:, :80], 10))
+
+
+# ---------------------------------------------------------------------------------------------- per-layer reads
+def test_page_reader_verifies_each_segment_on_its_own(tmp_path):
+    segs = [bytes([i]) * (100 + i) for i in range(6)]
+    path = tmp_path / "p.kvp"
+    write_page(str(path), "ns", "key", [memoryview(s) for s in segs])
+    reader = PageReader(str(path), "ns", "key", [len(s) for s in segs])
+    assert [bytes(b) for b in reader.read(2, 2)] == segs[2:4]
+    reader.close()
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # the last segment's last byte
+    path.write_bytes(bytes(raw))
+    reader = PageReader(str(path), "ns", "key", [len(s) for s in segs])
+    assert [bytes(b) for b in reader.read(0, 5)] == segs[:5]  # the other segments still read
+    with pytest.raises(CorruptPage, match="segment 5"):
+        reader.read(5, 1)
+    reader.close()
+    with pytest.raises(ForeignPage):
+        PageReader(str(path), "other", "key", [len(s) for s in segs])
