@@ -176,6 +176,10 @@ class SSDTier:
         """Persist each page. result[i] is True if the page is stored (now or already)."""
         return self._map(self._write_one, pages)
 
+    def run_io(self, fn: Callable, items: Sequence) -> list:
+        """`fn` over `items` on the tier's I/O threads (in the caller's thread for one item), results in order."""
+        return self._map(fn, items)
+
     def _map(self, fn: Callable[[PageIO], bool], pages: Sequence[PageIO]) -> list[bool]:
         if len(pages) <= 1:
             return [fn(p) for p in pages]

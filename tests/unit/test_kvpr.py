@@ -114,3 +114,92 @@ def test_page_reader_verifies_each_segment_on_its_own(tmp_path):
     reader.close()
     with pytest.raises(ForeignPage):
         PageReader(str(path), "other", "key", [len(s) for s in segs])
+
+
+# ---------------------------------------------------------------------------------------------- stored pages
+PS = 16
+
+
+def store_span(tier, model, kv, xs, tokens, with_x):
+    """Write `tokens` of a prefill as KV pages (layer_first) and, for the pages in `with_x`, activation pages."""
+    from sglang_tiered.storage import activations
+
+    keys = [f"{i:02d}page{i}" for i in range(tokens // PS)]
+    for i, key in enumerate(keys):
+        rows = slice(i * PS, (i + 1) * PS)
+        segs = [memoryview(kv[layer, rows, j].contiguous().view(torch.uint8).numpy()) for layer in
+                range(MHA.layers) for j in (0, 1)]
+        assert tier.write_pages([(key, segs)]) == [True]
+        if i in with_x:
+            xsegs = [memoryview(xs[layer, rows].contiguous().view(torch.uint8).numpy()) for layer in range(MHA.layers)]
+            assert tier.write_pages([(activations.activation_key(key), xsegs)]) == [True]
+    return keys
+
+
+@pytest.fixture
+def tier(tmp_path):
+    from sglang_tiered.storage.namespace import Namespace
+    from sglang_tiered.storage.ssd_tier import SSDTier
+
+    ns = Namespace(model="m", dtype="torch.float32", page_size=PS, layout="layer_first", layer_num=MHA.layers,
+                   kv_heads=MHA.kv_heads, head_dim=MHA.head_dim)
+    t = SSDTier(tmp_path, ns, 1 << 30, io_threads=2)
+    yield t
+    t.close()
+
+
+def page_span(tier, keys, recompute_pages):
+    from sglang_tiered.engine.page_span import PageSpan
+
+    return PageSpan(tier, keys, layers=MHA.layers, page_size=PS, kv_heads=MHA.kv_heads, head_dim=MHA.head_dim,
+                    hidden=MHA.hidden, dtype=torch.float32, recompute_pages=recompute_pages)
+
+
+def test_stored_pages_load_exactly_and_read_fewer_bytes(mha, tier):
+    model, ids, logits, kv, xs = mha
+    keys = store_span(tier, model, kv, xs, 80, with_x={0, 1, 2})
+    span = page_span(tier, keys, 3)
+    res = kvpr_prefill(model, ids[80:], prefix_len=0, span=span)
+    span.close()
+    assert res.recomputed == 3 * PS * MHA.layers and span.act_missing == span.act_corrupt == 0
+    torch.testing.assert_close(res.kv, kv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.logits(res.hidden[None])[0], logits, rtol=1e-4, atol=1e-4)
+    x_page, kv_page = PS * MHA.hidden * 4, PS * 2 * MHA.kv_heads * MHA.head_dim * 4
+    assert span.bytes_x == 3 * x_page * MHA.layers and span.bytes_kv == 2 * kv_page * MHA.layers
+
+
+def test_missing_or_corrupt_activations_fall_back_to_that_pages_kv(mha, tier):
+    from sglang_tiered.storage import activations
+
+    model, ids, logits, kv, xs = mha
+    keys = store_span(tier, model, kv, xs, 80, with_x={0, 2, 3})  # page 1 has no activations
+    path = tier._path(activations.activation_key(keys[2]))
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x55  # the last layer's activations of page 2
+    path.write_bytes(bytes(raw))
+    span = page_span(tier, keys, 4)
+    res = kvpr_prefill(model, ids[80:], prefix_len=0, span=span)
+    span.close()
+    assert span.act_missing == 1 and span.act_corrupt == 1
+    assert res.recomputed == (2 * MHA.layers + MHA.layers - 1) * PS  # pages 0, 3 everywhere; page 2 until the last
+    torch.testing.assert_close(res.kv, kv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.logits(res.hidden[None])[0], logits, rtol=1e-4, atol=1e-4)
+    assert not tier.contains(activations.activation_key(keys[2])) and tier.stats.corrupt_pages == 1
+
+
+def test_a_missing_or_corrupt_kv_page_ends_the_load(mha, tier):
+    from sglang_tiered.engine.group_span import SpanMiss
+
+    model, ids, _, kv, xs = mha
+    keys = store_span(tier, model, kv, xs, 80, with_x=set())
+    path = tier._path(keys[4])
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    span = page_span(tier, keys, 0)
+    with pytest.raises(SpanMiss, match=keys[4]):
+        kvpr_prefill(model, ids[80:], prefix_len=0, span=span)
+    span.close()
+    assert not tier.contains(keys[4])
+    with pytest.raises(SpanMiss):
+        page_span(tier, keys, 0)
