@@ -17,8 +17,9 @@ CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attenti
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
+KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/kvpr.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES,
-           "importance_load": IMPORTANCE_LOAD_CHOICES}
+           "importance_load": IMPORTANCE_LOAD_CHOICES, "kvpr": KVPR_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -76,6 +77,8 @@ class TieredConfig:
     importance_load: str = "off"  # "gated": SSD prefixes repacked by importance and loaded sparsely (approximate)
     importance_alpha: float = 0.6  # gate exponent: the heads' Jaccard must reach ((k/n) / (2 - k/n)) ** alpha
     importance_min_tokens: int = 256  # shortest stored span worth a sparse load
+    kvpr: str = "auto"  # partial-recompute loading of SSD prefixes; KVPR_CHOICES
+    kvpr_min_tokens: int = 128  # shortest stored span worth a partial-recompute load
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -162,6 +165,8 @@ class TieredConfig:
             raise ConfigError(f"--tiered-importance-alpha: must be in (0, 10], got {self.importance_alpha}")
         if self.importance_min_tokens < 1:
             raise ConfigError(f"--tiered-importance-min-tokens: must be >= 1, got {self.importance_min_tokens}")
+        if self.kvpr_min_tokens < 1:
+            raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
         if self.importance_load == "gated" and self.importance_heads == 0:
             raise ConfigError("--tiered-importance-load: 'gated' needs importance capture (--tiered-importance-heads "
                               ">= 1)")
@@ -242,6 +247,14 @@ FLAG_HELP: dict[str, str] = {
     "importance_alpha": "Gate exponent alpha: the sampled heads' mean Jaccard must reach ((k/n)/(2-k/n))**alpha. "
     "Default: 0.6.",
     "importance_min_tokens": "Shortest stored span (tokens) that a gated request loads sparsely. Default: 256.",
+    "kvpr": "Partial-recompute loading (KVPR, exact): pages written through to SSD also store their per-layer "
+    "attention inputs, and a prefix loaded from SSD reads those of its first l tokens and recomputes their K, V while "
+    "the KV of the rest streams in, l chosen per load from the measured read bandwidth and compute "
+    "(`sglang-tiered kvpr-profile`). 'auto' does this only where the activations are smaller than the KV they replace "
+    "(multi-head attention; not GQA models such as SmolLM2) and the model predicts a gain; 'force' always splits "
+    "(at least one page each way; for tests); per request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | "
+    "tokens to recompute. CPU servers only. Default: auto.",
+    "kvpr_min_tokens": "Shortest stored span (tokens) loaded by partial recompute. Default: 128.",
     "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "
     "~/.cache/sglang-tiered/runahead-partitions.json if present; without one, a FLOP-balanced split).",
 }

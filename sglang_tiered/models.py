@@ -88,3 +88,16 @@ def model_fingerprint(path: str) -> str:
         digest = hashlib.sha256(json.dumps(json.loads(config.read_text()), sort_keys=True).encode()).hexdigest()
         return f"{Path(path).name}:{digest[:16]}"
     return path
+
+
+def random_model_dir(out: str | os.PathLike, cfg, seed: int = 0) -> Path:
+    """A servable checkpoint with random weights of `cfg` (an `engine.llama.LlamaConfig`) and the embedded model's
+    tokenizer and chat template (so `cfg.vocab` should be its 49152): for MHA models in tests and benchmarks."""
+    from sglang_tiered.engine.llama import save_random_checkpoint
+
+    path = save_random_checkpoint(out, cfg, seed)
+    src = default_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, path / name)
+    return path

@@ -51,14 +51,16 @@ class KVPRResult:
     recomputed: int  # token-layers of S recomputed from activations
     wait_s: float  # seconds the compute waited for the loader
     load_s: float  # seconds the loader spent reading
+    inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
 
 
 @torch.inference_mode()
 def kvpr_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span: SpanSource,
                  prefix_loader: Optional[Callable[[int], torch.Tensor]] = None,
-                 overlap: bool = True) -> KVPRResult:
+                 overlap: bool = True, inputs: bool = False) -> KVPRResult:
     """Prefill the new tokens `ids` (positions prefix_len + span.tokens ..) over the exact prefix
-    (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the stored span (see the module docstring)."""
+    (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the stored span (see the module docstring).
+    `inputs`: also return the new tokens' attention inputs (to store them as activations in turn)."""
     n, p, s = ids.shape[0], prefix_len, span.tokens
     if n < 1 or s < 1:
         raise ValueError(f"need new tokens and a stored span, got {n} and {s}")
@@ -68,6 +70,7 @@ def kvpr_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span:
     out = model.empty_kv(s + n)
     x = model.embed(ids)
     recomputed = 0
+    xs = torch.empty(model.cfg.layers, n, model.cfg.hidden, dtype=model.dtype) if inputs else None
     with LayerLoader(span.fetch, model.cfg.layers, overlap=overlap, name="kvpr-load") as loader:
         for layer in range(model.cfg.layers):
             data = loader.get(layer)
@@ -78,13 +81,15 @@ def kvpr_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span:
                 recomputed += int(data.x_idx.numel())
             if data.kv_idx.numel():
                 span_kv[data.kv_idx] = data.kv.to(model.dtype)
+            if xs is not None:
+                xs[layer] = model.attention_input(layer, x)
             q, k, v = model.qkv(layer, x, positions)
             out[layer, s:, 0], out[layer, s:, 1] = k, v
             prefix = prefix_loader(layer) if p else out[layer, :0]
             kk = torch.cat([prefix[:, 0], out[layer, :, 0]])
             vv = torch.cat([prefix[:, 1], out[layer, :, 1]])
             x = model.finish_layer(layer, x, causal_attention(q, kk, vv, p + s))
-    return KVPRResult(out, x[-1], recomputed, loader.wait_s, loader.load_s)
+    return KVPRResult(out, x[-1], recomputed, loader.wait_s, loader.load_s, xs)
 
 
 class MemorySpan:

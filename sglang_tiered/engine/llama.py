@@ -245,5 +245,8 @@ def save_random_checkpoint(path: str | Path, cfg: LlamaConfig, seed: int = 0) ->
               "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
               "max_position_embeddings": 8192, "hidden_act": "silu", "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    save_file({k: v.contiguous() for k, v in random_weights(cfg, seed).items()}, str(out / "model.safetensors"))
+    weights = random_weights(cfg, seed)
+    if cfg.tie_embeddings:
+        weights.pop("lm_head.weight")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
     return out

@@ -206,6 +206,14 @@ EVENTS = {
     "importance_bytes_read": "Bytes read from repacked groups by sparse loads (probe + chunks)",
     "importance_bytes_needed": "Bytes of the K and V of the stored tokens sparse loads used",
     "importance_fallbacks": "Gated requests whose stored span SGLang computed instead",
+    "kvpr_loads": "Stored prefixes loaded by partial recompute (KVPR)",
+    "kvpr_tokens_recomputed": "Tokens of stored prefixes whose K and V were recomputed from activations",
+    "kvpr_bytes_saved": "KV bytes partial-recompute loads did not read, minus the activation bytes they read",
+    "kvpr_activation_misses": "Pages whose activations were missing or corrupt in a partial-recompute load (KV read)",
+    "kvpr_activation_pages_written": "Activation pages written beside KV pages on SSD",
+    "kvpr_activation_bytes_written": "Bytes of activation pages written to SSD",
+    "kvpr_activation_drops": "Activation pages not stored because the write queue was full",
+    "kvpr_fallbacks": "Planned partial-recompute loads whose stored span SGLang computed instead",
 }
 _event_counters: dict = {}
 

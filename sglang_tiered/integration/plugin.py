@@ -26,6 +26,10 @@ Scheduler processes of a `--kv-backend tiered` server:
   skips SGLang's L3 prefetch), a handler of the forward hook, the prefill-alone admission, and
   `TorchNativeAttnBackend.forward_decode` (AROUND, `cpu_attention.py`: the layer and requests of a decode step, so
   decoding skips the prefix positions a sparse load did not fill).
+* With `--tiered-kvpr auto|force` on a model whose activations are smaller than its KV (`kvpr.py`):
+  `models.llama.LlamaAttention.forward` (AROUND, read-only: copies the attention inputs to store them),
+  `Scheduler._prefetch_kvcache` (AROUND: a request split by the loader skips SGLang's L3 prefetch), a handler of
+  the forward hook and the prefill-alone admission.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def register() -> None:
         blend_prompt,
         cpu_attention,
         importance,
+        kvpr,
         model_forward,
         requests,
         runahead,
@@ -96,4 +101,5 @@ def register() -> None:
     importance.register_hooks()
     blend.register_hooks()  # blend first: a marked prompt is neither loaded sparsely nor chained
     sparse_load.register_hooks()
+    kvpr.register_hooks()
     runahead.register_hooks()

@@ -11,7 +11,8 @@ message. Checked, only for servers started with `--kv-backend tiered`:
 * chunk lengths in `custom_params["tiered_chunks"]` (set by the separator split in blend_prompt.py, or sent by a
   client that splits its own `input_ids`) are positive integers that add up to the prompt's length, at most
   `MAX_PARTS` of them;
-* `custom_params["tiered_importance"]`, if given, is one of "gated", "off", "full".
+* `custom_params["tiered_importance"]`, if given, is one of "gated", "off", "full";
+* `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force" or a number of tokens >= 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ from sglang_tiered.integration import settings
 PARAM = "tiered_chunks"  # custom_params key of a marked prompt's part lengths
 IMPORTANCE_PARAM = "tiered_importance"  # custom_params key of a request's sparse-loading mode (sparse_load.py)
 IMPORTANCE_MODES = ("gated", "off", "full")
+KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
+KVPR_MODES = ("off", "auto", "force")  # or a number of tokens to recompute
+
+
+def check_kvpr_mode(mode: Any) -> None:
+    """Raise ValueError unless `mode` is one of KVPR_MODES or a non-negative integer (tokens)."""
+    if mode in KVPR_MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode >= 0):
+        return
+    raise ValueError(f"custom_params.{KVPR_PARAM} must be one of {KVPR_MODES} or a number of tokens >= 0, got "
+                     f"{mode!r}")
 
 
 def check_input_ids(input_ids: Any, vocab_size: int) -> None:
@@ -72,6 +83,8 @@ def _before_validate(self, obj, input_ids, *args, **kwargs):
     mode = custom.get(IMPORTANCE_PARAM) if isinstance(custom, dict) else None
     if mode is not None and mode not in IMPORTANCE_MODES:
         raise ValueError(f"custom_params.{IMPORTANCE_PARAM} must be one of {IMPORTANCE_MODES}, got {mode!r}")
+    if isinstance(custom, dict) and KVPR_PARAM in custom:
+        check_kvpr_mode(custom[KVPR_PARAM])
     return None
 
 

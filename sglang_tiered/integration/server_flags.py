@@ -152,6 +152,8 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         choose_cpu_dtype(ns, hf)
     elif cfg.importance_load == "gated":
         raise ConfigError("--tiered-importance-load: 'gated' runs on CPU servers only in this version")
+    if not cpu_only and cfg.kvpr == "force":
+        raise ConfigError("--tiered-kvpr: 'force' runs on CPU servers only in this version ('auto' is off on GPUs)")
     tp_size = getattr(ns, "tp_size", 1) or 1
     page_bytes = None
     if hf is not None:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from sglang_tiered.integration import importance
+from sglang_tiered.integration import importance, kvpr
 from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
 from sglang_tiered.integration.settings import current as current_settings
 from sglang_tiered.kernels.importance import sampled_heads
@@ -89,6 +89,7 @@ class TieredSSDStorage(HiCacheStorage):
             )
         self.tier = SSDTier(self.config.ssd_dir, namespace, capacity, io_threads=self.config.io_threads,
                             before_write=FOREGROUND.wait_idle)  # a no-op unless enabled (CPU-only servers)
+        kvpr.attach_tier(self.tier, mem_pool_host.dtype.itemsize, layout)
         if self.config.importance_heads > 0:
             self.importance = ImportanceTable(self.page_size, directory=self.tier.dir)
             importance.attach_table(self.importance)

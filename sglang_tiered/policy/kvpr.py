@@ -55,8 +55,9 @@ class Split:
 def gate(shape: Shape) -> Optional[str]:
     """None if activations can pay on this model, else why not."""
     if shape.x_bytes >= shape.kv_bytes:
-        return (f"activations ({shape.x_bytes} B per token-layer) are not smaller than the KV they would replace "
-                f"({shape.kv_bytes} B, {shape.x_bytes / shape.kv_bytes:.2f}x): GQA model, nothing to save")
+        return (f"activations (hidden {shape.x_bytes} per token-layer) are not smaller than the KV they would "
+                f"replace (2 x kv_heads x head_dim = {shape.kv_bytes}; {shape.x_bytes / shape.kv_bytes:.2f}x): "
+                "a GQA model, nothing to save")
     return None
 
 
@@ -87,9 +88,10 @@ def choose_split(pages: int, page_size: int, new_tokens: int, shape: Shape, prof
         if t < best_t:
             best, best_t = p, t
     if best == 0:
+        hidden = load_time(0, 0, new_tokens, shape, prof) >= full - 1e-12
         reason = ("no stored activations" if limit == 0 else
-                  "recompute is slower than reading the KV here" if prof.recompute_s * prof.read_bytes_per_s
-                  >= shape.kv_bytes - shape.x_bytes else "the transfer already hides behind compute")
+                  "the transfer already hides behind the new tokens' compute" if hidden else
+                  "recomputing does not shorten the load at this bandwidth")
     else:
         reason = f"predicted {best_t:.3f}s vs {full:.3f}s for a full load"
     return Split(best, best * page_size, best_t, full, reason)

@@ -1,0 +1,138 @@
+"""Measuring what the partial-recompute split needs (`policy.kvpr.Profile`) on this machine, and keeping it.
+
+* read bandwidth of the SSD tier's directory: a fresh 16 MiB file read back with O_DIRECT (the page cache
+  bypassed, so a kernel I/O throttle or a network disk shows; falls back to dropping the file's cached pages where
+  O_DIRECT is refused, e.g. tmpfs);
+* recompute time of K and V per token-layer from activations, and one layer's time per new token, timed on the
+  served model's own weights and dtype (median of a few runs, tens of milliseconds).
+
+The server measures at startup (read) and at its first partial-recompute load (compute) and writes the result to
+`<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>"; `sglang-tiered kvpr-profile` prints that file
+(or measures a checkpoint itself with --model-path).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from sglang_tiered.engine.llama import LlamaModel
+from sglang_tiered.kernels.extend_attention import causal_attention
+from sglang_tiered.policy.kvpr import Profile
+
+PROFILE_FILE = "kvpr-profile.json"
+_CHUNK = 1 << 20
+
+
+def measure_read(directory: str | os.PathLike, nbytes: int = 16 << 20) -> float:
+    """Bytes per second reading a freshly written file of `nbytes` from `directory`'s block device."""
+    path = Path(directory) / f".kvpr-read-probe-{os.getpid()}"
+    block = os.urandom(_CHUNK)
+    try:
+        with open(path, "wb") as f:
+            for _ in range(max(1, nbytes // _CHUNK)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        size = path.stat().st_size
+        buf = mmap.mmap(-1, _CHUNK)  # page-aligned, as O_DIRECT wants
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0, done = time.perf_counter(), 0
+            while done < size:
+                try:
+                    n = os.preadv(fd, [buf], done)
+                except OSError:  # O_DIRECT refused at read time: read through the (dropped) page cache
+                    os.close(fd)
+                    fd = os.open(path, os.O_RDONLY)
+                    n = os.preadv(fd, [buf], done)
+                if n <= 0:
+                    break
+                done += n
+            elapsed = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+            buf.close()
+        return done / max(elapsed, 1e-9)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
+                    repeats: int = 5) -> tuple[float, float]:
+    """(seconds to recompute K, V of one token-layer from activations, seconds of one layer per new token)."""
+    c = model.cfg
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, c.hidden, generator=g).to(model.dtype)
+    pos = torch.arange(tokens)
+    recompute = _median_s(lambda: model.kv_from_input(0, h, pos), repeats) / tokens
+    x = torch.randn(new_tokens, c.hidden, generator=g).to(model.dtype)
+    npos = torch.arange(new_tokens)
+
+    def layer():
+        q, k, v = model.qkv(0, x, npos)
+        model.finish_layer(0, x, causal_attention(q, k, v, 0))
+
+    return recompute, _median_s(layer, repeats) / new_tokens
+
+
+def profile_key(model: str, dtype: str) -> str:
+    return f"{model}|{dtype}"
+
+
+def load_profiles(directory: str | os.PathLike) -> dict[str, dict]:
+    path = Path(directory) / PROFILE_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_profile(directory: str | os.PathLike, key: str, profile: Profile, **meta) -> Path:
+    """Merge `profile` (and `meta`) into the directory's profile file under `key` (atomic replace)."""
+    path = Path(directory) / PROFILE_FILE
+    data = load_profiles(directory)
+    data[key] = {**asdict(profile), **meta, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def stored_profile(directory: str | os.PathLike, key: str) -> Optional[Profile]:
+    entry = load_profiles(directory).get(key)
+    if not entry:
+        return None
+    try:
+        return Profile(float(entry["read_bytes_per_s"]), float(entry["recompute_s"]), float(entry["layer_s"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def describe(profile: Profile) -> str:
+    return (f"SSD read {profile.read_bytes_per_s / 1e6:.0f} MB/s, K/V recompute {profile.recompute_s * 1e6:.2f} "
+            f"us per token-layer, a layer {profile.layer_s * 1e6:.1f} us per new token")

@@ -1,0 +1,126 @@
+"""Partial-recompute loading (`--tiered-kvpr`) in a live CPU server on a multi-head-attention model (random weights,
+the embedded tokenizer, fp32 so that the exact paths compare token for token).
+
+A prompt is served cold (its pages and their activations reach the SSD tier); then, with device and host flushed,
+the same prompt is loaded from SSD by SGLang's own L3 prefetch, by our loader with l = 0 (all KV), with the
+scheduler's split forced to l > 0, and with every page recomputed: the greedy output is identical every time.
+A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang compute the
+span (counted, identical). On the GQA default model the loader stays off and says why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_tiered.engine.llama import LlamaConfig
+from sglang_tiered.models import random_model_dir
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from tests.integration.helpers import tiered_args
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+MHA = LlamaConfig(hidden=576, layers=6, heads=9, kv_heads=9, head_dim=64, intermediate=1536, vocab=49152)
+PAGE = 64
+
+
+@pytest.fixture(scope="module")
+def mha_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("kvpr")
+    model = random_model_dir(tmp / "model", MHA, seed=1)
+    args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force")
+    with ServerProcess(args, log_path=tmp / "server.log", model_path=str(model)) as s:
+        s.ssd = tmp / "ssd"
+        yield s
+
+
+def ask(s: ServerProcess, text: str, mode=None) -> dict:
+    params: dict = {"max_new_tokens": 10, "temperature": 0}
+    if mode is not None:
+        params["custom_params"] = {"tiered_kvpr": mode}
+    status, body = s.request("/generate", {"text": text, "sampling_params": params})
+    assert status == 200, body
+    return body
+
+
+def counter(s: ServerProcess, name: str) -> float:
+    return metric_total(s.get("/metrics"), f"sglang_tiered:kvpr_{name}_total")
+
+
+def wait_for_activations(s: ServerProcess, pages: int) -> None:
+    deadline = time.monotonic() + 60
+    while counter(s, "activation_pages_written") < pages and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert counter(s, "activation_pages_written") >= pages
+
+
+def load_lines(s: ServerProcess, mark: int) -> list[str]:
+    return s.log_lines("tiered kvpr: rid", since=mark)
+
+
+def test_every_split_gives_the_output_of_a_full_load(mha_server, essays):
+    s = mha_server
+    prompt = essays[2][:3000] + "\n\nQuestion: What is this essay about?\nAnswer:"
+    cold = ask(s, prompt)
+    pages = cold["meta_info"]["prompt_tokens"] // PAGE
+    wait_for_activations(s, pages)
+    outputs = {}
+    mark = s.log_mark()
+    for name, mode in [("native", "off"), ("l=0", 0), ("forced", None), ("all", 10**6)]:
+        s.flush_cache()
+        outputs[name] = ask(s, prompt, mode)
+    assert cached_details(outputs["native"])["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
+    for name, out in outputs.items():
+        assert out["output_ids"] == cold["output_ids"], name
+    lines = load_lines(s, mark)
+    assert len(lines) == 3, lines
+    assert "mode=0): recomputed l=0" in lines[0] and "0.0 MiB activations" in lines[0]
+    assert "mode=force): recomputed l=" in lines[1] and "recomputed l=0 " not in lines[1]
+    stored = int(lines[2].split("loaded ")[1].split(" stored")[0])
+    assert f"recomputed l={stored} " in lines[2] and "+ 0.0 MiB KV" in lines[2]  # every page from activations
+    assert counter(s, "loads") >= 3 and counter(s, "tokens_recomputed") >= stored
+    assert counter(s, "bytes_saved") > 0
+
+
+def test_corrupt_activations_load_as_kv_and_a_lost_kv_page_is_computed(mha_server, essays):
+    s = mha_server
+    prompt = essays[4][:2500] + "\n\nQuestion: Who wrote this?\nAnswer:"
+    written = counter(s, "activation_pages_written")
+    cold = ask(s, prompt)
+    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
+    newest = sorted(s.ssd.glob("*/*/*.x.kvp"), key=lambda p: p.stat().st_mtime)
+    victims = newest[-3:]  # activation pages of this prompt
+    for path in victims:
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    misses, fallbacks = counter(s, "activation_misses"), counter(s, "fallbacks")
+    s.flush_cache()
+    assert ask(s, prompt, 10**6)["output_ids"] == cold["output_ids"]
+    assert counter(s, "activation_misses") - misses >= 1  # read as that page's KV instead
+    assert counter(s, "fallbacks") == fallbacks
+
+    for path in victims:  # at least one of them lies in the stored span the loader reads
+        Path(str(path).replace(".x.kvp", ".kvp")).unlink()
+    s.flush_cache()
+    assert ask(s, prompt, 10**6)["output_ids"] == cold["output_ids"]
+    assert counter(s, "fallbacks") - fallbacks == 1  # SGLang computed the span
+    assert "SGLang computes the span" in s.log_lines("tiered kvpr: rid")[-1]
+
+
+def test_a_bad_kvpr_parameter_is_a_400(mha_server):
+    status, body = mha_server.request("/generate", {"text": "hello", "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"tiered_kvpr": "sometimes"}}})
+    assert status == 400 and "tiered_kvpr" in str(body)
+    status, _ = mha_server.request("/generate", {"text": "hello", "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"tiered_kvpr": -5}}})
+    assert status == 400
+
+
+def test_the_gqa_default_model_keeps_l_zero_and_says_why(shared_server):
+    lines = shared_server.log_lines("tiered kvpr: l = 0 for this model")
+    assert lines and "1.50x" in lines[0] and "GQA" in lines[0]
+    assert not list(Path(shared_server.args[shared_server.args.index("--tiered-ssd-dir") + 1]).glob("*/*/*.x.kvp"))
