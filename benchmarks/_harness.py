@@ -128,6 +128,22 @@ def evict_from_page_cache(directory: Path) -> int:
     return n
 
 
+def server_read_bytes(server: ServerProcess) -> int:
+    """Bytes the server's processes read from storage (/proc/<pid>/io read_bytes: what reached the block layer)."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != server.proc.pid:
+                continue
+            with open(f"/proc/{pid}/io") as f:
+                total += int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+        except (OSError, StopIteration, ValueError):
+            continue
+    return total
+
+
 def disk_read_bandwidth(directory: Path, size: int = 256 * 1024**2) -> dict:
     """Sequential read bandwidth of one large file in `directory` (bytes/s), page cache dropped if permitted."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -51,6 +50,7 @@ from _harness import (  # noqa: E402
     evict_from_page_cache,
     machine,
     save,
+    server_read_bytes,
 )
 
 from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
@@ -139,22 +139,6 @@ def placement(source: PromptSource, dtype: str, docs: int, requests: int, client
 FACT = "The access code for the archive room is {code}. "
 QUESTION = "\n\nQuestion: What is the access code for the archive room?\nAnswer: The access code is"
 WARMUP = "\n\nQuestion: What is the text above about?\nAnswer:"
-
-
-def server_read_bytes(server: ServerProcess) -> int:
-    """Bytes the server's processes read from storage (/proc/<pid>/io read_bytes: what reached the block layer)."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if os.getpgid(int(pid)) != server.proc.pid:
-                continue
-            with open(f"/proc/{pid}/io") as f:
-                total += int(next(line for line in f if line.startswith("read_bytes")).split()[1])
-        except (OSError, StopIteration, ValueError):
-            continue
-    return total
 
 
 def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int) -> dict:

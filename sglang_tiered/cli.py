@@ -4,6 +4,7 @@
   sglang-tiered stats --ssd-dir D   print the SSD tier statistics of every rank that used D
   sglang-tiered demo                run the scripted tier-hit demo (see sglang_tiered/demo.py)
   sglang-tiered runahead-tune       search chained-prefill partitions on this machine, write the lookup table
+  sglang-tiered kvpr-profile        print the partial-recompute loader's measured profile (or measure a model)
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     tune.add_argument("--out", default=str(default_partitions_path()),
                       help="where to write the table; the server reads this default path (default: %(default)s)")
+    kvpr = sub.add_parser("kvpr-profile", help="print the partial-recompute (KVPR) profile the servers measured "
+                          "under --ssd-dir, or measure a checkpoint now with --model-path")
+    kvpr.add_argument("--ssd-dir", default=TieredConfig().ssd_dir)
+    kvpr.add_argument("--model-path", help="measure this checkpoint on this machine and store the result")
+    kvpr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    kvpr.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.command == "kvpr-profile":
+        return _kvpr_profile(args)
 
     if args.command == "model-path":
         import logging
@@ -78,6 +87,47 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(args.workdir, args.port)
     return 2
+
+
+def _kvpr_profile(args) -> int:
+    from sglang_tiered.engine import kvpr_profile
+    from sglang_tiered.policy.kvpr import Profile, Shape, choose_split, gate
+
+    if args.model_path:
+        import torch
+
+        from sglang_tiered.engine.llama import LlamaModel
+        from sglang_tiered.models import model_fingerprint, resolve_model_path
+
+        path = resolve_model_path(args.model_path)
+        model = LlamaModel.from_pretrained(path, getattr(torch, args.dtype))
+        c, item = model.cfg, model.dtype.itemsize
+        Path(args.ssd_dir).mkdir(parents=True, exist_ok=True)
+        recompute_s, layer_s = kvpr_profile.measure_compute(model)
+        prof = Profile(kvpr_profile.measure_read(args.ssd_dir), recompute_s, layer_s)
+        shape = Shape(c.layers, c.hidden * item, 2 * c.kv_heads * c.head_dim * item)
+        kvpr_profile.save_profile(args.ssd_dir, kvpr_profile.profile_key(model_fingerprint(path), str(model.dtype)),
+                                  prof, shape=shape.__dict__)
+    entries = kvpr_profile.load_profiles(args.ssd_dir)
+    if args.json:
+        print(json.dumps(entries, indent=1))
+        return 0 if entries else 1
+    if not entries:
+        print(f"no profile under {args.ssd_dir} (a server with --tiered-kvpr on an MHA model writes one; or pass "
+              "--model-path)", file=sys.stderr)
+        return 1
+    for key, e in sorted(entries.items()):
+        prof = Profile(e["read_bytes_per_s"], e["recompute_s"], e["layer_s"])
+        print(f"{key} (measured {e.get('measured_at', '?')}): {kvpr_profile.describe(prof)}")
+        if "shape" in e:
+            shape = Shape(**e["shape"])
+            why = gate(shape)
+            print(f"  activations {shape.x_bytes} B vs KV {shape.kv_bytes} B per token-layer: "
+                  f"{'l = 0: ' + why if why else 'gate open'}")
+            for tokens in (1024, 4096, 8192):
+                split = choose_split(tokens // 64, 64, 32, shape, prof)
+                print(f"  a {tokens}-token prefix + 32 new tokens: l = {split.tokens} ({split.reason})")
+    return 0
 
 
 if __name__ == "__main__":
