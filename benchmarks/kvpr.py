@@ -85,7 +85,7 @@ def run_disk(model: str, model_dir: Path, disk: str, mbps: int | None, lengths: 
              dtype: str, source: PromptSource, tmp: Path) -> dict:
     ssd = tmp / f"ssd-{model}-{disk}"
     wrapper = [] if mbps is None else [str(SLOW_DISK), "--dir", str(tmp), str(mbps), "--"]
-    longest = max(lengths) + QUESTION + 64
+    longest = max(lengths) + 2 * PAGE  # the document, the question, the first output token: one chunk
     args = ["--kv-backend", "tiered", "--max-total-tokens", str(2 * longest), "--dtype", dtype,
             "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", "--enable-metrics",
             "--chunked-prefill-size", str(longest), "--tiered-kvpr", "auto"]

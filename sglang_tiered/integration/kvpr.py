@@ -50,7 +50,7 @@ from sglang_tiered.engine.page_span import PageSpan
 from sglang_tiered.integration import importance, metrics, model_forward, settings, sparse_load
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
-from sglang_tiered.policy.kvpr import Profile, Shape, Split, choose_split, gate
+from sglang_tiered.policy.kvpr import AUTO_MIN_GAIN, Profile, Shape, Split, choose_split, gate
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -265,7 +265,8 @@ def plan_load(scheduler, req, start: int, mode: Any) -> Optional[Plan]:
     if profile is None:
         return None
     new = len(req.origin_input_ids) - start - n * ps
-    split = choose_split(n, ps, new, _state.shape, profile, max_pages=acts)
+    split = choose_split(n, ps, new, _state.shape, profile, max_pages=acts,
+                         min_gain=AUTO_MIN_GAIN if mode == "auto" else 0.0)
     if mode == "auto":
         pages = split.pages if _state.gate_reason is None else 0
         if pages == 0:

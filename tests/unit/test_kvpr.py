@@ -48,6 +48,14 @@ def test_split_follows_the_link_speed():
     assert choose_split(64, 64, 16, shape, Profile(50e6, 20e-6, 50e-6), max_pages=0).reason == "no stored activations"
 
 
+def test_a_split_below_the_minimum_gain_is_not_taken():
+    shape, prof = mha_shape(), Profile(1e9, 5e-6, 50e-6)  # 16 % predicted off the full load
+    free = choose_split(64, 64, 16, shape, prof)
+    assert free.pages > 0 and free.predicted_s > 0.9 * free.full_s  # a small predicted gain
+    held = choose_split(64, 64, 16, shape, prof, min_gain=0.2)
+    assert held.pages == 0 and "< 20%" in held.reason and held.predicted_s == held.full_s
+
+
 def test_load_time_of_a_full_load_is_transfer_or_compute_whichever_is_longer():
     shape, prof = mha_shape(layers=2), Profile(1e6, 1e-3, 1e-3)
     assert load_time(0, 100, 10, shape, prof) == max(2 * 10 * 1e-3, 100 * 2 * shape.kv_bytes / 1e6)
