@@ -51,7 +51,7 @@ def test_split_follows_the_link_speed():
 def test_a_split_below_the_minimum_gain_is_not_taken():
     shape, prof = mha_shape(), Profile(1e9, 5e-6, 50e-6)  # 16 % predicted off the full load
     free = choose_split(64, 64, 16, shape, prof)
-    assert free.pages > 0 and free.predicted_s > 0.9 * free.full_s  # a small predicted gain
+    assert free.pages > 0 and free.predicted_s > 0.8 * free.full_s  # a small predicted gain
     held = choose_split(64, 64, 16, shape, prof, min_gain=0.2)
     assert held.pages == 0 and "< 20%" in held.reason and held.predicted_s == held.full_s
 
