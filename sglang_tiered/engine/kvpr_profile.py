@@ -1,6 +1,6 @@
 """Measuring what the partial-recompute split needs (`policy.kvpr.Profile`) on this machine, and keeping it.
 
-* read bandwidth of the SSD tier's directory: a fresh 16 MiB file read back with O_DIRECT (the page cache
+* read bandwidth of the SSD tier's directory: a fresh 64 MiB file read back with O_DIRECT (the page cache
   bypassed, so a kernel I/O throttle or a network disk shows; falls back to dropping the file's cached pages where
   O_DIRECT is refused, e.g. tmpfs);
 * recompute time of K and V per token-layer from activations, and one layer's time per new token, timed on the
@@ -32,8 +32,10 @@ PROFILE_FILE = "kvpr-profile.json"
 _CHUNK = 1 << 20
 
 
-def measure_read(directory: str | os.PathLike, nbytes: int = 16 << 20) -> float:
-    """Bytes per second reading a freshly written file of `nbytes` from `directory`'s block device."""
+def measure_read(directory: str | os.PathLike, nbytes: int = 64 << 20) -> float:
+    """Bytes per second reading a freshly written file of `nbytes` from `directory`'s block device: the rate of its
+    second half (a kernel I/O throttle lets the first 100 ms worth of bytes through at once -- 20 MB at 200 MB/s --
+    so the whole file's rate would overstate a throttled device)."""
     path = Path(directory) / f".kvpr-read-probe-{os.getpid()}"
     block = os.urandom(_CHUNK)
     try:
@@ -50,8 +52,10 @@ def measure_read(directory: str | os.PathLike, nbytes: int = 16 << 20) -> float:
             fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0, done = time.perf_counter(), 0
+            t0, done, half, t_half = time.perf_counter(), 0, size // 2, None
             while done < size:
+                if t_half is None and done >= half:
+                    t_half = time.perf_counter()
                 try:
                     n = os.preadv(fd, [buf], done)
                 except OSError:  # O_DIRECT refused at read time: read through the (dropped) page cache
@@ -61,11 +65,13 @@ def measure_read(directory: str | os.PathLike, nbytes: int = 16 << 20) -> float:
                 if n <= 0:
                     break
                 done += n
-            elapsed = time.perf_counter() - t0
+            end = time.perf_counter()
         finally:
             os.close(fd)
             buf.close()
-        return done / max(elapsed, 1e-9)
+        if t_half is None:
+            return done / max(end - t0, 1e-9)
+        return (done - half) / max(end - t_half, 1e-9)
     finally:
         path.unlink(missing_ok=True)
 

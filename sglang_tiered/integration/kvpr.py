@@ -12,6 +12,9 @@
   (`policy.kvpr.choose_split` over the measured `Profile`); if l > 0 (or the request/server forces it), SGLang's L3
   prefetch is skipped: the stored tokens become extend tokens, loaded by the forward below. The request prefills
   alone (`model_forward.prefill_alone`) and its KV is exact, so it enters the radix tree as usual.
+* Profile -- the SSD read bandwidth measured at startup, K/V recompute and layer times at the first candidate load
+  (`engine/kvpr_profile.py`, persisted); after each load the read bandwidth becomes min(startup, moving average
+  of the loads' own read rates).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.kvpr.kvpr_prefill` over `engine.page_span.PageSpan`
   (the I/O threads read layer l + 1 -- activations of the first l tokens, KV of the rest -- while this thread
   recomputes layer l's K, V and runs the new tokens' layer). The new tokens' complete pages get their activations
@@ -31,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -75,7 +78,8 @@ class _State:
         self.tier: Optional[SSDTier] = None
         self.shape: Optional[Shape] = None  # from config.json (itemsize of the served dtype once known)
         self.gate_reason: Optional[str] = None
-        self.read_bps: Optional[float] = None
+        self.read_bps: Optional[float] = None  # measured at startup
+        self.observed: Optional[float] = None  # moving average of the loads' read rates
         self.profile: Optional[Profile] = None
         self.key = ""
         self.writer: Optional[_Writer] = None
@@ -364,6 +368,7 @@ def _load_forward(engine, req: Any, fb, plan: Plan) -> torch.Tensor:
         keys = importance.page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
         rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
         _state.writer.submit(keys, res.inputs[:, rows].clone())
+    observed = _observe_read(span.bytes_x + span.bytes_kv, res.load_s)
     recomputed = res.recomputed // c.layers
     item = engine.dtype.itemsize
     saved = res.recomputed * (2 * c.kv_heads * c.head_dim - c.hidden) * item
@@ -374,11 +379,28 @@ def _load_forward(engine, req: Any, fb, plan: Plan) -> torch.Tensor:
     metrics.count("kvpr_activation_misses", misses)
     logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): recomputed l=%d "
                 "(%d pages planned, %d activation pages missing/corrupt; model: %.3fs vs %.3fs full, %s), read "
-                "%.1f MiB activations + %.1f MiB KV, waited %.3fs for reads, total=%.3fs",
+                "%.1f MiB activations + %.1f MiB KV, waited %.3fs for reads (read path %s), total=%.3fs",
                 req.rid, s, prefix, ext - s, plan.mode, recomputed, plan.pages, misses, plan.split.predicted_s,
                 plan.split.full_s, plan.split.reason, span.bytes_x / 2**20, span.bytes_kv / 2**20, res.wait_s,
-                time.perf_counter() - t0)
+                observed, time.perf_counter() - t0)
     return hidden
+
+
+_MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the bandwidth
+
+
+def _observe_read(nbytes: int, seconds: float) -> str:
+    """Fold a load's read rate (bytes over the loader thread's time: the read path as it really runs, readahead,
+    checksums and copies included) into the profile: v = min(startup measurement, moving average of loads). The
+    min keeps a burst or a page-cache-warm load from making the scheduler think the disk is faster than measured."""
+    if nbytes < _MIN_OBSERVED_BYTES or seconds <= 0 or _state.profile is None:
+        return "not updated"
+    with _state.lock:
+        rate = nbytes / seconds
+        _state.observed = rate if _state.observed is None else 0.3 * rate + 0.7 * _state.observed
+        v = min(_state.read_bps or _state.observed, _state.observed)
+        _state.profile = replace(_state.profile, read_bytes_per_s=v)
+    return f"{rate / 1e6:.0f} MB/s, v now {v / 1e6:.0f} MB/s"
 
 
 # ---------------------------------------------------------------------------------------------- registration
