@@ -106,6 +106,34 @@ def main() -> int:
                 out.append(f"| {name} | {m['correct']:.2f} | {m['agreement']:.2f} | {m['loaded']:.2f} | "
                            f"{m['passes']:.2f} |")
         out += ["", "![importance](benchmarks/results/importance.png)", ""]
+    kv = RESULTS / "kvpr.json"
+    if kv.exists():
+        d = json.loads(kv.read_text())
+        out += ["## Partial-recompute loading (`benchmarks/kvpr.py`)", "",
+                f"Machine: {_machine(d['machine'])}; {_dtype(d)}; random-weight MHA models "
+                + ", ".join(f"{m} (hidden {c['hidden']}, {c['layers']} layers, {c['kv_heads']} KV heads)"
+                            for m, c in d["models"].items())
+                + f"; {d['args']['repeats']} interleaved rounds; SSD files evicted from the page cache before each "
+                "request. TTFT (s), max_new_tokens=1, prefix + 32 new tokens:", "",
+                "| model | disk | prefix | SGLang full load | ours, l = 0 | best grid l (TTFT) | scheduler's l "
+                "(TTFT) | chosen / best | chosen / full |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+                "| ---: |"]
+        for m, disks in d["results"].items():
+            for disk, lengths in disks.items():
+                for n, p in lengths.items():
+                    if n == "profile":
+                        continue
+                    grid = {k: v for k, v in p.items() if k.startswith("l=")}
+                    bk = min(grid, key=lambda k: grid[k]["ttft_s"])
+                    a = p["auto"]
+                    full = min(p["off"]["ttft_s"], p["l=0"]["ttft_s"])
+                    chosen = "SGLang's load (l = 0)" if a["l"] is None else f"l={a['l']}"
+                    out.append(f"| {m} | {disk} | {n} | {p['off']['ttft_s']:.3f} | {p['l=0']['ttft_s']:.3f} | "
+                               f"{bk} ({grid[bk]['ttft_s']:.3f}) | {chosen} ({a['ttft_s']:.3f}) | "
+                               f"{a['ttft_s'] / grid[bk]['ttft_s']:.2f} | {a['ttft_s'] / full:.2f} |")
+        checks = d.get("checks", {})
+        out += ["", "Targets: " + "; ".join(f"{k}: {sum(c['pass'] for c in v)}/{len(v)}" for k, v in checks.items()),
+                "", "![kvpr](benchmarks/results/kvpr.png)", ""]
     tier = RESULTS / "tier_hits.json"
     if tier.exists():
         d = json.loads(tier.read_text())

@@ -103,8 +103,8 @@ def _kvpr_profile(args) -> int:
         model = LlamaModel.from_pretrained(path, getattr(torch, args.dtype))
         c, item = model.cfg, model.dtype.itemsize
         Path(args.ssd_dir).mkdir(parents=True, exist_ok=True)
-        recompute_s, layer_s = kvpr_profile.measure_compute(model)
-        prof = Profile(kvpr_profile.measure_read(args.ssd_dir), recompute_s, layer_s)
+        recompute_s, layer_s, stored_s = kvpr_profile.measure_compute(model)
+        prof = Profile(kvpr_profile.measure_read(args.ssd_dir), recompute_s, layer_s, stored_s)
         shape = Shape(c.layers, c.hidden * item, 2 * c.kv_heads * c.head_dim * item)
         kvpr_profile.save_profile(args.ssd_dir, kvpr_profile.profile_key(model_fingerprint(path), str(model.dtype)),
                                   prof, shape=shape.__dict__)
@@ -117,7 +117,7 @@ def _kvpr_profile(args) -> int:
               "--model-path)", file=sys.stderr)
         return 1
     for key, e in sorted(entries.items()):
-        prof = Profile(e["read_bytes_per_s"], e["recompute_s"], e["layer_s"])
+        prof = Profile(e["read_bytes_per_s"], e["recompute_s"], e["layer_s"], e.get("stored_s", 0.0))
         print(f"{key} (measured {e.get('measured_at', '?')}): {kvpr_profile.describe(prof)}")
         if "shape" in e:
             shape = Shape(**e["shape"])

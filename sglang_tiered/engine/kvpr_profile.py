@@ -3,8 +3,9 @@
 * read bandwidth of the SSD tier's directory: a fresh 64 MiB file read back with O_DIRECT (the page cache
   bypassed, so a kernel I/O throttle or a network disk shows; falls back to dropping the file's cached pages where
   O_DIRECT is refused, e.g. tmpfs);
-* recompute time of K and V per token-layer from activations, and one layer's time per new token, timed on the
-  served model's own weights and dtype (median of a few runs, tens of milliseconds).
+* recompute time of K and V per token-layer from activations, one layer's time per new token and the time to move
+  a stored token-layer's KV through the loader, timed on the served model's own weights and dtype (median of a few
+  runs, tens of milliseconds). The server refines the read bandwidth and the per-stored-token time from its loads.
 
 The server measures at startup (read) and at its first partial-recompute load (compute) and writes the result to
 `<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>"; `sglang-tiered kvpr-profile` prints that file
@@ -88,8 +89,10 @@ def _median_s(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
-                    repeats: int = 5) -> tuple[float, float]:
-    """(seconds to recompute K, V of one token-layer from activations, seconds of one layer per new token)."""
+                    repeats: int = 5) -> tuple[float, float, float]:
+    """(seconds to recompute K, V of one token-layer from activations, seconds of one layer per new token, seconds
+    of moving one stored token-layer's KV through the loader: into the span buffer, the attention's key/value
+    tensors and the pool -- three copies)."""
     c = model.cfg
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, c.hidden, generator=g).to(model.dtype)
@@ -102,7 +105,15 @@ def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
         q, k, v = model.qkv(0, x, npos)
         model.finish_layer(0, x, causal_attention(q, k, v, 0))
 
-    return recompute, _median_s(layer, repeats) / new_tokens
+    kv = torch.randn(4 * tokens, 2, c.kv_heads, c.head_dim, generator=g).to(model.dtype)
+    buf, pool = torch.empty_like(kv), torch.empty_like(kv)
+
+    def move():
+        buf.copy_(kv)
+        torch.cat([buf[:, 0]]), torch.cat([buf[:, 1]])
+        pool.copy_(buf)
+
+    return recompute, _median_s(layer, repeats) / new_tokens, _median_s(move, repeats) / (4 * tokens)
 
 
 def profile_key(model: str, dtype: str) -> str:
@@ -134,11 +145,13 @@ def stored_profile(directory: str | os.PathLike, key: str) -> Optional[Profile]:
     if not entry:
         return None
     try:
-        return Profile(float(entry["read_bytes_per_s"]), float(entry["recompute_s"]), float(entry["layer_s"]))
+        return Profile(float(entry["read_bytes_per_s"]), float(entry["recompute_s"]), float(entry["layer_s"]),
+                       float(entry.get("stored_s", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None
 
 
 def describe(profile: Profile) -> str:
     return (f"SSD read {profile.read_bytes_per_s / 1e6:.0f} MB/s, K/V recompute {profile.recompute_s * 1e6:.2f} "
-            f"us per token-layer, a layer {profile.layer_s * 1e6:.1f} us per new token")
+            f"us per token-layer, a layer {profile.layer_s * 1e6:.1f} us per new token, "
+            f"{profile.stored_s * 1e6:.2f} us per stored token-layer")

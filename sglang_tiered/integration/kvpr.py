@@ -233,8 +233,8 @@ def _profile(scheduler) -> Optional[Profile]:
         if read_bps is None:
             return None  # the read measurement is still running
         engine = model_forward.engine_from_sglang(scheduler.tp_worker.model_runner.model.model)
-        recompute_s, layer_s = measure_compute(engine)
-        _state.profile = Profile(read_bps, recompute_s, layer_s)
+        recompute_s, layer_s, stored_s = measure_compute(engine)
+        _state.profile = Profile(read_bps, recompute_s, layer_s, stored_s)
         path = save_profile(_state.tier.root, _state.key, _state.profile, shape=_state.shape.__dict__)
         logger.info("tiered kvpr: profile %s (saved to %s)", describe(_state.profile), path)
         return _state.profile
@@ -369,6 +369,8 @@ def _load_forward(engine, req: Any, fb, plan: Plan) -> torch.Tensor:
         rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
         _state.writer.submit(keys, res.inputs[:, rows].clone())
     observed = _observe_read(span.bytes_x + span.bytes_kv, res.load_s)
+    observed += "; " + _observe_compute(time.perf_counter() - t0 - res.wait_s, res.recomputed, c.layers * (ext - s),
+                                        c.layers * s)
     recomputed = res.recomputed // c.layers
     item = engine.dtype.itemsize
     saved = res.recomputed * (2 * c.kv_heads * c.head_dim - c.hidden) * item
@@ -401,6 +403,19 @@ def _observe_read(nbytes: int, seconds: float) -> str:
         v = min(_state.read_bps or _state.observed, _state.observed)
         _state.profile = replace(_state.profile, read_bytes_per_s=v)
     return f"{rate / 1e6:.0f} MB/s, v now {v / 1e6:.0f} MB/s"
+
+
+def _observe_compute(busy_s: float, recomputed: int, new: int, stored: int) -> str:
+    """Fold a load's compute-stream time (everything but waiting for reads) into the per-stored-token-layer cost:
+    what is left after the profile's recompute and new-token times, over the stored token-layers (moving
+    average). `recomputed`, `new`, `stored` are token-layers."""
+    p = _state.profile
+    if p is None or stored <= 0:
+        return ""
+    with _state.lock:
+        rest = max(0.0, busy_s - recomputed * p.recompute_s - new * p.layer_s) / stored
+        _state.profile = replace(p, stored_s=0.3 * rest + 0.7 * p.stored_s)
+        return f"stored token-layer {rest * 1e6:.2f} us, now {_state.profile.stored_s * 1e6:.2f} us"
 
 
 # ---------------------------------------------------------------------------------------------- registration

@@ -10,9 +10,10 @@ tokens it reads the KV (`kv_bytes` per token-layer). The seed paper's Eq. 10-11 
 assumes X crosses the link first and the recompute then overlaps the KV transfer. Our loader reads every layer's
 data one layer ahead of the compute over ONE channel (the SSD), so only the first layer's X is exposed; the X of
 the other layers shares the channel with the KV and joins the transfer term, and the compute stream also carries
-the new tokens' layers (`new_s`):
+the new tokens' layers and the handling of every stored token (`fixed`):
 
-    t(l) = X_1[0:l] / v + max(L * l * recompute_s + new_s,  (M_X[0:l] - X_1[0:l] + M_KV[l:s]) / v)
+    t(l) = X_1[0:l] / v + max(L * l * recompute_s + fixed,  (M_X[0:l] - X_1[0:l] + M_KV[l:s]) / v)
+    fixed = L * (new tokens * layer_s + s * stored_s)
 
 with L layers, M over all layers and X_1 the first layer's. `choose_split` evaluates t at every page boundary
 (exact over the integer range) and returns the smallest l of the minimum. l = 0 whenever X is not smaller than the
@@ -36,6 +37,8 @@ class Profile:
     read_bytes_per_s: float  # the SSD read path, page cache bypassed
     recompute_s: float  # seconds to recompute K and V of one token in one layer from its activations
     layer_s: float  # seconds of one layer of the model for one new token (projections and MLP, no long attention)
+    stored_s: float = 0.0  # compute-stream seconds per stored token-layer, however it arrived (assembling the
+    #                        span's KV, attending over it, writing it to the pool)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ def load_time(l_tokens: int, s_tokens: int, new_tokens: int, shape: Shape, prof:
     x1 = l_tokens * shape.x_bytes / v
     transfer = (shape.layers - 1) * l_tokens * shape.x_bytes / v + (s_tokens - l_tokens) * shape.layers * \
         shape.kv_bytes / v
-    compute = shape.layers * (l_tokens * prof.recompute_s + new_tokens * prof.layer_s)
+    compute = shape.layers * (l_tokens * prof.recompute_s + new_tokens * prof.layer_s + s_tokens * prof.stored_s)
     return x1 + max(compute, transfer)
 
 
