@@ -91,8 +91,8 @@ def _median_s(fn, repeats: int) -> float:
 def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
                     repeats: int = 5) -> tuple[float, float, float]:
     """(seconds to recompute K, V of one token-layer from activations, seconds of one layer per new token, seconds
-    of moving one stored token-layer's KV through the loader: into the span buffer, the attention's key/value
-    tensors and the pool -- three copies)."""
+    per stored token-layer of a whole load from memory at l = 0 beyond the new tokens' layers: assembling the
+    span's KV, attending over it)."""
     c = model.cfg
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, c.hidden, generator=g).to(model.dtype)
@@ -105,15 +105,15 @@ def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
         q, k, v = model.qkv(0, x, npos)
         model.finish_layer(0, x, causal_attention(q, k, v, 0))
 
-    kv = torch.randn(4 * tokens, 2, c.kv_heads, c.head_dim, generator=g).to(model.dtype)
-    buf, pool = torch.empty_like(kv), torch.empty_like(kv)
+    layer_s = _median_s(layer, repeats) / new_tokens
+    from sglang_tiered.engine.kvpr import MemorySpan, kvpr_prefill
 
-    def move():
-        buf.copy_(kv)
-        torch.cat([buf[:, 0]]), torch.cat([buf[:, 1]])
-        pool.copy_(buf)
-
-    return recompute, _median_s(layer, repeats) / new_tokens, _median_s(move, repeats) / (4 * tokens)
+    span = MemorySpan(torch.randn(c.layers, 2 * tokens, 2, c.kv_heads, c.head_dim, generator=g).to(model.dtype),
+                      torch.randn(c.layers, 2 * tokens, c.hidden, generator=g).to(model.dtype), 0)
+    ids = torch.randint(0, c.vocab, (new_tokens,), generator=g)
+    whole = _median_s(lambda: kvpr_prefill(model, ids, prefix_len=0, span=span, overlap=False), max(1, repeats // 2))
+    stored = max(0.0, whole - c.layers * new_tokens * layer_s) / (c.layers * 2 * tokens)
+    return recompute, layer_s, stored
 
 
 def profile_key(model: str, dtype: str) -> str:

@@ -9,8 +9,10 @@
   (storage/activations.py) by one background thread (a full queue drops the batch's activations, counted).
 * Admission -- seam `Scheduler._prefetch_kvcache` (AROUND): for a request whose prompt continues, after its device
   + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, the split l is chosen
-  (`policy.kvpr.choose_split` over the measured `Profile`); if l > 0 (or the request/server forces it), SGLang's L3
-  prefetch is skipped: the stored tokens become extend tokens, loaded by the forward below. The request prefills
+  (`policy.kvpr.choose_split` over the measured `Profile`); `auto` takes it -- l = 0 included: our loader overlaps
+  the reads with the compute layer by layer, SGLang's reads everything first -- if it predicts at least
+  `AUTO_MIN_GAIN` off SGLang's own load (`sglang_load_time`); then (or when the request/server forces it) SGLang's
+  L3 prefetch is skipped: the stored tokens become extend tokens, loaded by the forward below. The request prefills
   alone (`model_forward.prefill_alone`) and its KV is exact, so it enters the radix tree as usual.
 * Profile -- the SSD read bandwidth measured at startup, K/V recompute and layer times at the first candidate load
   (`engine/kvpr_profile.py`, persisted); after each load the read bandwidth becomes min(startup, moving average
@@ -53,7 +55,7 @@ from sglang_tiered.engine.page_span import PageSpan
 from sglang_tiered.integration import importance, metrics, model_forward, settings, sparse_load
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
-from sglang_tiered.policy.kvpr import AUTO_MIN_GAIN, Profile, Shape, Split, choose_split, gate
+from sglang_tiered.policy.kvpr import AUTO_MIN_GAIN, Profile, Shape, Split, choose_split, gate, sglang_load_time
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -80,6 +82,7 @@ class _State:
         self.gate_reason: Optional[str] = None
         self.read_bps: Optional[float] = None  # measured at startup
         self.observed: Optional[float] = None  # moving average of the loads' read rates
+        self.loads = 0
         self.profile: Optional[Profile] = None
         self.key = ""
         self.writer: Optional[_Writer] = None
@@ -203,6 +206,9 @@ def attach_tier(tier: SSDTier, itemsize: int, layout: str) -> None:
     current = settings.current()
     if current is None or current.config.kvpr == "off" or _state.shape is None:
         return
+    if _state.gate_reason is not None and current.config.kvpr == "auto":  # logged here: logging is set up by now
+        logger.info("tiered kvpr: l = 0 for this model, no activations stored: %s", _state.gate_reason)
+        return
     if layout != "layer_first":
         logger.warning("tiered kvpr: off: needs the layer_first host layout (per-layer reads), got %s", layout)
         return
@@ -212,6 +218,8 @@ def attach_tier(tier: SSDTier, itemsize: int, layout: str) -> None:
     _state.key = profile_key(current.model, tier.namespace.dtype)
     if _state.gate_reason is None or current.config.kvpr == "force":
         _state.writer = _Writer(tier)
+        logger.info("tiered kvpr: %s: activations stored beside SSD pages (%.2fx the KV bytes)",
+                    current.config.kvpr, s.x_bytes / s.kv_bytes)
         threading.Thread(target=_measure_read, args=(tier,), name="tiered-kvpr-profile", daemon=True).start()
 
 
@@ -269,12 +277,15 @@ def plan_load(scheduler, req, start: int, mode: Any) -> Optional[Plan]:
     if profile is None:
         return None
     new = len(req.origin_input_ids) - start - n * ps
-    split = choose_split(n, ps, new, _state.shape, profile, max_pages=acts,
-                         min_gain=AUTO_MIN_GAIN if mode == "auto" else 0.0)
+    split = choose_split(n, ps, new, _state.shape, profile, max_pages=acts)
     if mode == "auto":
-        pages = split.pages if _state.gate_reason is None else 0
-        if pages == 0:
+        if _state.gate_reason is not None:
             return None
+        baseline = sglang_load_time(n * ps, new, _state.shape, profile, _state.read_bps or profile.read_bytes_per_s)
+        if split.predicted_s > (1 - AUTO_MIN_GAIN) * baseline:
+            return None  # SGLang's own load is as good
+        pages = split.pages
+        split = replace(split, reason=split.reason + f"; SGLang's load predicted {baseline:.3f}s")
     elif mode == "force":
         if acts == 0 or n < 2:
             return None
@@ -415,6 +426,9 @@ def _observe_compute(busy_s: float, recomputed: int, new: int, stored: int) -> s
     with _state.lock:
         rest = max(0.0, busy_s - recomputed * p.recompute_s - new * p.layer_s) / stored
         _state.profile = replace(p, stored_s=0.3 * rest + 0.7 * p.stored_s)
+        _state.loads += 1
+        if _state.loads % 8 == 0:  # keep the calibration across restarts
+            save_profile(_state.tier.root, _state.key, _state.profile, shape=_state.shape.__dict__)
         return f"stored token-layer {rest * 1e6:.2f} us, now {_state.profile.stored_s * 1e6:.2f} us"
 
 
@@ -437,10 +451,7 @@ def register_hooks() -> bool:
     _state.shape = Shape(cfg.layers, cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim)  # elements; bytes at attach
     _state.gate_reason = gate(_state.shape)
     if _state.gate_reason is not None and current.config.kvpr == "auto":
-        logger.info("tiered kvpr: l = 0 for this model, no activations stored: %s", _state.gate_reason)
-        return False
-    logger.info("tiered kvpr: %s: activations stored beside SSD pages (%.2fx the KV bytes)", current.config.kvpr,
-                cfg.hidden / (2 * cfg.kv_heads * cfg.head_dim))
+        return False  # attach_tier says why
     _capture = _Capture()
     HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", _around_attention, HookType.AROUND)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", _around_prefetch,

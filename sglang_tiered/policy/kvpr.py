@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# `auto` takes a split only when it predicts at least this fraction off the full load: below it, the fixed cost of
-# leaving SGLang's own load for the layer-by-layer loader (measured ~0.1 s per request on a 2-core CPU) eats the gain.
+# `auto` takes our loader (at its best l, 0 included) only when it predicts at least this fraction off SGLang's own
+# load (`sglang_load_time`): below it, the model's error and our loader's fixed cost eat the gain.
 AUTO_MIN_GAIN = 0.15
 
 
@@ -62,9 +62,8 @@ class Split:
 def gate(shape: Shape) -> Optional[str]:
     """None if activations can pay on this model, else why not."""
     if shape.x_bytes >= shape.kv_bytes:
-        return (f"activations (hidden {shape.x_bytes} per token-layer) are not smaller than the KV they would "
-                f"replace (2 x kv_heads x head_dim = {shape.kv_bytes}; {shape.x_bytes / shape.kv_bytes:.2f}x): "
-                "a GQA model, nothing to save")
+        return (f"activations are {shape.x_bytes / shape.kv_bytes:.2f}x the size of the KV they would replace "
+                "(hidden size >= 2 x kv_heads x head_dim): a GQA model, nothing to save")
     return None
 
 
@@ -76,6 +75,12 @@ def load_time(l_tokens: int, s_tokens: int, new_tokens: int, shape: Shape, prof:
         shape.kv_bytes / v
     compute = shape.layers * (l_tokens * prof.recompute_s + new_tokens * prof.layer_s + s_tokens * prof.stored_s)
     return x1 + max(compute, transfer)
+
+
+def sglang_load_time(s_tokens: int, new_tokens: int, shape: Shape, prof: Profile, device_bps: float) -> float:
+    """What SGLang's own L3 load costs, for comparison: it reads every page of the span (at the device's rate,
+    `device_bps`) before the forward starts, then computes the new tokens -- no overlap."""
+    return s_tokens * shape.layers * shape.kv_bytes / device_bps + shape.layers * new_tokens * prof.layer_s
 
 
 def choose_split(pages: int, page_size: int, new_tokens: int, shape: Shape, prof: Profile,

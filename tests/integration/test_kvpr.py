@@ -10,6 +10,8 @@ span (counted, identical). On the GQA default model the loader stays off and say
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,3 +126,22 @@ def test_the_gqa_default_model_keeps_l_zero_and_says_why(shared_server):
     lines = shared_server.log_lines("tiered kvpr: l = 0 for this model")
     assert lines and "1.50x" in lines[0] and "GQA" in lines[0]
     assert not list(Path(shared_server.args[shared_server.args.index("--tiered-ssd-dir") + 1]).glob("*/*/*.x.kvp"))
+
+
+def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path):
+    cli = Path(sys.executable).parent / "sglang-tiered"
+    r = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(mha_server.ssd)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "SSD read" in r.stdout and "K/V recompute" in r.stdout and "gate open" in r.stdout
+    assert "a 4096-token prefix + 32 new tokens: l = " in r.stdout
+
+    gqa = random_model_dir(tmp_path / "gqa", LlamaConfig(hidden=64, layers=2, heads=4, kv_heads=1, head_dim=16,
+                                                          intermediate=128, vocab=49152))
+    r = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "ssd"), "--model-path", str(gqa)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "l = 0: activations are 2.00x the size of the KV" in r.stdout  # hidden 64 vs 2 x 1 x 16
+    empty = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "none")], capture_output=True,
+                           text=True, timeout=120)
+    assert empty.returncode == 1 and "no profile" in empty.stderr
