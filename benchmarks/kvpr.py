@@ -187,7 +187,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096])
-    ap.add_argument("--slow-mbps", nargs="+", type=int, default=[200, 100, 50])
+    ap.add_argument("--slow-mbps", nargs="*", type=int, default=[200, 100, 50])
+    ap.add_argument("--skip-native", action="store_true", help="only the throttled disks")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the last JSON's results and replace only the (model, disk) pairs run now")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--verdict-only", action="store_true", help="recompute the verdict and plot from the last JSON")
@@ -202,17 +205,25 @@ def main() -> int:
     dtype = args.dtype or auto_dtype()
     source = PromptSource()
     results: dict = {}
+    previous = None
+    if args.merge and (RESULTS / "kvpr.json").exists():
+        import json
+
+        previous = json.loads((RESULTS / "kvpr.json").read_text())
+        results = previous["results"]
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:  # on the disk, not tmpfs: slow-disk throttles it
         tmp = Path(tmp)
         for model in args.models:
             model_dir = random_model_dir(tmp / model, MODELS[model], seed=0)
-            results[model] = {}
-            for mbps in [None, *args.slow_mbps]:
+            results.setdefault(model, {})
+            for mbps in ([] if args.skip_native else [None]) + args.slow_mbps:
                 disk = "native" if mbps is None else f"{mbps} MB/s"
                 results[model][disk] = run_disk(model, model_dir, disk, mbps, args.lengths, args.repeats, dtype,
                                                 source, tmp)
-    payload = {"machine": machine(), "dtype": dtype, "models": {m: MODELS[m].__dict__ for m in args.models},
+    payload = {"machine": machine(), "dtype": dtype, "models": {m: MODELS[m].__dict__ for m in results},
                "args": vars(args), "results": results}
+    if previous is not None:
+        payload["merged_from"] = {"args": previous.get("args"), "machine": previous.get("machine")}
     return report(results, payload)
 
 

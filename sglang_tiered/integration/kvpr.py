@@ -14,7 +14,8 @@
   `AUTO_MIN_GAIN` off SGLang's own load (`sglang_load_time`); then (or when the request/server forces it) SGLang's
   L3 prefetch is skipped: the stored tokens become extend tokens, loaded by the forward below. The request prefills
   alone (`model_forward.prefill_alone`) and its KV is exact, so it enters the radix tree as usual.
-* Profile -- the SSD read bandwidth measured at startup, K/V recompute and layer times at the first candidate load
+* Profile -- the SSD read bandwidth (in the background, from the first request on: at startup the weights
+  are still being read from the same disk; until it is known SGLang loads as usual), K/V recompute and layer times
   (`engine/kvpr_profile.py`, persisted); after each load the read bandwidth becomes min(startup, moving average
   of the loads' own read rates).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.kvpr.kvpr_prefill` over `engine.page_span.PageSpan`
@@ -83,6 +84,7 @@ class _State:
         self.read_bps: Optional[float] = None  # measured at startup
         self.observed: Optional[float] = None  # moving average of the loads' read rates
         self.loads = 0
+        self.measuring = False
         self.profile: Optional[Profile] = None
         self.key = ""
         self.writer: Optional[_Writer] = None
@@ -217,10 +219,10 @@ def attach_tier(tier: SSDTier, itemsize: int, layout: str) -> None:
     _state.tier = tier
     _state.key = profile_key(current.model, tier.namespace.dtype)
     if _state.gate_reason is None or current.config.kvpr == "force":
-        _state.writer = _Writer(tier)
+        _state.writer = _Writer(tier)  # (the read bandwidth is measured at the first candidate load: at startup the
+        #                                weights are still being read from the same disk)
         logger.info("tiered kvpr: %s: activations stored beside SSD pages (%.2fx the KV bytes)",
                     current.config.kvpr, s.x_bytes / s.kv_bytes)
-        threading.Thread(target=_measure_read, args=(tier,), name="tiered-kvpr-profile", daemon=True).start()
 
 
 def _measure_read(tier: SSDTier) -> None:
@@ -228,21 +230,35 @@ def _measure_read(tier: SSDTier) -> None:
         _state.read_bps = measure_read(tier.root)
         logger.info("tiered kvpr: SSD read bandwidth %.0f MB/s (page cache bypassed)", _state.read_bps / 1e6)
     except OSError as exc:
-        logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); using the last stored profile", exc)
+        stored = stored_profile(tier.root, _state.key)
+        logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); %s", exc,
+                       "using the stored profile's" if stored else "KVPR stays off")
+        if stored is not None:
+            _state.read_bps = stored.read_bytes_per_s
+
+
+def _start_measuring() -> None:
+    """Measure the read bandwidth in the background, once (from the first request's admission on)."""
+    if not _state.measuring:
+        _state.measuring = True
+        threading.Thread(target=_measure_read, args=(_state.tier,), name="tiered-kvpr-profile", daemon=True).start()
 
 
 def _profile(scheduler) -> Optional[Profile]:
-    """The measured profile; the compute part is timed on the served model at the first call."""
+    """The measured profile, or None while the read bandwidth is being measured (until then SGLang loads as
+    usual). The compute part is timed on the served model at the first call after that."""
     with _state.lock:
         if _state.profile is not None:
             return _state.profile
-        stored = stored_profile(_state.tier.root, _state.key)
-        read_bps = _state.read_bps or (stored.read_bytes_per_s if stored else None)
-        if read_bps is None:
-            return None  # the read measurement is still running
+        if _state.read_bps is None:
+            _start_measuring()
+            return None
         engine = model_forward.engine_from_sglang(scheduler.tp_worker.model_runner.model.model)
+        stored = stored_profile(_state.tier.root, _state.key)
         recompute_s, layer_s, stored_s = measure_compute(engine)
-        _state.profile = Profile(read_bps, recompute_s, layer_s, stored_s)
+        if stored is not None and stored.stored_s > stored_s:  # calibrated by earlier loads of this model
+            stored_s = stored.stored_s
+        _state.profile = Profile(_state.read_bps, recompute_s, layer_s, stored_s)
         path = save_profile(_state.tier.root, _state.key, _state.profile, shape=_state.shape.__dict__)
         logger.info("tiered kvpr: profile %s (saved to %s)", describe(_state.profile), path)
         return _state.profile
@@ -300,6 +316,7 @@ def _around_prefetch(original, self, req, *args, **kwargs):
         req.tiered_kvpr = None  # re-admitted (e.g. retracted): decided afresh
     if _state.tier is None:
         return original(self, req, *args, **kwargs)
+    _start_measuring()
     mode = request_mode(req)
     custom = getattr(req.sampling_params, "custom_params", None) or {}
     if mode == "off" or REQUEST_CHUNKS in custom or sparse_load.request_mode(req) != "off":
