@@ -16,8 +16,9 @@
   alone (`model_forward.prefill_alone`) and its KV is exact, so it enters the radix tree as usual.
 * Profile -- the SSD read bandwidth (in the background, from the first request on: at startup the weights
   are still being read from the same disk; until it is known SGLang loads as usual), K/V recompute and layer times
-  (`engine/kvpr_profile.py`, persisted); after each load the read bandwidth becomes min(startup, moving average
-  of the loads' own read rates).
+  (`engine/kvpr_profile.py`, persisted); after each load the read bandwidth becomes min(measured, moving average
+  of the loads' own read rates) and the recompute and per-stored-token costs are refitted to the loads' compute
+  times (`policy.kvpr.Calibration`).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.kvpr.kvpr_prefill` over `engine.page_span.PageSpan`
   (the I/O threads read layer l + 1 -- activations of the first l tokens, KV of the rest -- while this thread
   recomputes layer l's K, V and runs the new tokens' layer). The new tokens' complete pages get their activations
@@ -56,7 +57,16 @@ from sglang_tiered.engine.page_span import PageSpan
 from sglang_tiered.integration import importance, metrics, model_forward, settings, sparse_load
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
-from sglang_tiered.policy.kvpr import AUTO_MIN_GAIN, Profile, Shape, Split, choose_split, gate, sglang_load_time
+from sglang_tiered.policy.kvpr import (
+    AUTO_MIN_GAIN,
+    Calibration,
+    Profile,
+    Shape,
+    Split,
+    choose_split,
+    gate,
+    sglang_load_time,
+)
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -85,6 +95,7 @@ class _State:
         self.observed: Optional[float] = None  # moving average of the loads' read rates
         self.loads = 0
         self.measuring = False
+        self.calibration = Calibration()
         self.profile: Optional[Profile] = None
         self.key = ""
         self.writer: Optional[_Writer] = None
@@ -434,19 +445,17 @@ def _observe_read(nbytes: int, seconds: float) -> str:
 
 
 def _observe_compute(busy_s: float, recomputed: int, new: int, stored: int) -> str:
-    """Fold a load's compute-stream time (everything but waiting for reads) into the per-stored-token-layer cost:
-    what is left after the profile's recompute and new-token times, over the stored token-layers (moving
-    average). `recomputed`, `new`, `stored` are token-layers."""
-    p = _state.profile
-    if p is None or stored <= 0:
+    """Refit the compute stream's per-token costs (recompute, stored token) to this load's compute time
+    (everything but waiting for reads; `policy.kvpr.Calibration`). Counts are token-layers."""
+    if _state.profile is None or stored <= 0:
         return ""
     with _state.lock:
-        rest = max(0.0, busy_s - recomputed * p.recompute_s - new * p.layer_s) / stored
-        _state.profile = replace(p, stored_s=0.3 * rest + 0.7 * p.stored_s)
+        _state.profile = _state.calibration.observe(_state.profile, busy_s, recomputed, new, stored)
         _state.loads += 1
         if _state.loads % 8 == 0:  # keep the calibration across restarts
             save_profile(_state.tier.root, _state.key, _state.profile, shape=_state.shape.__dict__)
-        return f"stored token-layer {rest * 1e6:.2f} us, now {_state.profile.stored_s * 1e6:.2f} us"
+        p = _state.profile
+        return f"recompute now {p.recompute_s * 1e6:.2f} us, stored token-layer {p.stored_s * 1e6:.2f} us"
 
 
 # ---------------------------------------------------------------------------------------------- registration

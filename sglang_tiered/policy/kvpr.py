@@ -111,3 +111,32 @@ def choose_split(pages: int, page_size: int, new_tokens: int, shape: Shape, prof
     else:
         reason = f"predicted {best_t:.3f}s vs {full:.3f}s for a full load"
     return Split(best, best * page_size, best_t, full, reason)
+
+
+class Calibration:
+    """Fits the compute stream's two per-token costs from observed loads: busy_s - new * layer_s = recomputed *
+    recompute_s + stored * stored_s (all counts in token-layers), by least squares over exponentially decayed
+    sums (`decay` per load). Until loads with different splits make the fit well posed, only stored_s moves (with
+    recompute_s held at the profile's)."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.rr = self.rs = self.ss = self.ry = self.sy = 0.0
+
+    def observe(self, prof: Profile, busy_s: float, recomputed: int, new: int, stored: int) -> Profile:
+        """The profile with recompute_s and stored_s refitted to this load and the earlier ones."""
+        if stored <= 0:
+            return prof
+        y = max(0.0, busy_s - new * prof.layer_s)
+        d = self.decay
+        r, s = float(recomputed), float(stored)
+        self.rr, self.rs, self.ss = d * self.rr + r * r, d * self.rs + r * s, d * self.ss + s * s
+        self.ry, self.sy = d * self.ry + r * y, d * self.sy + s * y
+        det = self.rr * self.ss - self.rs * self.rs
+        if det > 1e-3 * self.rr * self.ss and self.rr > 0:  # splits varied enough: fit both
+            rec = (self.ry * self.ss - self.sy * self.rs) / det
+            sto = (self.sy * self.rr - self.ry * self.rs) / det
+            if rec > 0 and sto >= 0:
+                return Profile(prof.read_bytes_per_s, rec, prof.layer_s, sto)
+        sto = max(0.0, (self.sy - prof.recompute_s * self.rs) / self.ss)
+        return Profile(prof.read_bytes_per_s, prof.recompute_s, prof.layer_s, sto)

@@ -56,6 +56,21 @@ def test_a_split_below_the_minimum_gain_is_not_taken():
     assert held.pages == 0 and "< 20%" in held.reason and held.predicted_s == held.full_s
 
 
+def test_calibration_recovers_both_costs_from_loads_with_different_splits():
+    from sglang_tiered.policy.kvpr import Calibration
+
+    true_rec, true_sto, layer_s = 9e-6, 4e-6, 50e-6
+    prof = Profile(1e8, 3e-6, layer_s, 0.5e-6)  # the profile's guesses, both too low
+    cal = Calibration()
+    prof = cal.observe(prof, 30 * 32 * layer_s + 4096 * 30 * true_sto, 0, 30 * 32, 4096 * 30)  # l = 0 only
+    assert prof.recompute_s == 3e-6 and prof.stored_s == pytest.approx(true_sto)  # one unknown fitted
+    for l_tok in (1024, 2048, 512):
+        busy = 30 * 32 * layer_s + 30 * l_tok * true_rec + 4096 * 30 * true_sto
+        prof = cal.observe(prof, busy, 30 * l_tok, 30 * 32, 4096 * 30)
+    assert prof.recompute_s == pytest.approx(true_rec) and prof.stored_s == pytest.approx(true_sto)
+    assert cal.observe(prof, 1.0, 0, 0, 0) == prof  # nothing stored: nothing learned
+
+
 def test_load_time_of_a_full_load_is_transfer_or_compute_whichever_is_longer():
     shape, prof = mha_shape(layers=2), Profile(1e6, 1e-3, 1e-3)
     assert load_time(0, 100, 10, shape, prof) == max(2 * 10 * 1e-3, 100 * 2 * shape.kv_bytes / 1e6)
