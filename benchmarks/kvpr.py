@@ -13,7 +13,7 @@ Reported per point: TTFT (client side, max_new_tokens=1, median of `--repeats`) 
 log line). Verdicts, per (model, disk, length) where the scheduler chose l > 0 ("KVPR should win"): auto within
 5 % of the best grid point, >= 25 % lower TTFT than the full load (the better of "off" and l = 0); everywhere:
 auto never more than 3 % slower than SGLang's full load ("off"). Modes are measured interleaved (one round over
-all of them, `--repeats` rounds).
+all of them in a shuffled order, `--repeats` rounds).
 
     .venv/bin/python benchmarks/kvpr.py [--lengths 1024 4096] [--slow-mbps 200 100 50] [--models smollm2-mha wide]
 
@@ -23,6 +23,7 @@ Writes benchmarks/results/kvpr.json and .png, prints one verdict line.
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import sys
@@ -78,11 +79,14 @@ def measure_once(s: ServerProcess, ssd: Path, ids: list[int], mode) -> dict:
 
 
 def measure(s: ServerProcess, ssd: Path, ids: list[int], modes: dict, repeats: int) -> dict:
-    """Every mode once per round, rounds repeated (interleaved, so that drift hits all modes alike); medians."""
+    """Every mode once per round in a shuffled order (seeded), rounds repeated: drift and the previous request's
+    after-effects hit all modes alike; medians."""
     rows: dict = {name: [] for name in modes}
-    for _ in range(repeats):
-        for name, mode in modes.items():
-            rows[name].append(measure_once(s, ssd, ids, mode))
+    order = list(modes)
+    for r in range(repeats):
+        random.Random(r).shuffle(order)
+        for name in order:
+            rows[name].append(measure_once(s, ssd, ids, modes[name]))
     out = {}
     for name, rs in rows.items():
         loads = [r["load_s"] for r in rs if r["load_s"] is not None]
