@@ -36,6 +36,7 @@ from sglang_tiered.server_process import ServerProcess, cached_details, essay_te
 exit_cleanly_on_sigterm()  # benchmarks are scripts: a terminated run still stops its servers
 
 RESULTS = Path(__file__).parent / "results"
+SLOW_DISK = Path(__file__).resolve().parents[2] / "shared" / "tools" / "slow-disk"  # a kernel I/O throttle
 STEPS = ("cold", "device", "device_settled", "host", "ssd", "restart")
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import (  # noqa: E402
     RESULTS,
+    SLOW_DISK,
     PromptSource,
     auto_dtype,
     evict_from_page_cache,
@@ -54,8 +55,6 @@ from _harness import (  # noqa: E402
 )
 
 from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
-
-SLOW_DISK = Path(__file__).resolve().parents[2] / "shared" / "tools" / "slow-disk"
 
 
 def capture_cost(source: PromptSource, dtype: str, tokens: int, repeats: int) -> dict:

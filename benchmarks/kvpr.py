@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import (  # noqa: E402
     RESULTS,
+    SLOW_DISK,
     PromptSource,
     auto_dtype,
     evict_from_page_cache,
@@ -46,7 +47,6 @@ from sglang_tiered.engine.llama import LlamaConfig  # noqa: E402
 from sglang_tiered.models import random_model_dir  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, metric_total  # noqa: E402
 
-SLOW_DISK = Path(__file__).resolve().parents[2] / "shared" / "tools" / "slow-disk"
 PAGE = 64
 QUESTION = 32
 MODELS = {

@@ -361,15 +361,9 @@ class KVPRHandler(model_forward.ForwardHandler):
             return None
         req = reqs[0]
         plan: Plan = req.tiered_kvpr
-        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        why = None
-        if fb.batch_size > 1:
-            why = f"its prefill batch holds {fb.batch_size} requests"
-        elif req.return_logprob:
-            why = "input logprobs were requested"
-        elif prefix + ext < len(req.origin_input_ids):
-            why = "a piece of a chunked prefill (raise --chunked-prefill-size)"
-        elif prefix != plan.start:
+        prefix = int(fb.extend_prefix_lens_cpu[0])
+        why = model_forward.why_not_whole_prompt(fb, req)
+        if why is None and prefix != plan.start:
             why = f"its cached prefix changed since admission ({plan.start} -> {prefix} tokens)"
         engine = self.runtime(module) if why is None else None
         if why is None and engine is None:

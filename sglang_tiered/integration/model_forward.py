@@ -191,6 +191,19 @@ def _around_forward(original, self, input_ids, positions, forward_batch, input_e
         return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
 
 
+def why_not_whole_prompt(fb, req) -> Optional[str]:
+    """Why a handler that computes one request's whole remaining prompt itself cannot take this extend batch
+    (None: it can)."""
+    prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+    if fb.batch_size > 1:
+        return f"its prefill batch holds {fb.batch_size} requests"
+    if req.return_logprob:
+        return "input logprobs were requested"
+    if prefix + ext < len(req.origin_input_ids):
+        return "a piece of a chunked prefill (raise --chunked-prefill-size)"
+    return None
+
+
 def engine_from_sglang(module) -> LlamaModel:
     """Our layer-by-layer engine over the weights of SGLang's `LlamaModel` (views of the fused projections, no
     copy), one per module. Raises NotImplementedError when the module holds a tensor-parallel shard."""

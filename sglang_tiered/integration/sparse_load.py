@@ -132,15 +132,10 @@ class ImportanceHandler(model_forward.ForwardHandler):
         if not reqs:
             return None
         req = reqs[0]
-        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        why, run = None, None
-        if fb.batch_size > 1:
-            why = f"its prefill batch holds {fb.batch_size} requests"
-        elif req.return_logprob:
-            why = "input logprobs were requested"
-        elif prefix + ext < len(req.origin_input_ids):
-            why = "a piece of a chunked prefill (raise --chunked-prefill-size)"
-        else:
+        prefix = int(fb.extend_prefix_lens_cpu[0])
+        run = None
+        why = model_forward.why_not_whole_prompt(fb, req)
+        if why is None:
             run = stored_run(req, prefix)
             if run is None or run[2] * run[0].page_size < settings.current().config.importance_min_tokens:
                 why = "the stored span is gone"

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 from sglang_tiered.storage import group_file
 from sglang_tiered.storage.eviction import EvictionPolicy, LRUPolicy
@@ -47,6 +47,8 @@ from sglang_tiered.storage.page_file import (
 from sglang_tiered.storage.stats import TierStats
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A page request: its key and the buffers that hold (write) or receive (read) its payload, in order.
 PageIO = tuple[str, Sequence[memoryview]]
@@ -140,6 +142,14 @@ class SSDTier:
         """A reader of the stored plain page `key` (random access to its segments, e.g. one layer), or None for a
         miss of any kind (counted and handled like `read_pages`; a page inside a group is a miss here). A segment
         that then fails its checksum raises CorruptPage from `PageReader.read`: hand it to `drop_corrupt`."""
+        reader = self._serve(key, lambda path: PageReader(str(path), self.ns_id, key, segment_bytes))
+        if reader is not None:
+            self.stats.add(hit_pages=1)
+        return reader
+
+    def _serve(self, key: str, action: Callable[[Path], T]) -> Optional[T]:
+        """`action(path)` on the stored plain page `key`; a miss of any kind gives None, counted (a lost file is
+        forgotten, a corrupt or foreign one removed); a hit touches the page."""
         with self._lock:
             known = key in self._index
         if not known:
@@ -147,7 +157,7 @@ class SSDTier:
             return None
         path = self._path(key)
         try:
-            reader = PageReader(str(path), self.ns_id, key, segment_bytes)
+            out = action(path)
         except FileNotFoundError:
             self._forget(key, delete=False)
             self.stats.add(lost_pages=1, miss_pages=1)
@@ -162,13 +172,13 @@ class SSDTier:
         with self._lock:
             self._policy.touch(key)
         _bump_mtime(path)
-        self.stats.add(hit_pages=1)
-        return reader
+        return out
 
     def drop_corrupt(self, key: str, exc: Exception) -> None:
         """Remove page `key` found corrupt or foreign by a reader (counted)."""
         foreign = isinstance(exc, ForeignPage)
-        logger.warning("tiered ssd: %s page %s (%s): removed", "foreign" if foreign else "corrupt", key, exc)
+        logger.warning("tiered ssd: %s page %s (%s): removed, recomputing", "foreign" if foreign else "corrupt", key,
+                       exc)
         self._forget(key, delete=True)
         self.stats.add(miss_pages=1, **{"foreign_pages" if foreign else "corrupt_pages": 1})
 
@@ -187,36 +197,10 @@ class SSDTier:
 
     def _read_one(self, page: PageIO) -> bool:
         key, segments = page
-        with self._lock:
-            known = key in self._index
-        if not known:
-            self.stats.add(miss_pages=1)
-            return False
-        path = self._path(key)
         t0 = time.perf_counter()
-        try:
-            n = read_page(str(path), self.ns_id, key, segments)
-        except FileNotFoundError:
-            self._forget(key, delete=False)
-            self.stats.add(lost_pages=1, miss_pages=1)
+        n = self._serve(key, lambda path: read_page(str(path), self.ns_id, key, segments))
+        if n is None:
             return False
-        except CorruptPage as exc:
-            logger.warning("tiered ssd: corrupt page %s (%s): removed, recomputing", key, exc)
-            self._forget(key, delete=True)
-            self.stats.add(corrupt_pages=1, miss_pages=1)
-            return False
-        except ForeignPage as exc:
-            logger.warning("tiered ssd: foreign page %s (%s): removed", key, exc)
-            self._forget(key, delete=True)
-            self.stats.add(foreign_pages=1, miss_pages=1)
-            return False
-        except OSError as exc:
-            logger.warning("tiered ssd: read error on %s: %s", key, exc)
-            self.stats.add(io_errors=1, miss_pages=1)
-            return False
-        with self._lock:
-            self._policy.touch(key)
-        _bump_mtime(path)
         self.stats.add(hit_pages=1, bytes_read=n, read_seconds=time.perf_counter() - t0)
         return True
 
