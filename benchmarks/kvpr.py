@@ -194,7 +194,7 @@ def main() -> int:
     ap.add_argument("--slow-mbps", nargs="*", type=int, default=[200, 100, 50])
     ap.add_argument("--skip-native", action="store_true", help="only the throttled disks")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the last JSON's results and replace only the (model, disk) pairs run now")
+                    help="keep the last JSON's results and replace only the (model, disk, length) points run now")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--verdict-only", action="store_true", help="recompute the verdict and plot from the last JSON")
@@ -222,8 +222,8 @@ def main() -> int:
             results.setdefault(model, {})
             for mbps in ([] if args.skip_native else [None]) + args.slow_mbps:
                 disk = "native" if mbps is None else f"{mbps} MB/s"
-                results[model][disk] = run_disk(model, model_dir, disk, mbps, args.lengths, args.repeats, dtype,
-                                                source, tmp)
+                got = run_disk(model, model_dir, disk, mbps, args.lengths, args.repeats, dtype, source, tmp)
+                results[model].setdefault(disk, {}).update(got)
     payload = {"machine": machine(), "dtype": dtype, "models": {m: MODELS[m].__dict__ for m in results},
                "args": vars(args), "results": results}
     if previous is not None:

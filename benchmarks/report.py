@@ -113,11 +113,12 @@ def main() -> int:
                 f"Machine: {_machine(d['machine'])}; {_dtype(d)}; random-weight MHA models "
                 + ", ".join(f"{m} (hidden {c['hidden']}, {c['layers']} layers, {c['kv_heads']} KV heads)"
                             for m, c in d["models"].items())
-                + f"; {d['args']['repeats']} interleaved rounds; SSD files evicted from the page cache before each "
-                "request. TTFT (s), max_new_tokens=1, prefix + 32 new tokens:", "",
-                "| model | disk | prefix | SGLang full load | ours, l = 0 | best grid l (TTFT) | scheduler's l "
-                "(TTFT) | chosen / best | chosen / full |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
-                "| ---: |"]
+                + "; modes interleaved in shuffled rounds (column n); SSD files evicted from the page cache before "
+                "each request. TTFT (s, median), max_new_tokens=1, prefix + 32 new tokens; full = the better of "
+                "SGLang's load and ours at l = 0:", "",
+                "| model | disk | prefix | n | SGLang full load | ours, l = 0 | best grid l (TTFT) | scheduler's l "
+                "(TTFT) | chosen / best | chosen / full | chosen / SGLang |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for m, disks in d["results"].items():
             for disk, lengths in disks.items():
                 for n, p in lengths.items():
@@ -128,9 +129,10 @@ def main() -> int:
                     a = p["auto"]
                     full = min(p["off"]["ttft_s"], p["l=0"]["ttft_s"])
                     chosen = "SGLang's load (l = 0)" if a["l"] is None else f"l={a['l']}"
-                    out.append(f"| {m} | {disk} | {n} | {p['off']['ttft_s']:.3f} | {p['l=0']['ttft_s']:.3f} | "
-                               f"{bk} ({grid[bk]['ttft_s']:.3f}) | {chosen} ({a['ttft_s']:.3f}) | "
-                               f"{a['ttft_s'] / grid[bk]['ttft_s']:.2f} | {a['ttft_s'] / full:.2f} |")
+                    out.append(f"| {m} | {disk} | {n} | {len(a['rows'])} | {p['off']['ttft_s']:.3f} | "
+                               f"{p['l=0']['ttft_s']:.3f} | {bk} ({grid[bk]['ttft_s']:.3f}) | {chosen} "
+                               f"({a['ttft_s']:.3f}) | {a['ttft_s'] / grid[bk]['ttft_s']:.2f} | "
+                               f"{a['ttft_s'] / full:.2f} | {a['ttft_s'] / p['off']['ttft_s']:.2f} |")
         checks = d.get("checks", {})
         out += ["", "Targets: " + "; ".join(f"{k}: {sum(c['pass'] for c in v)}/{len(v)}" for k, v in checks.items()),
                 "", "![kvpr](benchmarks/results/kvpr.png)", ""]
