@@ -243,7 +243,7 @@ def save_random_checkpoint(path: str | Path, cfg: LlamaConfig, seed: int = 0) ->
               "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
               "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate, "vocab_size": cfg.vocab,
               "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
-              "max_position_embeddings": 8192, "hidden_act": "silu", "torch_dtype": "float32"}
+              "max_position_embeddings": 32768, "hidden_act": "silu", "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     weights = random_weights(cfg, seed)
     if cfg.tie_embeddings:
