@@ -21,7 +21,7 @@ from typing import Optional, Protocol
 import torch
 
 from sglang_tiered.engine.layer_loader import LayerLoader
-from sglang_tiered.engine.llama import LlamaModel
+from sglang_tiered.engine.llama import LlamaModel, Rope
 from sglang_tiered.kernels.extend_attention import causal_attention
 
 
@@ -57,10 +57,11 @@ class KVPRResult:
 @torch.inference_mode()
 def kvpr_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span: SpanSource,
                  prefix_loader: Optional[Callable[[int], torch.Tensor]] = None,
-                 overlap: bool = True, inputs: bool = False) -> KVPRResult:
+                 overlap: bool = True, inputs: bool = False, rope: Optional[Rope] = None) -> KVPRResult:
     """Prefill the new tokens `ids` (positions prefix_len + span.tokens ..) over the exact prefix
     (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the stored span (see the module docstring).
-    `inputs`: also return the new tokens' attention inputs (to store them as activations in turn)."""
+    `inputs`: also return the new tokens' attention inputs (to store them as activations in turn). `rope`: the
+    rotation of recomputed keys (`LlamaModel.kv_from_input`)."""
     n, p, s = ids.shape[0], prefix_len, span.tokens
     if n < 1 or s < 1:
         raise ValueError(f"need new tokens and a stored span, got {n} and {s}")
@@ -76,7 +77,7 @@ def kvpr_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span:
             data = loader.get(layer)
             span_kv = out[layer, :s]
             if data.x_idx.numel():
-                k, v = model.kv_from_input(layer, data.x.to(model.dtype), p + data.x_idx)
+                k, v = model.kv_from_input(layer, data.x.to(model.dtype), p + data.x_idx, rope)
                 span_kv[data.x_idx, 0], span_kv[data.x_idx, 1] = k, v
                 recomputed += int(data.x_idx.numel())
             if data.kv_idx.numel():

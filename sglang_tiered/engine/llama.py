@@ -15,6 +15,7 @@ Supports Llama checkpoints in Hugging Face layout (safetensors), GQA and MHA, de
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.storage.geometry import KVGeometry
+
+Rope = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, k [n, H, D], positions) -> rotated k
 
 
 @dataclass(frozen=True)
@@ -166,12 +169,15 @@ class LlamaModel:
         """The layer's attention input: the residual stream after its input RMSNorm (what KVPR stores)."""
         return self._rms(x, self.layer_weights[layer].input_norm)
 
-    def kv_from_input(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
+    def kv_from_input(self, layer: int, h: torch.Tensor, positions: torch.Tensor, rope: Optional[Rope] = None):
         """Keys [n, Hkv, D] (post-RoPE) and values of tokens at `positions` from their attention input `h`
-        [n, hidden] (`attention_input`): the partial-recompute loader's K = X W_K, V = X W_V."""
+        [n, hidden] (`attention_input`): the partial-recompute loader's K = X W_K, V = X W_V. `rope(layer, k,
+        positions)` replaces this engine's rotation (a server passes its own kernel, so that the recomputed keys
+        are bit-identical to the ones it stored)."""
         w, c = self.layer_weights[layer], self.cfg
         kv = F.linear(h, w.wkv).view(-1, 2, c.kv_heads, c.head_dim)
-        return self.rope(kv[:, 0], positions), kv[:, 1]
+        k = kv[:, 0].contiguous()
+        return (self.rope(k, positions) if rope is None else rope(layer, k, positions)), kv[:, 1]
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream after the layer, given the attention output [n, Hq, D] of its tokens."""

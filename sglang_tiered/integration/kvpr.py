@@ -370,7 +370,7 @@ class KVPRHandler(model_forward.ForwardHandler):
             why = f"disabled in this process: {self.disabled}"
         if why is None:
             try:
-                return _load_forward(engine, req, fb, plan)
+                return _load_forward(engine, req, fb, plan, sglang_rope(module))
             except SpanMiss as exc:
                 why = f"stored span unreadable: {exc}"
         for r in reqs:
@@ -379,8 +379,22 @@ class KVPRHandler(model_forward.ForwardHandler):
         return None
 
 
+def sglang_rope(module):
+    """The served model's own rotary kernels as an engine `Rope`: recomputed keys come out bit-identical to the
+    keys SGLang stored (the engine's rotation differs from SGLang's CPU kernel by a bf16 ulp in ~40 % of the
+    elements, enough to flip a near-tie greedy token)."""
+    layers = module.layers
+
+    def rope(layer: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        flat = k.reshape(k.shape[0], -1)
+        _, rotated = layers[layer].self_attn.rotary_emb(positions, flat.clone(), flat.clone())
+        return rotated.view_as(k)
+
+    return rope
+
+
 @torch.inference_mode()
-def _load_forward(engine, req: Any, fb, plan: Plan) -> torch.Tensor:
+def _load_forward(engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:
     t0 = time.perf_counter()
     c = engine.cfg
     tier = _state.tier
@@ -391,7 +405,7 @@ def _load_forward(engine, req: Any, fb, plan: Plan) -> torch.Tensor:
     try:
         s = span.tokens
         ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
-        res = kvpr_prefill(engine, ids, prefix_len=prefix, span=span, inputs=True,
+        res = kvpr_prefill(engine, ids, prefix_len=prefix, span=span, inputs=True, rope=rope,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
     finally:
         span.close()
