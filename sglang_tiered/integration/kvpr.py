@@ -91,7 +91,7 @@ class _State:
         self.tier: Optional[SSDTier] = None
         self.shape: Optional[Shape] = None  # from config.json (itemsize of the served dtype once known)
         self.gate_reason: Optional[str] = None
-        self.read_bps: Optional[float] = None  # measured at startup
+        self.read_bps: Optional[float] = None  # measured once, from the first request on
         self.observed: Optional[float] = None  # moving average of the loads' read rates
         self.loads = 0
         self.measuring = False
