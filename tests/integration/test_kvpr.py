@@ -145,3 +145,4 @@ def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path):
     empty = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "none")], capture_output=True,
                            text=True, timeout=120)
     assert empty.returncode == 1 and "no profile" in empty.stderr
+
