@@ -271,7 +271,10 @@ def _profile(scheduler) -> Optional[Profile]:
             stored_s = stored.stored_s
         _state.profile = Profile(_state.read_bps, recompute_s, layer_s, stored_s)
         path = save_profile(_state.tier.root, _state.key, _state.profile, shape=_state.shape.__dict__)
-        logger.info("tiered kvpr: profile %s (saved to %s)", describe(_state.profile), path)
+        example = choose_split(4096 // _state.tier.namespace.page_size, _state.tier.namespace.page_size, 32,
+                               _state.shape, _state.profile)
+        logger.info("tiered kvpr: profile %s (saved to %s); a 4096-token prefix + 32 new tokens would split at "
+                    "l = %d (%s)", describe(_state.profile), path, example.tokens, example.reason)
         return _state.profile
 
 
