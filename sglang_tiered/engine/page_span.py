@@ -16,6 +16,7 @@ import torch
 from sglang_tiered.engine.group_span import SpanMiss
 from sglang_tiered.engine.kvpr import LayerData
 from sglang_tiered.storage import activations
+from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.page_file import CorruptPage, PageReader
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -31,7 +32,7 @@ class PageSpan:
         self._kv: list[PageReader] = []
         self._x: list[PageReader | None] = []
         try:
-            kv_segs = activations.kv_segment_bytes(layers, page_size, kv_heads, head_dim, size)
+            kv_segs = activations.kv_segment_bytes(KVGeometry(layers, kv_heads, head_dim, size), page_size)
             for key in self.keys:
                 reader = tier.open_page(key, kv_segs)
                 if reader is None:
@@ -46,11 +47,6 @@ class PageSpan:
         except BaseException:
             self.close()
             raise
-
-    @property
-    def recompute_pages(self) -> int:
-        """Pages currently read as activations."""
-        return sum(r is not None for r in self._x)
 
     def _read(self, job: tuple[int, int]) -> tuple[int, bool, list[bytearray]]:
         page, layer = job

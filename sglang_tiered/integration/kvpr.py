@@ -11,7 +11,7 @@
   + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, the split l is chosen
   (`policy.kvpr.choose_split` over the measured `Profile`); `auto` takes it -- l = 0 included: our loader overlaps
   the reads with the compute layer by layer, SGLang's reads everything first -- if it predicts at least
-  `AUTO_MIN_GAIN` off SGLang's own load (`sglang_load_time`); then (or when the request/server forces it) SGLang's
+  `policy.kvpr.AUTO_MIN_GAIN` off SGLang's own load (`takes_over`); then (or when the request/server forces it) SGLang's
   L3 prefetch is skipped: the stored tokens become extend tokens, loaded by the forward below. The request prefills
   alone (`model_forward.prefill_alone`) and its KV is exact, so it enters the radix tree as usual.
 * Profile -- the SSD read bandwidth (in the background, from the first request on: at startup the weights
@@ -58,7 +58,6 @@ from sglang_tiered.integration import importance, metrics, model_forward, settin
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
 from sglang_tiered.policy.kvpr import (
-    AUTO_MIN_GAIN,
     Calibration,
     Profile,
     Shape,
@@ -66,6 +65,7 @@ from sglang_tiered.policy.kvpr import (
     choose_split,
     gate,
     sglang_load_time,
+    takes_over,
 )
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -312,7 +312,7 @@ def plan_load(scheduler, req, start: int, mode: Any) -> Optional[Plan]:
         if _state.gate_reason is not None:
             return None
         baseline = sglang_load_time(n * ps, new, _state.shape, profile, _state.read_bps or profile.read_bytes_per_s)
-        if split.predicted_s > (1 - AUTO_MIN_GAIN) * baseline:
+        if not takes_over(split, baseline):
             return None  # SGLang's own load is as good
         pages = split.pages
         split = replace(split, reason=split.reason + f"; SGLang's load predicted {baseline:.3f}s")

@@ -83,10 +83,15 @@ def sglang_load_time(s_tokens: int, new_tokens: int, shape: Shape, prof: Profile
     return s_tokens * shape.layers * shape.kv_bytes / device_bps + shape.layers * new_tokens * prof.layer_s
 
 
+def takes_over(split: Split, sglang_s: float, min_gain: float = AUTO_MIN_GAIN) -> bool:
+    """`auto`: does our loader at `split` (l = 0 included) predict at least `min_gain` off SGLang's own load
+    (`sglang_load_time`)?"""
+    return split.predicted_s <= (1 - min_gain) * sglang_s
+
+
 def choose_split(pages: int, page_size: int, new_tokens: int, shape: Shape, prof: Profile,
-                 max_pages: Optional[int] = None, min_gain: float = 0.0) -> Split:
-    """The l (whole pages, at most `max_pages` -- the leading pages whose activations are stored) minimizing t(l);
-    l = 0 unless t(l) <= (1 - min_gain) * t(0)."""
+                 max_pages: Optional[int] = None) -> Split:
+    """The l (whole pages, at most `max_pages` -- the leading pages whose activations are stored) minimizing t(l)."""
     if pages < 0 or page_size < 1:
         raise ValueError(f"pages must be >= 0 and page_size >= 1, got {pages}, {page_size}")
     s = pages * page_size
@@ -100,9 +105,6 @@ def choose_split(pages: int, page_size: int, new_tokens: int, shape: Shape, prof
         t = load_time(p * page_size, s, new_tokens, shape, prof)
         if t < best_t:
             best, best_t = p, t
-    if best and best_t > (1 - min_gain) * full:
-        return Split(0, 0, full, full, f"best split l={best * page_size} predicts only "
-                     f"{100 * (1 - best_t / full):.0f}% off the full load (< {100 * min_gain:.0f}%)")
     if best == 0:
         hidden = load_time(0, 0, new_tokens, shape, prof) >= full - 1e-12
         reason = ("no stored activations" if limit == 0 else

@@ -8,6 +8,8 @@ KV pages: an activation page evicted, lost or corrupt is only a miss (the loader
 
 from __future__ import annotations
 
+from sglang_tiered.storage.geometry import KVGeometry
+
 SUFFIX = ".x"
 
 
@@ -20,6 +22,6 @@ def segment_bytes(layers: int, page_size: int, hidden: int, itemsize: int) -> li
     return [page_size * hidden * itemsize] * layers
 
 
-def kv_segment_bytes(layers: int, page_size: int, kv_heads: int, head_dim: int, itemsize: int) -> list[int]:
+def kv_segment_bytes(geometry: KVGeometry, page_size: int) -> list[int]:
     """Segment sizes of a KV page in the layer_first layout: K of layer 0, V of layer 0, K of layer 1, ..."""
-    return [page_size * kv_heads * head_dim * itemsize] * (2 * layers)
+    return [page_size * geometry.token_layer_bytes // 2] * (2 * geometry.layers)
