@@ -128,7 +128,14 @@ def test_the_gqa_default_model_keeps_l_zero_and_says_why(shared_server):
     assert not list(Path(shared_server.args[shared_server.args.index("--tiered-ssd-dir") + 1]).glob("*/*/*.x.kvp"))
 
 
-def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path):
+def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path, essays):
+    s = mha_server
+    prompt = essays[6][:1500] + "\n\nQuestion: Why?\nAnswer:"  # one load of our own: the server writes its profile
+    written = counter(s, "activation_pages_written")
+    cold = ask(s, prompt)
+    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
+    s.flush_cache()
+    ask(s, prompt)
     cli = Path(sys.executable).parent / "sglang-tiered"
     r = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(mha_server.ssd)], capture_output=True, text=True,
                        timeout=120)
