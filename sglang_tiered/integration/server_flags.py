@@ -163,6 +163,13 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         except (KeyError, TypeError, ZeroDivisionError):
             page_bytes = None
     cfg.validate(page_bytes)
+    if cfg.remote:
+        from sglang_tiered.storage.mooncake_store import import_client
+
+        try:
+            import_client()
+        except ImportError as exc:
+            raise ConfigError(f"--tiered-remote: {exc}") from None
     for field, value in cfg.host_pool_settings().items():
         setattr(ns, field, value)
     threads, partitions = _runahead_settings(ns, cfg, hf)

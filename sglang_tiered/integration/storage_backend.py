@@ -27,7 +27,9 @@ from sglang_tiered.kernels.importance import sampled_heads
 from sglang_tiered.storage.foreground import FOREGROUND
 from sglang_tiered.storage.groups import ITEMSIZE
 from sglang_tiered.storage.importance_table import ImportanceTable
+from sglang_tiered.storage.mooncake_store import MooncakeStore
 from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.remote_tier import RemoteTier
 from sglang_tiered.storage.repacker import Repacker
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -48,6 +50,7 @@ class TieredSSDStorage(HiCacheStorage):
         self.importance: Optional[ImportanceTable] = None
         self.repacker: Optional[Repacker] = None
         self.reporter: Optional[StatsReporter] = None
+        self.remote: Optional[RemoteTier] = None
         self.page_size = 0
 
     # ------------------------------------------------------------------ setup
@@ -103,6 +106,16 @@ class TieredSSDStorage(HiCacheStorage):
                 self.config.importance_heads, heads))})
             self.repacker = Repacker(self.tier, self.importance, probe, before_repack=FOREGROUND.wait_idle)
             importance.attach_repacker(self.repacker, self.tier)
+        remote = self.config.remote_settings()
+        if remote is not None:
+            address, segment = remote
+            buffer = 16 * 1024**2 + 4 * page_bytes  # Mooncake's transfer buffer must hold the objects in flight
+            self.remote = RemoteTier(
+                lambda: MooncakeStore(address, segment_bytes=segment, buffer_bytes=buffer,
+                                      local_host=self.config.remote_host),
+                self.tier, importance=self.importance)
+            logger.info("tiered remote: mooncake master %s, metadata %s, lending %d bytes", address.master,
+                        address.metadata, segment)
         self.reporter = StatsReporter(
             self.tier.stats,
             json_path=Path(self.config.ssd_dir) / "stats" / f"{namespace.id}.json",
@@ -138,15 +151,29 @@ class TieredSSDStorage(HiCacheStorage):
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        return self._tier().read_pages(self._page_segments(keys, host_indices))
+        pages = self._page_segments(keys, host_indices)
+        found = self._tier().read_pages(pages)
+        if self.remote is not None:  # local misses from the shared store, in order, up to the first miss there
+            for i, ok in enumerate(found):
+                if not ok:
+                    if not self.remote.fetch(*pages[i]):
+                        break
+                    found[i] = True
+        return found
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
-        return self._tier().write_pages(self._page_segments(keys, host_indices))
+        stored = self._tier().write_pages(self._page_segments(keys, host_indices))
+        if self.remote is not None:
+            self.remote.publish([k for k, ok in zip(keys, stored) if ok])
+        return stored
 
     def batch_exists(self, keys: list[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        return self._tier().leading_hits(keys)
+        local = self._tier().leading_hits(keys)
+        if self.remote is None or local == len(keys):
+            return local
+        return local + self.remote.leading_hits(keys[local:])
 
     def exists(self, key: str) -> bool:
         return self._tier().contains(key)
@@ -158,6 +185,8 @@ class TieredSSDStorage(HiCacheStorage):
         return None  # our counters go out through StatsReporter (see metrics.py)
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
         if self.reporter is not None:
             self.reporter.stop()
         if self.repacker is not None:

@@ -115,6 +115,27 @@ class ImportanceTable:
                     self._observed -= int(page.tokens[0] >= 0)
                     self._reuses -= page.reuses
 
+    def export(self, key: str) -> Optional[bytes]:
+        """Page `key`'s state as one checksummed record (what `adopt` takes on another server), or None if unknown."""
+        with self._lock:
+            page = self._pages.get(key)
+            return self._encode(key, page) if page is not None and page.tokens[0] >= 0 else None
+
+    def adopt(self, key: str, record: bytes) -> bool:
+        """Take page `key`'s state from another server's `export` if this table knows nothing of the page yet (what
+        was learned here wins). False: a record of another key or page size, or corrupt (ignored)."""
+        found = list(self._iter_records(record)) if len(record) == self._record_size() else []
+        if not found or found[0][0] != key:
+            return False
+        with self._lock:
+            if key in self._pages:
+                return True
+            page = self._pages[key] = found[0][1]
+            self._observed += int(page.tokens[0] >= 0)
+            self._reuses += page.reuses
+            self._append(key, page)
+        return True
+
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:

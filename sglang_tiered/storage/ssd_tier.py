@@ -186,6 +186,59 @@ class SSDTier:
         """Persist each page. result[i] is True if the page is stored (now or already)."""
         return self._map(self._write_one, pages)
 
+    def page_blob(self, key: str) -> Optional[bytes]:
+        """The stored file of plain page `key` (header and payload, as `import_page` takes it), or None (not stored,
+        inside a group, or unreadable). Not checked here: the importer checks it."""
+        with self._lock:
+            if key not in self._index:
+                return None
+        try:
+            return self._path(key).read_bytes()
+        except OSError:
+            return None
+
+    def import_page(self, key: str, blob: bytes, segments: Sequence[memoryview]) -> bool:
+        """Fill `segments` from `blob`, a page file obtained elsewhere (another server's `page_blob`), and keep it as
+        page `key` if it fits. The blob is checked like a file read from disk: it must name this namespace and key,
+        match the segments' total size and every checksum; otherwise CorruptPage or ForeignPage is raised and
+        nothing is stored. False: an I/O error (segments are garbage)."""
+        size = len(blob)
+        with self._lock:
+            stored = key in self._index or key in self._writing or key in self._member
+            victims = [] if stored or size > self.capacity_bytes else \
+                self._pick_victims_locked(self._used + size - self.capacity_bytes)
+            admitted = not stored and self._used + size <= self.capacity_bytes
+            if admitted:
+                self._used += size
+                self._writing[key] = size
+        self._delete_victims(victims)
+        path = self._path(key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.import{TMP_SUFFIX}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp.write_bytes(blob)
+            read_page(str(tmp), self.ns_id, key, segments)  # raises CorruptPage / ForeignPage
+            if admitted:
+                os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("tiered ssd: import of %s failed: %s", key, exc)
+            self.stats.add(io_errors=1)
+            return False
+        finally:
+            _unlink_quiet(tmp)
+            if admitted:
+                with self._lock:
+                    self._writing.pop(key)
+                    if path.exists():
+                        self._index[key] = size
+                        self._policy.insert(key)
+                    else:
+                        self._used -= size
+        if admitted:
+            self.stats.add(imported_pages=1, bytes_written=size)
+        self._publish_gauges()
+        return True
+
     def run_io(self, fn: Callable, items: Sequence) -> list:
         """`fn` over `items` on the tier's I/O threads (in the caller's thread for one item), results in order."""
         return self._map(fn, items)

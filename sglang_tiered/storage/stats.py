@@ -28,8 +28,20 @@ class TierStats:
     lost_pages: int = 0  # indexed but the file vanished
     io_errors: int = 0  # OSError on read or write (disk full, permissions)
     rejected_pages: int = 0  # could not be admitted (larger than the capacity)
+    imported_pages: int = 0  # pages copied in from the shared store (remote tier)
+    remote_hit_pages: int = 0  # pages missing locally and served from the shared store
+    remote_miss_pages: int = 0  # pages asked of the shared store and not served (absent, lost, corrupt, down)
+    remote_bytes_read: int = 0
+    remote_read_seconds: float = 0.0
+    remote_published_pages: int = 0  # pages put into the shared store
+    remote_bytes_written: int = 0
+    remote_corrupt_pages: int = 0  # fetched pages that failed their checksum (or named another page): not served
+    remote_foreign_pages: int = 0  # fetched pages of another namespace under our key: not served
+    remote_dropped_pages: int = 0  # pages not published: the queue was full or the store was down
+    remote_errors: int = 0  # failed calls to the shared store (each marks it down until it answers again)
     used_bytes: int = 0  # gauge
     stored_pages: int = 0  # gauge
+    remote_up: int = 0  # gauge: 1 while the shared store answers
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

@@ -1,0 +1,235 @@
+"""The remote tier: one SSD tier's pages shared with every server that uses the same store and namespace.
+
+Object names are `sgt/<namespace id>/<page key>` (the page file as stored on SSD: header naming namespace and key, one
+checksum per segment) and `sgt/<namespace id>/<page key>.imp` (the page's importance record, when it has one), so
+servers with another model, dtype, page size, layout, TP/PP rank or salt never see each other's objects, and a
+fetched page is checked exactly like a file read from the local disk.
+
+Contracts
+* `publish(keys)` never blocks: keys go to a bounded queue; one background thread reads each page's file and puts
+  it (a full queue or a down store drops the page from sharing, counted; it stays on the local SSD).
+* `leading_hits(keys)` and `fetch(key, segments)` block on the network: call them from SGLang's prefetch thread,
+  never the scheduler loop. While the store is down they answer "miss" at once.
+* A fetched page is served only if it passes the local tier's checks (`SSDTier.import_page`), and is then kept on the
+  local SSD (so it is a local hit next time). Corrupt or foreign objects are counted misses, never served.
+* Down: any failed call marks the store down (counted, logged once); the background thread retries `connect` (if it
+  never connected) or a cheap `exists` every `retry_s` seconds and marks it up again when it answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+from sglang_tiered.storage.importance_table import ImportanceTable
+from sglang_tiered.storage.page_file import CorruptPage, ForeignPage
+from sglang_tiered.storage.remote import RemoteError, RemoteStore
+from sglang_tiered.storage.ssd_tier import SSDTier
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "sgt"
+_PROBE = "probe"  # a key never stored: `exists` on it checks that the store answers
+
+
+class RemoteTier:
+    def __init__(self, connect: Callable[[], RemoteStore], tier: SSDTier, *,
+                 importance: Optional[ImportanceTable] = None, retry_s: float = 5.0, queue_pages: int = 1024) -> None:
+        """`connect()` returns a connected store or raises RemoteError / ImportError; it is tried once now (a
+        failure is logged and retried in the background: the server starts local-only)."""
+        self.tier = tier
+        self.stats = tier.stats
+        self.importance = importance
+        self.retry_s = retry_s
+        self._connect = connect
+        self._store: Optional[RemoteStore] = None
+        self._up = False
+        self._published: set[str] = set()  # keys this server put or found in the store (not put again)
+        self._queue: queue.Queue[str] = queue.Queue(maxsize=queue_pages)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._try_connect()
+        self._thread = threading.Thread(target=self._run, name="tiered-remote", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- naming
+    def object_key(self, key: str) -> str:
+        return f"{PREFIX}/{self.tier.ns_id}/{key}"
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    # ----------------------------------------------------------------- lookups (prefetch thread)
+    def leading_hits(self, keys: Sequence[str]) -> int:
+        """Length of the leading run of `keys` the shared store holds (0 while it is down)."""
+        store = self._live()
+        if store is None or not keys:
+            return 0
+        try:
+            found = store.exists([self.object_key(k) for k in keys])
+        except RemoteError as exc:
+            self._mark_down(exc)
+            return 0
+        n = next((i for i, hit in enumerate(found) if not hit), len(found))
+        with self._lock:
+            self._published.update(keys[:n])
+        return n
+
+    def fetch(self, key: str, segments: Sequence[memoryview]) -> bool:
+        """Fill `segments` with page `key` from the shared store (and keep it on the local SSD). False: a miss of
+        any kind (absent, lost, corrupt, foreign, store down), counted; `segments` are then garbage."""
+        store = self._live()
+        if store is None:
+            self.stats.add(remote_miss_pages=1)
+            return False
+        t0 = time.perf_counter()
+        try:
+            blob = store.get(self.object_key(key))
+        except RemoteError as exc:
+            self._mark_down(exc)
+            self.stats.add(remote_miss_pages=1)
+            return False
+        if blob is None:
+            self.stats.add(remote_miss_pages=1)
+            return False
+        try:
+            ok = self.tier.import_page(key, blob, segments)
+        except (CorruptPage, ForeignPage) as exc:
+            foreign = isinstance(exc, ForeignPage)
+            logger.warning("tiered remote: %s object for page %s (%s): not served", "foreign" if foreign else "corrupt",
+                           key, exc)
+            self.stats.add(remote_miss_pages=1, **{"remote_foreign_pages" if foreign else "remote_corrupt_pages": 1})
+            return False
+        if not ok:
+            self.stats.add(remote_miss_pages=1)
+            return False
+        self.stats.add(remote_hit_pages=1, remote_bytes_read=len(blob), remote_read_seconds=time.perf_counter() - t0)
+        if self.importance is not None:
+            self._fetch_importance(store, key)
+        return True
+
+    def _fetch_importance(self, store: RemoteStore, key: str) -> None:
+        try:
+            record = store.get(self.object_key(key) + ".imp")
+        except RemoteError as exc:
+            self._mark_down(exc)
+            return
+        if record is not None:
+            self.importance.adopt(key, record)
+
+    # ----------------------------------------------------------------- publishing (never blocks)
+    def publish(self, keys: Sequence[str]) -> None:
+        """Queue pages stored on the local SSD for the shared store."""
+        with self._lock:
+            fresh = [k for k in keys if k not in self._published]
+            self._published.update(fresh)
+        for key in fresh:
+            try:
+                self._queue.put_nowait(key)
+            except queue.Full:
+                self.stats.add(remote_dropped_pages=1)
+                with self._lock:
+                    self._published.discard(key)
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued page was handled (tests, shutdown). True if the queue emptied in time."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def _put(self, store: RemoteStore, key: str) -> None:
+        blob = self.tier.page_blob(key)
+        if blob is None:  # evicted or repacked meanwhile
+            with self._lock:
+                self._published.discard(key)
+            return
+        try:
+            store.put(self.object_key(key), blob)
+            record = self.importance.export(key) if self.importance is not None else None
+            if record is not None:
+                store.put(self.object_key(key) + ".imp", record)
+        except RemoteError as exc:
+            self._mark_down(exc)
+            self.stats.add(remote_dropped_pages=1)
+            with self._lock:
+                self._published.discard(key)
+            return
+        self.stats.add(remote_published_pages=1, remote_bytes_written=len(blob))
+
+    # ----------------------------------------------------------------- health
+    def _live(self) -> Optional[RemoteStore]:
+        return self._store if self._up else None
+
+    def _mark_down(self, exc: Exception) -> None:
+        self.stats.add(remote_errors=1)
+        with self._lock:
+            was_up, self._up = self._up, False
+        if was_up:
+            self.stats.set(remote_up=0)
+            logger.warning("tiered remote: shared store down (%s); serving from local tiers, retrying every %.0f s",
+                           exc, self.retry_s)
+
+    def _mark_up(self) -> None:
+        with self._lock:
+            self._up = True
+        self.stats.set(remote_up=1)
+
+    def _try_connect(self) -> None:
+        try:
+            store = self._connect()
+        except (RemoteError, ImportError, OSError) as exc:
+            if self._store is None and not self._stop.is_set():
+                logger.warning("tiered remote: cannot connect (%s); local tiers only until it answers (retry every "
+                               "%.0f s)", exc, self.retry_s)
+            return
+        self._store = store
+        self._mark_up()
+        logger.info("tiered remote: connected, namespace %s", self.tier.ns_id)
+
+    def _probe(self) -> None:
+        if self._store is None:
+            self._try_connect()
+            return
+        try:
+            self._store.exists([self.object_key(_PROBE)])
+        except RemoteError:
+            return
+        self._mark_up()
+        logger.info("tiered remote: shared store answers again")
+
+    def _run(self) -> None:
+        next_probe = 0.0
+        while not self._stop.is_set():
+            try:
+                key = self._queue.get(timeout=self.retry_s / 4)
+            except queue.Empty:
+                key = None
+            try:
+                if key is not None:
+                    store = self._live()
+                    if store is None:
+                        self.stats.add(remote_dropped_pages=1)
+                        with self._lock:
+                            self._published.discard(key)
+                    else:
+                        self._put(store, key)
+                if not self._up and time.monotonic() >= next_probe:
+                    next_probe = time.monotonic() + self.retry_s
+                    self._probe()
+            except Exception:  # the remote tier must never take the server down
+                logger.exception("tiered remote: background thread error")
+            finally:
+                if key is not None:
+                    self._queue.task_done()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.retry_s + 5)
+        if self._store is not None:
+            self._store.close()
