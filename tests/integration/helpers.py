@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 from sglang_tiered.server_process import ServerProcess
@@ -22,3 +23,17 @@ def chosen_dtype(server: ServerProcess) -> str:
     """The dtype a `--dtype auto` server chose (its startup log line)."""
     line = server.log_lines("--dtype auto on this CPU:")[0]
     return re.search(r"on this CPU: (\w+)", line).group(1)
+
+
+def metric(text: str, name: str) -> float:
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)]
+    return sum(values)
+
+
+def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: float = 15.0) -> str:
+    """Our counters are published once a second (metrics.StatsReporter): poll /metrics until `name` reaches
+    `at_least` or the timeout passes; returns the last /metrics text."""
+    deadline = time.monotonic() + timeout
+    while metric(text := server.get("/metrics"), name) < at_least and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return text

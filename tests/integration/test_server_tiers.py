@@ -9,7 +9,6 @@ same model in another dtype -> nothing served either.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from sglang_tiered.server_process import ServerProcess, cached_details, send_until
 from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.helpers import chosen_dtype
+from tests.integration.helpers import chosen_dtype, metric, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -64,20 +63,6 @@ def wait_for_pages(ssd: Path, n: int, timeout: float = 30.0) -> list[Path]:
     while len(files := page_files(ssd)) < n and time.monotonic() < deadline:
         time.sleep(0.2)
     return files
-
-
-def metric(text: str, name: str) -> float:
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)]
-    return sum(values)
-
-
-def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: float = 15.0) -> str:
-    """Our counters are published once a second (metrics.StatsReporter): poll /metrics until `name` reaches
-    `at_least` or the timeout passes; returns the last /metrics text."""
-    deadline = time.monotonic() + timeout
-    while metric(text := server.get("/metrics"), name) < at_least and time.monotonic() < deadline:
-        time.sleep(0.25)
-    return text
 
 
 @pytest.fixture(scope="module")
