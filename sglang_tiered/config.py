@@ -287,8 +287,8 @@ FLAG_HELP: dict[str, str] = {
     "HTTP metadata server).",
     "remote_segment": "Memory this server lends to the shared store (suffixes K/M/G; at least 16M); the store's "
     "capacity is the sum over its servers. Default: 256M.",
-    "remote_host": "Address other servers reach this one at for transfers. Default: this machine's address on the "
-    "route to the master.",
+    "remote_host": "Address (HOST or HOST:PORT) other servers reach this one at for transfers. Default: this "
+    "machine's address on the route to the master, and a free port.",
     "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "
     "~/.cache/sglang-tiered/runahead-partitions.json if present; without one, a FLOP-balanced split).",
 }

@@ -210,6 +210,30 @@ class ServerProcess:
             return r.read().decode()
 
 
+def start_together(servers: Sequence[ServerProcess]) -> None:
+    """Start several servers at once (each start is mostly its own model load); if any fails, stop them all and
+    raise its error."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def start(server: ServerProcess) -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # raised below, after every start has finished
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]
+
+
 def send_until(server: ServerProcess, texts: list[str], tokens: int) -> int:
     """Send prompts from `texts` (consumed from the front, greedy, 1 new token each) until more than `tokens` prompt
     tokens went through the server: used to push an earlier prompt out of the device and host pools. Returns the

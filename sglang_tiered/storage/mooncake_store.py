@@ -71,6 +71,17 @@ class MooncakeAddress:
             return False
 
 
+def _with_port(host: str) -> str:
+    """`host:port` for this client's transfer endpoint: a free port unless one is given. (Without a port Mooncake
+    0.3.13 picks one itself, and two servers started at the same moment were seen picking the same one: the second
+    server's segment then shadows the first's and its transfers fail.)"""
+    if ":" in host:
+        return host
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
 def import_client():
     """Mooncake's client class; ImportError with what to install when it is missing."""
     try:
@@ -92,9 +103,10 @@ class MooncakeStore:
         if not address.reachable():
             raise RemoteError(f"mooncake master {address.master} is not reachable")
         self.address = address
+        self.local = _with_port(local_host or address.local_address())
         self._store = client()
-        rc = self._store.setup(local_host or address.local_address(), address.metadata, int(segment_bytes),
-                               int(buffer_bytes), "tcp", "", address.master)
+        rc = self._store.setup(self.local, address.metadata, int(segment_bytes), int(buffer_bytes), "tcp", "",
+                               address.master)
         if rc != 0:
             raise RemoteError(f"mooncake setup with master {address.master} failed (code {rc})")
 

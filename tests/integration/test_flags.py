@@ -23,7 +23,8 @@ def test_help_lists_our_flags():
                  "--tiered-blend {off,full,prefix,reuse,single,blend}", "--tiered-blend-separator",
                  "--tiered-blend-ratio", "--tiered-blend-memory", "--tiered-runahead-ranks",
                  "--tiered-runahead-min-tokens", "--tiered-runahead-timeout", "--tiered-runahead-threads",
-                 "--tiered-runahead-partitions"):
+                 "--tiered-runahead-partitions", "--tiered-remote", "--tiered-remote-metadata",
+                 "--tiered-remote-segment", "--tiered-remote-host"):
         assert flag in out, flag
 
 
@@ -58,6 +59,10 @@ def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
         (["--tiered-runahead-ranks", "4", "--tiered-runahead-min-tokens", "3"], "--tiered-runahead-min-tokens"),
         (["--tiered-runahead-timeout", "0"], "--tiered-runahead-timeout"),
         (["--tiered-runahead-partitions", "/nonexistent/table.json"], "--tiered-runahead-partitions"),
+        (["--tiered-remote", "http://127.0.0.1:50051"], "--tiered-remote"),
+        (["--tiered-remote", "mooncake://127.0.0.1"], "--tiered-remote"),
+        (["--tiered-remote", "mooncake://127.0.0.1:1", "--tiered-remote-metadata", "etcd://x"], "--tiered-remote"),
+        (["--tiered-remote", "mooncake://127.0.0.1:1", "--tiered-remote-segment", "1M"], "--tiered-remote-segment"),
     ],
 )
 def test_bad_value_stops_startup_with_one_line(tmp_path, capsys, extra, flag):

@@ -1,23 +1,25 @@
 """The shared tier against a real `mooncake_master` on 127.0.0.1 (started and stopped here) and real SGLang servers
 (CPU, the embedded SmolLM2), each with its own SSD directory.
 
-In order, on one master: (1) server C (another model: same tokens, same page keys) starts while the master is down:
-a warning, and it serves from its local tiers; (2) the master starts, servers A and B join; a prompt prefilled on A
-is served on B from the shared tier (storage tokens, identical greedy output); (3) C, reconnected by then, sees
-nothing of it; (4) A's objects of another prompt are overwritten with corrupt bytes: B counts corrupt misses and
-answers identically; (5) the master is killed: A and B keep answering correctly, and reconnect when it is back.
+In order, on one master: (1) servers A, B and C (C: another model -- same tokens, same page keys) start while the
+master is down: a warning each, and C serves from its local tiers; (2) the master starts and all three connect by
+themselves; a prompt prefilled on A is served on B from the shared tier (storage tokens, identical greedy output);
+(3) C sees nothing of it; (4) A's objects in the store are overwritten with corrupt bytes: B counts corrupt misses
+and answers identically; (5) the master is killed: A and B keep answering correctly, and reconnect when it is back.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 
-from sglang_tiered.server_process import ServerProcess, cached_details
+from sglang_tiered.policy.cpu_dtype import choose_dtype
+from sglang_tiered.server_process import ServerProcess, cached_details, start_together
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.helpers import chosen_dtype, metric, tiered_args, wait_for_metric
+from tests.integration.helpers import metric, tiered_args, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -29,7 +31,7 @@ UP = "sglang_tiered:remote_up"
 
 def remote_server(tmp: Path, name: str, master, *extra: str, model: str = "smollm2") -> ServerProcess:
     args = tiered_args(tmp / f"ssd-{name}", *master.server_args(), "--tiered-remote-segment", "64M",
-                       "--enable-metrics", *extra, max_tokens=2048)
+                       "--tiered-host-size", "2x", "--enable-metrics", *extra, max_tokens=2048)
     return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model)
 
 
@@ -45,7 +47,7 @@ def wait_until(cond, timeout: float = 30.0) -> bool:
     return cond()
 
 
-def test_servers_share_one_store(tmp_path, essays, other_model_dir):
+def test_servers_share_one_store(tmp_path, essays, model_dir, other_model_dir):
     pytest.importorskip("mooncake.store", reason="Mooncake is installed by scripts/setup.sh")
     from mooncake.store import MooncakeDistributedStore
 
@@ -53,53 +55,65 @@ def test_servers_share_one_store(tmp_path, essays, other_model_dir):
 
     master = MooncakeMaster(tmp_path / "master.log")
     doc, doc2, doc3 = essays[0], essays[1], essays[2]
-    # (1) C starts with the master down: local tiers only, and says so
-    with remote_server(tmp_path, "c", master, model=str(other_model_dir)) as c, master:
-        assert c.log_lines("tiered remote: cannot connect")
-        dtype = chosen_dtype(c)
+    dtype = choose_dtype(json.loads((model_dir / "config.json").read_text())).dtype  # one dtype for all three
+    servers = [remote_server(tmp_path, "a", master, "--dtype", dtype),
+               remote_server(tmp_path, "b", master, "--dtype", dtype),
+               remote_server(tmp_path, "c", master, "--dtype", dtype, model=str(other_model_dir))]
+    a, b, c = servers
+    # (1) all three start with the master down: local tiers only, and they say so (the master's ports are chosen
+    # now; nothing listens on them yet)
+    start_together(servers)
+    try:
+        for s in servers:
+            assert s.log_lines("tiered remote: cannot connect"), s.log_tail()
         assert c.generate(doc3, max_new_tokens=1)["text"] is not None
-        # (2) A and B join the master (same dtype as C: with "auto" a close call could differ between starts)
-        with remote_server(tmp_path, "a", master, "--dtype", dtype) as a, \
-                remote_server(tmp_path, "b", master, "--dtype", dtype) as b:
-            cold = a.generate(doc)
-            wait_for_metric(a, PUBLISHED, 10)
-            shared = b.generate(doc)
-            d = cached_details(shared)
-            assert d["storage"] >= 640 and d["device"] == 0, d
-            assert shared["text"] == cold["text"]
-            assert metric(wait_for_metric(b, REMOTE_HITS, 10), REMOTE_HITS) >= 10
-            assert b.generate(doc)["text"] == cold["text"]  # and now from B's own tiers
+        # (2) the master comes up: they connect by themselves
+        master.start()
+        for s in servers:
+            assert wait_until(lambda s=s: metric(s.get("/metrics"), UP) == 1), f"{s.log_path} did not connect"
+        # (2') a prompt prefilled on A is served on B from the shared tier
+        cold = a.generate(doc)
+        wait_for_metric(a, PUBLISHED, 10)
+        shared = b.generate(doc)
+        d = cached_details(shared)
+        assert d["storage"] >= 640 and d["device"] == 0, d
+        assert shared["text"] == cold["text"]
+        assert metric(wait_for_metric(b, REMOTE_HITS, 10), REMOTE_HITS) >= 10
+        assert b.generate(doc)["text"] == cold["text"]  # and now from B's own tiers
 
-            # (3) C, reconnected meanwhile, sees nothing of the other model's pages under the same keys
-            assert wait_until(lambda: metric(c.get("/metrics"), UP) == 1), "C did not connect"
-            other = c.generate(doc)
-            assert cached_details(other)["storage"] == 0 and metric(c.get("/metrics"), REMOTE_HITS) == 0
+        # (3) C sees nothing of the other model's pages under the same keys
+        other = c.generate(doc)
+        assert cached_details(other)["storage"] == 0 and metric(c.get("/metrics"), REMOTE_HITS) == 0
 
-            # (4) corrupt objects in the store are counted misses; B's answer is what A computed
-            before = metric(a.get("/metrics"), PUBLISHED)
-            cold2 = a.generate(doc2)
-            wait_for_metric(a, PUBLISHED, before + 10)
-            client = MooncakeDistributedStore()
-            assert client.setup("127.0.0.1", master.metadata_url, 16 << 20, 16 << 20, "tcp", "",
-                                f"127.0.0.1:{master.rpc_port}") == 0
-            try:
-                for ns_id, key in page_keys(tmp_path / "ssd-a"):
-                    blob = bytearray(client.get(f"sgt/{ns_id}/{key}"))
-                    assert blob, key
-                    blob[len(blob) // 2] ^= 0xFF
-                    assert client.upsert(f"sgt/{ns_id}/{key}", bytes(blob)) == 0
-            finally:
-                client.close()
-            served = b.generate(doc2)
-            assert served["text"] == cold2["text"] and cached_details(served)["storage"] == 0
-            assert metric(wait_for_metric(b, CORRUPT, 1), CORRUPT) >= 1
+        # (4) corrupt objects in the store are counted misses; B's answer is what A computed
+        before = metric(a.get("/metrics"), PUBLISHED)
+        cold2 = a.generate(doc2)
+        wait_for_metric(a, PUBLISHED, before + 10)
+        client = MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", master.metadata_url, 16 << 20, 16 << 20, "tcp", "",
+                            f"127.0.0.1:{master.rpc_port}") == 0
+        try:
+            for ns_id, key in page_keys(tmp_path / "ssd-a"):
+                blob = bytearray(client.get(f"sgt/{ns_id}/{key}"))
+                assert blob, key
+                blob[len(blob) // 2] ^= 0xFF
+                assert client.upsert(f"sgt/{ns_id}/{key}", bytes(blob)) == 0
+        finally:
+            client.close()
+        served = b.generate(doc2)
+        assert served["text"] == cold2["text"] and cached_details(served)["storage"] == 0
+        assert metric(wait_for_metric(b, CORRUPT, 1), CORRUPT) >= 1
 
-            # (5) the master dies: both keep answering correctly from their local tiers and by computing
-            master.stop()
-            assert a.generate(doc3)["text"] == b.generate(doc3)["text"]
-            assert b.generate(doc)["text"] == cold["text"]
-            assert a.generate(doc2)["text"] == cold2["text"]
-            assert wait_until(lambda: metric(b.get("/metrics"), UP) == 0), "B did not notice the master is gone"
-            master.start()
-            assert wait_until(lambda: metric(a.get("/metrics"), UP) == 1 and metric(b.get("/metrics"), UP) == 1,
-                              timeout=60), "A and B did not reconnect"
+        # (5) the master dies: both keep answering correctly from their local tiers and by computing
+        master.stop()
+        assert a.generate(doc3)["text"] == b.generate(doc3)["text"]
+        assert b.generate(doc)["text"] == cold["text"]
+        assert a.generate(doc2)["text"] == cold2["text"]
+        assert wait_until(lambda: metric(b.get("/metrics"), UP) == 0), "B did not notice the master is gone"
+        master.start()
+        assert wait_until(lambda: metric(a.get("/metrics"), UP) == 1 and metric(b.get("/metrics"), UP) == 1,
+                          timeout=60), "A and B did not reconnect"
+    finally:
+        for s in servers:
+            s.stop()
+        master.stop()
