@@ -10,8 +10,10 @@ Each shim is applied only when `torch.cuda.is_available()` is False; on a CUDA m
   plugin runs, so a CPU install must leave it out; scripts/setup.sh does.)
 * Host KV pool allocated without `pin_memory` (pinning needs CUDA).
 * `transfer_kv_direct` for host<->device copies in `pool_host/mha.py`, in torch (the only copy op the
-  `direct` I/O backend with the `layer_first` layout needs; other layouts raise a clear error at startup, see
-  `integration/server_flags.py`).
+  `direct` I/O backend with the `layer_first` layout needs; `--kv-backend tiered` refuses other layouts at startup,
+  see `integration/server_flags.py`), and the two `page_first_direct` copies (`transfer_kv_all_layer_direct_lf_pf`,
+  `transfer_kv_per_layer_direct_pf_lf`), which SGLang's own Mooncake L3 backend switches to: they let that backend
+  run on a CPU server as the baseline of `benchmarks/shared_store.py`.
 * `torch.cpu.Stream.synchronize/query`, which SGLang's transfer code calls (CPU work is synchronous).
 """
 
@@ -76,8 +78,11 @@ def apply_in_process() -> None:
 
         init_unpinned._tiered_unpinned = True  # type: ignore[attr-defined]
         host_base.HostKVCache.__init__ = init_unpinned
-    if not hasattr(host_mha, "transfer_kv_direct"):
-        host_mha.transfer_kv_direct = transfer_kv_direct
+    for name, fn in (("transfer_kv_direct", transfer_kv_direct),
+                     ("transfer_kv_all_layer_direct_lf_pf", transfer_kv_all_layer_direct_lf_pf),
+                     ("transfer_kv_per_layer_direct_pf_lf", transfer_kv_per_layer_direct_pf_lf)):
+        if not hasattr(host_mha, name):
+            setattr(host_mha, name, fn)
 
 
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size: int) -> None:
@@ -88,6 +93,29 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
     dst_idx = dst_indices.to(device=dst_layers[0].device, dtype=_long())
     for src, dst in zip(src_layers, dst_layers):
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx).to(dst.device))
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size: int) -> None:
+    """Device (per-layer K buffers then V buffers, [tokens, heads, dim]) -> host `page_first_direct` K and V
+    ([pages, layers, page_size, heads, dim]): host slot i of every layer = device slot i of that layer."""
+    layers = len(src_ptrs) // 2
+    host_k, host_v = dst_ptrs
+    src_idx = src_indices.to(device=src_ptrs[0].device, dtype=_long())
+    dst_idx = dst_indices.to(device=host_k.device, dtype=_long())
+    page, offset = dst_idx // page_size, dst_idx % page_size
+    for layer in range(layers):
+        for src, host in ((src_ptrs[layer], host_k), (src_ptrs[layers + layer], host_v)):
+            host[:, layer][page, offset] = src.index_select(0, src_idx).to(host.device)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id: int,
+                                       page_size: int) -> None:
+    """Host `page_first_direct` K and V of one layer -> that layer's device K and V buffers."""
+    src_idx = src_indices.to(device=src_ptrs[0].device, dtype=_long())
+    dst_idx = dst_indices.to(device=dst_ptrs[0].device, dtype=_long())
+    page, offset = src_idx // page_size, src_idx % page_size
+    for host, dst in zip(src_ptrs, dst_ptrs):
+        dst.index_copy_(0, dst_idx, host[:, layer_id][page, offset].to(dst.device))
 
 
 def _long():
