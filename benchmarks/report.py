@@ -136,6 +136,29 @@ def main() -> int:
         checks = d.get("checks", {})
         out += ["", "Targets: " + "; ".join(f"{k}: {sum(c['pass'] for c in v)}/{len(v)}" for k, v in checks.items()),
                 "", "![kvpr](benchmarks/results/kvpr.png)", ""]
+    ss = RESULTS / "shared_store.json"
+    if ss.exists():
+        d = json.loads(ss.read_text())
+        out += ["## Replicas sharing one store (`benchmarks/shared_store.py`)", "",
+                f"Machine: {_machine(d['machine'])}; {_dtype(d)}; {d['replicas']} replicas, {d['docs']} documents x "
+                f"{d['questions']} questions, {d['doc_tokens']}-token documents, requests round-robin over the "
+                f"replicas, one at a time; device pool {d['device_tokens']} tokens per replica, host tier 2x.", "",
+                "| config | prefill tokens computed | of prompt tokens | storage-hit tokens | TTFT median (s) | "
+                "TTFT p90 (s) | answers differing from private |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        base = d["results"].get("private", {}).get("answers", {})
+        for cfg, r in d["results"].items():
+            if "error" in r:
+                out.append(f"| {cfg} | failed: {r['error'][:80]} | | | | | |")
+                continue
+            diff = sum(a != base.get(k) for k, a in r["answers"].items()) if base else ""
+            out.append(f"| {cfg} | {r['computed_tokens']} | {r['prompt_tokens']} | {r['storage_tokens']} | "
+                       f"{r['ttft_median_s']:.3f} | {r['ttft_p90_s']:.3f} | {diff} |")
+        lat = d["results"].get("shared", {}).get("page_latency") or {}
+        if lat.get("remote_median_ms") is not None:
+            out += ["", f"Per-page read latency ({lat['page_bytes']} bytes, {lat['pages']} pages): local SSD file "
+                    f"(page cache dropped) {lat['local_ssd_median_ms']:.2f} ms, shared tier (Mooncake get over TCP, "
+                    f"loopback) {lat['remote_median_ms']:.2f} ms (medians)."]
+        out += ["", "![shared store](benchmarks/results/shared_store.png)", ""]
     tier = RESULTS / "tier_hits.json"
     if tier.exists():
         d = json.loads(tier.read_text())

@@ -9,6 +9,8 @@ to replica i mod R), one at a time, greedy, one new token (TTFT = client-side la
 from empty stores. Configurations (R servers each, started together):
   private          --kv-backend tiered, each replica its own SSD directory (today's default)
   shared           the same plus --tiered-remote on one mooncake_master (our shared tier)
+  shared-torch-native  the same with SGLang's torch_native CPU attention (what SGLang's own backend runs with), to
+                   tell the store's share of a TTFT difference from the prefix-aware attention's
   sglang-mooncake  SGLang's hierarchical cache with its Mooncake L3 backend on the same master
 Computed prefill tokens per request = prompt tokens - cached tokens (SGLang's meta_info). After the timed pass every
 request is sent again with 8 new tokens to the replica that served it; the answers are compared across
@@ -37,7 +39,7 @@ from _harness import RESULTS, PromptSource, auto_dtype, evict_from_page_cache, m
 from sglang_tiered.mooncake_master import MooncakeMaster  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details, start_together  # noqa: E402
 
-CONFIGS = ("private", "shared", "sglang-mooncake")
+CONFIGS = ("private", "shared", "shared-torch-native", "sglang-mooncake")
 QUESTIONS = ["What is the main argument of the text above?", "Name one example the author gives.",
              "Who is the intended reader?", "What would the author advise a founder?",
              "Summarize the last paragraph in one sentence.", "Which claim is the most surprising?"]
@@ -49,8 +51,9 @@ def server_args(config: str, store: Path, master: MooncakeMaster, dtype: str, de
               "--tiered-host-size", "2x", *common]
     if config == "private":
         return tiered
-    if config == "shared":
-        return [*tiered, *master.server_args(), "--tiered-remote-segment", "512M"]
+    if config.startswith("shared"):
+        attention = ["--tiered-cpu-attention", "torch_native"] if config.endswith("torch-native") else []
+        return [*tiered, *master.server_args(), "--tiered-remote-segment", "512M", *attention]
     extra = {"master_server_address": f"127.0.0.1:{master.rpc_port}", "metadata_server": master.metadata_url,
              "protocol": "tcp", "device_name": "", "local_hostname": "127.0.0.1", "global_segment_size": 512 << 20}
     return ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "mooncake",
@@ -182,8 +185,12 @@ def verdict(results: dict) -> str:
              f"{'PASS' if ttft < 1 else 'MISS'})", f"answers differing from private: {diff} of {len(s['answers'])}"]
     if "sglang-mooncake" in results and "error" not in results["sglang-mooncake"]:
         m = results["sglang-mooncake"]
+        mdiff = sum(a != p["answers"].get(k) for k, a in m["answers"].items())
         parts.append(f"SGLang mooncake backend: {m['computed_tokens']} tokens computed, median TTFT "
-                     f"{m['ttft_median_s']:.3f} s")
+                     f"{m['ttft_median_s']:.3f} s, {mdiff} answers differing")
+    if "shared-torch-native" in results:
+        t = results["shared-torch-native"]
+        parts.append(f"ours with SGLang's torch_native attention: median TTFT {t['ttft_median_s']:.3f} s")
     elif "sglang-mooncake" in results:
         parts.append(f"SGLang mooncake backend: failed ({results['sglang-mooncake']['error'][:80]})")
     return "; ".join(parts)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "sgt"
 _PROBE = "probe"  # a key never stored: `exists` on it checks that the store answers
+_KNOWN_MAX = 1 << 20  # keys remembered as published; beyond, forgotten (a second put of a key is harmless)
 
 
 class RemoteTier:
@@ -126,6 +127,8 @@ class RemoteTier:
     def publish(self, keys: Sequence[str]) -> None:
         """Queue pages stored on the local SSD for the shared store."""
         with self._lock:
+            if len(self._published) > _KNOWN_MAX:
+                self._published.clear()
             fresh = [k for k in keys if k not in self._published]
             self._published.update(fresh)
         for key in fresh:
