@@ -8,8 +8,12 @@ about 1000 tokens, each request one document + a new question (Zipf popularity, 
 for every configuration), sent by `--clients` concurrent clients. Configurations: LRU (SGLang's order, today's
 default) and importance placement, each at the disk's own speed and with the server's block-device reads
 throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the OS page cache is dropped
-before every request so that SSD hits really read the device). Reported: TTFT median and p90, tokens served from
-device / host / SSD / computed. (The results recorded before 2026-11-23 04:30 dropped the whole OS page cache before
+before every request so that SSD hits really read the device), and SGLang's own hierarchical cache with its
+`file` storage backend (`sglang-file`, its torch_native CPU attention: compare its tokens by tier, not its TTFT).
+Reported: TTFT median and p90, tokens served from device / host / SSD / computed, and the same weighted by token
+importance (the moving averages the importance server learned, read from its SSD directory under SGLang's page keys:
+the share of the important tokens each tier served).
+(The results recorded before 2026-11-23 04:30 dropped the whole OS page cache before
 every request instead, which made every configuration re-read its code pages too.)
 
     .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
@@ -108,30 +112,79 @@ def run_workload(server: ServerProcess, prompts: list[str], docs: list[int], cli
     return rows
 
 
+def placement_args(policy: str, store: str, dtype: str) -> list[str]:
+    common = ["--max-total-tokens", "2304", "--dtype", dtype]
+    if policy == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
+        return [*common, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
+                "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": store}), "--page-size",
+                "64", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--device", "cpu"]
+    return [*common, "--kv-backend", "tiered", "--tiered-host-size", "2x", "--tiered-ssd-dir", store,
+            "--tiered-stats-interval", "0", "--tiered-placement", policy]
+
+
+def token_importance(store: Path, token_ids: list[int]) -> list[float]:
+    """Per-token importance of a prompt's full pages (the moving averages a server learned, from the importance log
+    in its SSD directory, under SGLang's own page keys); unknown tokens count 0."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    from sglang_tiered.storage.importance_table import LOG_NAME, ImportanceTable
+
+    logs = list(store.glob(f"*/{LOG_NAME}"))
+    if not logs:
+        return [0.0] * len(token_ids)
+    table = ImportanceTable(64, directory=logs[0].parent, readonly=True)
+    keys = get_hash_str(token_ids[: len(token_ids) // 64 * 64], None, page_size=64)
+    out: list[float] = []
+    for key in keys:
+        page = table.get(key)
+        out.extend([max(0.0, float(t)) for t in page.tokens] if page is not None else [0.0] * 64)
+    return out + [0.0] * (len(token_ids) - len(out))
+
+
+def weighted_hits(rows: list[dict], weights: dict[int, list[float]]) -> dict:
+    """Shares of the important tokens (importance-weighted) each tier served: a request's cached tokens are its
+    prompt's first `device`, then `host`, then `storage` tokens; the rest were computed."""
+    served = {"device": 0.0, "host": 0.0, "storage": 0.0, "computed": 0.0}
+    for r in rows:
+        w = weights[r["doc"]]
+        edges = [0, r["device"], r["device"] + r["host"], r["device"] + r["host"] + r["storage"], len(w)]
+        for tier, a, b in zip(served, edges, edges[1:]):
+            served[tier] += sum(w[a:b])
+    total = sum(served.values()) or 1.0
+    return {k: v / total for k, v in served.items()}
+
+
 def placement(source: PromptSource, dtype: str, docs: int, requests: int, clients: int, slow_mbps: int) -> dict:
     texts = [source.take(1000) for _ in range(docs)]
     order = zipf_sequence(docs, requests, 1.1, seed=0)
     questions = [f"\n\nQuestion {i}: what is the main point of the text above?" for i in range(requests)]
+    doc_ids = [source.tok(t)["input_ids"] for t in texts]
     out: dict = {}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:  # on the disk, not tmpfs: slow-disk throttles it
         for disk in ("native", f"{slow_mbps} MB/s"):
             wrapper = [] if disk == "native" else [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
-            for policy in ("lru", "importance"):
+            runs = {}
+            for policy in ("lru", "importance", "sglang-file"):
                 name = f"{policy}, disk {disk}"
-                args = ["--kv-backend", "tiered", "--max-total-tokens", "2304", "--tiered-host-size", "2x",
-                        "--tiered-ssd-dir", f"{tmp}/{policy}-{len(out)}", "--tiered-stats-interval", "0",
-                        "--dtype", dtype, "--tiered-placement", policy]
-                with ServerProcess(args, log_path=Path(tmp) / f"{len(out)}.log", wrapper=wrapper) as s:
+                store = Path(f"{tmp}/{policy}-{len(out)}")
+                with ServerProcess(placement_args(policy, str(store), dtype), log_path=Path(tmp) / f"{len(out)}.log",
+                                   wrapper=wrapper) as s:
                     s.generate(source.take(64), max_new_tokens=1)
-                    rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients,
-                                        Path(f"{tmp}/{policy}-{len(out)}"))
+                    rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients, store)
                 ttft = sorted(r["ttft_s"] for r in rows)
                 tiers = {k: sum(r[k] for r in rows) for k in ("device", "host", "storage")}
                 tiers["computed"] = sum(r["prompt"] for r in rows) - sum(tiers.values())
                 out[name] = {"median_s": statistics.median(ttft), "p90_s": ttft[int(0.9 * (len(ttft) - 1))],
                              "tokens": tiers, "rows": rows}
+                runs[policy] = (name, store, rows)
                 print(f"[placement] {name}: median {out[name]['median_s']:.3f} s, p90 {out[name]['p90_s']:.3f} s, "
                       f"tokens {tiers}", flush=True)
+            # one set of weights for every configuration of this disk: what the importance server learned
+            weights = {d: token_importance(runs["importance"][1], doc_ids[d]) for d in set(order)}
+            for name, _, rows in runs.values():
+                out[name]["important_share"] = weighted_hits(rows, weights)
+                print(f"[placement] {name}: important tokens served by tier "
+                      f"{ {k: round(v, 3) for k, v in out[name]['important_share'].items()} }", flush=True)
     return out
 
 
@@ -359,6 +412,12 @@ def main() -> int:
         verdicts.append(f"placement at {slow}: importance median {imp['median_s']:.3f} s vs LRU {lru['median_s']:.3f}"
                         f" s ({lru['median_s'] / imp['median_s']:.2f}x), SSD tokens {imp['tokens']['storage']} vs "
                         f"{lru['tokens']['storage']}")
+        share = {n: r[f"{n}, disk {slow}"].get("important_share") for n in ("lru", "importance", "sglang-file")}
+        if all(share.values()):
+            fast = {n: v["device"] + v["host"] for n, v in share.items()}
+            verdicts.append(f"important tokens served from device + host at {slow}: importance {fast['importance']:.2f}"
+                            f", LRU {fast['lru']:.2f}, SGLang file backend {fast['sglang-file']:.2f}; from SSD: "
+                            + ", ".join(f"{n} {v['storage']:.2f}" for n, v in share.items()))
     if "sparse" in a.parts:
         data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps)
         data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps}

@@ -153,12 +153,10 @@ class TieredSSDStorage(HiCacheStorage):
     ) -> list[bool]:
         pages = self._page_segments(keys, host_indices)
         found = self._tier().read_pages(pages)
-        if self.remote is not None:  # local misses from the shared store, in order, up to the first miss there
-            for i, ok in enumerate(found):
-                if not ok:
-                    if not self.remote.fetch(*pages[i]):
-                        break
-                    found[i] = True
+        missing = [i for i, ok in enumerate(found) if not ok]
+        if self.remote is not None and missing:  # local misses from the shared store, in one round trip
+            for i, ok in zip(missing, self.remote.fetch([pages[i] for i in missing])):
+                found[i] = ok
         return found
 
     def batch_set_v1(

@@ -121,6 +121,9 @@ class MooncakeStore:
         blob = self._store.get(key)
         return bytes(blob) if blob else None
 
+    def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        return [bytes(b) if b else None for b in self._store.get_batch(list(keys))]
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         codes = self._store.batch_is_exist(list(keys))
         if any(c < 0 for c in codes):

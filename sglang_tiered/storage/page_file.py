@@ -24,7 +24,7 @@ import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import msgpack
 
@@ -112,10 +112,20 @@ def write_page(path: str, namespace: str, key: str, segments: Sequence[memoryvie
     return total
 
 
-def read_meta_block(fd: int, magic: bytes, max_len: int, error: type[Exception]) -> tuple[dict, int]:
+Source = Union[int, bytes, memoryview]  # an open file descriptor, or a whole file's bytes held in memory
+
+
+def _pread(source, n: int, offset: int) -> bytes:
+    if isinstance(source, int):
+        return os.pread(source, n, offset)
+    return bytes(source[offset : offset + n])
+
+
+def read_meta_block(source: Source, magic: bytes, max_len: int, error: type[Exception]) -> tuple[dict, int]:
     """The msgpack metadata after a file's fixed header (`magic`, length, crc32), verified; (metadata, offset of what
-    follows it). Raises `error` for a truncated, foreign or corrupt header."""
-    fixed = os.pread(fd, _FIXED.size, 0)
+    follows it). `source`: a file descriptor or the file's bytes. Raises `error` for a truncated, foreign or corrupt
+    header."""
+    fixed = _pread(source, _FIXED.size, 0)
     if len(fixed) != _FIXED.size:
         raise error("truncated header")
     found, meta_len, meta_crc = _FIXED.unpack(fixed)
@@ -123,7 +133,7 @@ def read_meta_block(fd: int, magic: bytes, max_len: int, error: type[Exception])
         raise error("bad magic")
     if meta_len > max_len:
         raise error("implausible metadata length")
-    blob = os.pread(fd, meta_len, _FIXED.size)
+    blob = _pread(source, meta_len, _FIXED.size)
     if len(blob) != meta_len or zlib.crc32(blob) != meta_crc:
         raise error("metadata checksum mismatch")
     try:
@@ -135,9 +145,9 @@ def read_meta_block(fd: int, magic: bytes, max_len: int, error: type[Exception])
     return meta, _FIXED.size + meta_len
 
 
-def read_header(fd: int, file_size: int) -> tuple[PageHeader, int]:
-    """Parse and validate the header. Returns (header, payload offset)."""
-    meta, offset = read_meta_block(fd, MAGIC, 65536, CorruptPage)
+def read_header(source: Source, file_size: int) -> tuple[PageHeader, int]:
+    """Parse and validate the header of a page file (descriptor or bytes). Returns (header, payload offset)."""
+    meta, offset = read_meta_block(source, MAGIC, 65536, CorruptPage)
     try:
         crc = meta.get("crc32")
         header = PageHeader(str(meta["ns"]), str(meta["key"]), int(meta["nbytes"]), None if crc is None else int(crc),
@@ -160,23 +170,46 @@ def read_page(path: str, namespace: str, key: str, segments: Sequence[memoryview
     fd = os.open(path, os.O_RDONLY)
     try:
         header, offset = read_header(fd, os.fstat(fd).st_size)
-        expected = sum(seg.nbytes for seg in segments)
-        if header.namespace != namespace or header.key != key or header.nbytes != expected:
-            raise ForeignPage(
-                f"page {path} is ns={header.namespace} key={header.key} nbytes={header.nbytes}, "
-                f"expected ns={namespace} key={key} nbytes={expected}"
-            )
+        expected = _check_identity(header, path, namespace, key, segments)
         got = _vectored_all(os.preadv, fd, list(segments), offset)
     finally:
         os.close(fd)
     if got != expected:
         raise CorruptPage(f"short read {got} of {expected}")
+    _verify_payload(header, segments)
+    return expected
+
+
+def read_blob(blob: bytes | memoryview, namespace: str, key: str, segments: Sequence[memoryview]) -> int:
+    """`read_page` for a page file held in memory (e.g. fetched from a shared store): the same checks, the payload
+    copied into `segments`. Returns payload bytes. Raises CorruptPage or ForeignPage."""
+    view = memoryview(blob).cast("B")
+    header, offset = read_header(view, view.nbytes)
+    expected = _check_identity(header, "(in memory)", namespace, key, segments)
+    pos = offset
+    for seg in segments:
+        flat = seg.cast("B") if seg.format != "B" or seg.ndim != 1 else seg
+        flat[:] = view[pos : pos + flat.nbytes]
+        pos += flat.nbytes
+    _verify_payload(header, segments)
+    return expected
+
+
+def _check_identity(header: PageHeader, where: str, namespace: str, key: str, segments: Sequence[memoryview]) -> int:
+    """The payload size the caller's buffers expect; ForeignPage if the header names another page."""
+    expected = sum(seg.nbytes for seg in segments)
+    if header.namespace != namespace or header.key != key or header.nbytes != expected:
+        raise ForeignPage(f"page {where} is ns={header.namespace} key={header.key} nbytes={header.nbytes}, "
+                          f"expected ns={namespace} key={key} nbytes={expected}")
+    return expected
+
+
+def _verify_payload(header: PageHeader, segments: Sequence[memoryview]) -> None:
     if header.crc32 is not None:
         if checksum(segments) != header.crc32:
             raise CorruptPage("payload checksum mismatch")
     else:
         _verify(header, list(range(len(header.segs))), _split(segments, header.segs))
-    return expected
 
 
 class PageReader:

@@ -4,7 +4,8 @@ an in-process one for tests of the tier logic. `mooncake_store.MooncakeStore` is
 Contract of a `RemoteStore` (all calls blocking; call them from background threads, never the scheduler loop):
 * `put(key, blob)` stores `blob` under `key`. Storing a key that exists is a success and may keep the old value
   (objects are immutable: the same key always names the same bytes).
-* `get(key)` returns the stored bytes, or None when nothing is stored under `key` (or the object was lost).
+* `get(key)` returns the stored bytes, or None when nothing is stored under `key` (or the object was lost);
+  `get_many(keys)` does the same for several keys in one round trip.
 * `exists(keys)` answers for each key, in order, in one round trip.
 * Any failure to reach the store raises `RemoteError`; a store that raised may work again later (reconnects are the
   backend's business; `RemoteTier` retries).
@@ -25,6 +26,8 @@ class RemoteStore(Protocol):
     def put(self, key: str, blob: bytes) -> None: ...
 
     def get(self, key: str) -> Optional[bytes]: ...
+
+    def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]: ...
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
@@ -52,6 +55,11 @@ class MemoryStore:
         self._check()
         with self._lock:
             return self.objects.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        self._check()
+        with self._lock:
+            return [self.objects.get(k) for k in keys]
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self._check()

@@ -8,10 +8,11 @@ fetched page is checked exactly like a file read from the local disk.
 Contracts
 * `publish(keys)` never blocks: keys go to a bounded queue; one background thread reads each page's file and puts
   it (a full queue or a down store drops the page from sharing, counted; it stays on the local SSD).
-* `leading_hits(keys)` and `fetch(key, segments)` block on the network: call them from SGLang's prefetch thread,
-  never the scheduler loop. While the store is down they answer "miss" at once.
-* A fetched page is served only if it passes the local tier's checks (`SSDTier.import_page`), and is then kept on the
-  local SSD (so it is a local hit next time). Corrupt or foreign objects are counted misses, never served.
+* `leading_hits(keys)` and `fetch(pages)` block on the network: call them from SGLang's prefetch thread, never the
+  scheduler loop. While the store is down they answer "miss" at once.
+* A fetched page is served only if it passes the checks of a local read (`page_file.read_blob`: namespace, key,
+  size, every segment's checksum); then the background thread keeps it on the local SSD (a local hit next time) and
+  adopts its importance record. Corrupt or foreign objects are counted misses, never served or kept.
 * Down: any failed call marks the store down (counted, logged once); the background thread retries `connect` (if it
   never connected) or a cheap `exists` every `retry_s` seconds and marks it up again when it answers.
 """
@@ -26,9 +27,9 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from sglang_tiered.storage.importance_table import ImportanceTable
-from sglang_tiered.storage.page_file import CorruptPage, ForeignPage
+from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, read_blob
 from sglang_tiered.storage.remote import RemoteError, RemoteStore
-from sglang_tiered.storage.ssd_tier import SSDTier
+from sglang_tiered.storage.ssd_tier import PageIO, SSDTier
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class RemoteTier:
         self._store: Optional[RemoteStore] = None
         self._up = False
         self._published: set[str] = set()  # keys this server put or found in the store (not put again)
-        self._queue: queue.Queue[str] = queue.Queue(maxsize=queue_pages)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_pages)  # page keys to publish, (key, blob) to keep
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._try_connect()
@@ -81,40 +82,51 @@ class RemoteTier:
             self._published.update(keys[:n])
         return n
 
-    def fetch(self, key: str, segments: Sequence[memoryview]) -> bool:
-        """Fill `segments` with page `key` from the shared store (and keep it on the local SSD). False: a miss of
-        any kind (absent, lost, corrupt, foreign, store down), counted; `segments` are then garbage."""
+    def fetch(self, pages: Sequence[PageIO]) -> list[bool]:
+        """Fill each page's buffers from the shared store, all pages in one round trip. result[i] is False for a
+        miss of any kind (absent, lost, corrupt, foreign, store down), counted; its buffers are then garbage.
+        Served pages are kept on the local SSD (and their importance records adopted) by the background thread."""
         store = self._live()
-        if store is None:
-            self.stats.add(remote_miss_pages=1)
-            return False
+        if store is None or not pages:
+            self.stats.add(remote_miss_pages=len(pages))
+            return [False] * len(pages)
         t0 = time.perf_counter()
         try:
-            blob = store.get(self.object_key(key))
+            blobs = store.get_many([self.object_key(key) for key, _ in pages])
         except RemoteError as exc:
             self._mark_down(exc)
-            self.stats.add(remote_miss_pages=1)
-            return False
-        if blob is None:
-            self.stats.add(remote_miss_pages=1)
-            return False
+            self.stats.add(remote_miss_pages=len(pages))
+            return [False] * len(pages)
+        out = []
+        for (key, segments), blob in zip(pages, blobs):
+            out.append(blob is not None and self._serve(key, blob, segments))
+        served = [blob for blob, ok in zip(blobs, out) if ok]
+        self.stats.add(remote_hit_pages=len(served), remote_miss_pages=len(pages) - len(served),
+                       remote_bytes_read=sum(len(b) for b in served), remote_read_seconds=time.perf_counter() - t0)
+        for (key, _), blob, ok in zip(pages, blobs, out):
+            if ok:
+                try:
+                    self._queue.put_nowait((key, blob))
+                except queue.Full:  # served, not kept locally: the next request fetches it again
+                    pass
+        return out
+
+    def _serve(self, key: str, blob: bytes, segments: Sequence[memoryview]) -> bool:
         try:
-            ok = self.tier.import_page(key, blob, segments)
+            read_blob(blob, self.tier.ns_id, key, segments)
         except (CorruptPage, ForeignPage) as exc:
             foreign = isinstance(exc, ForeignPage)
             logger.warning("tiered remote: %s object for page %s (%s): not served", "foreign" if foreign else "corrupt",
                            key, exc)
-            self.stats.add(remote_miss_pages=1, **{"remote_foreign_pages" if foreign else "remote_corrupt_pages": 1})
+            self.stats.add(**{"remote_foreign_pages" if foreign else "remote_corrupt_pages": 1})
             return False
-        if not ok:
-            self.stats.add(remote_miss_pages=1)
-            return False
-        self.stats.add(remote_hit_pages=1, remote_bytes_read=len(blob), remote_read_seconds=time.perf_counter() - t0)
-        if self.importance is not None:
-            self._fetch_importance(store, key)
         return True
 
-    def _fetch_importance(self, store: RemoteStore, key: str) -> None:
+    def _keep(self, store: RemoteStore, key: str, blob: bytes) -> None:
+        """A fetched page onto the local SSD, and its importance record into the table."""
+        self.tier.keep_page(key, blob)
+        if self.importance is None:
+            return
         try:
             record = store.get(self.object_key(key) + ".imp")
         except RemoteError as exc:
@@ -214,8 +226,13 @@ class RemoteTier:
             except queue.Empty:
                 key = None
             try:
-                if key is not None:
-                    store = self._live()
+                store = self._live()
+                if isinstance(key, tuple):
+                    if store is not None:
+                        self._keep(store, *key)
+                    else:
+                        self.tier.keep_page(*key)
+                elif key is not None:
                     if store is None:
                         self.stats.add(remote_dropped_pages=1)
                         with self._lock:

@@ -187,8 +187,8 @@ class SSDTier:
         return self._map(self._write_one, pages)
 
     def page_blob(self, key: str) -> Optional[bytes]:
-        """The stored file of plain page `key` (header and payload, as `import_page` takes it), or None (not stored,
-        inside a group, or unreadable). Not checked here: the importer checks it."""
+        """The stored file of plain page `key` (header and payload, what `keep_page` takes), or None (not stored,
+        inside a group, or unreadable). Not checked here: whoever reads it checks it."""
         with self._lock:
             if key not in self._index:
                 return None
@@ -197,45 +197,42 @@ class SSDTier:
         except OSError:
             return None
 
-    def import_page(self, key: str, blob: bytes, segments: Sequence[memoryview]) -> bool:
-        """Fill `segments` from `blob`, a page file obtained elsewhere (another server's `page_blob`), and keep it as
-        page `key` if it fits. The blob is checked like a file read from disk: it must name this namespace and key,
-        match the segments' total size and every checksum; otherwise CorruptPage or ForeignPage is raised and
-        nothing is stored. False: an I/O error (segments are garbage)."""
+    def keep_page(self, key: str, blob: bytes) -> bool:
+        """Store `blob`, a page file obtained elsewhere (another server's `page_blob`, already checked with
+        `page_file.read_blob`), as page `key` if it fits. True when stored (now or already). Like every page, it is
+        checked again when read."""
         size = len(blob)
         with self._lock:
-            stored = key in self._index or key in self._writing or key in self._member
-            victims = [] if stored or size > self.capacity_bytes else \
+            if key in self._index or key in self._writing or key in self._member:
+                return True
+            victims = [] if size > self.capacity_bytes else \
                 self._pick_victims_locked(self._used + size - self.capacity_bytes)
-            admitted = not stored and self._used + size <= self.capacity_bytes
+            admitted = self._used + size <= self.capacity_bytes
             if admitted:
                 self._used += size
                 self._writing[key] = size
         self._delete_victims(victims)
+        if not admitted:
+            self.stats.add(rejected_pages=1)
+            return False
         path = self._path(key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.import{TMP_SUFFIX}")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         try:
             path.parent.mkdir(exist_ok=True)
             tmp.write_bytes(blob)
-            read_page(str(tmp), self.ns_id, key, segments)  # raises CorruptPage / ForeignPage
-            if admitted:
-                os.replace(tmp, path)
+            os.replace(tmp, path)
         except OSError as exc:
-            logger.warning("tiered ssd: import of %s failed: %s", key, exc)
+            logger.warning("tiered ssd: keeping %s failed: %s", key, exc)
+            _unlink_quiet(tmp)
+            with self._lock:
+                self._used -= self._writing.pop(key)
             self.stats.add(io_errors=1)
             return False
-        finally:
-            _unlink_quiet(tmp)
-            if admitted:
-                with self._lock:
-                    self._writing.pop(key)
-                    if path.exists():
-                        self._index[key] = size
-                        self._policy.insert(key)
-                    else:
-                        self._used -= size
-        if admitted:
-            self.stats.add(imported_pages=1, bytes_written=size)
+        with self._lock:
+            self._writing.pop(key)
+            self._index[key] = size
+            self._policy.insert(key)
+        self.stats.add(imported_pages=1, bytes_written=size)
         self._publish_gauges()
         return True
 

@@ -97,12 +97,16 @@ def test_a_page_published_on_one_server_is_served_on_the_other(servers):
     assert a.stats.remote_published_pages == 3 and a.stats.remote_bytes_written > 3 * PAGE
     assert b.leading_hits(keys + [key(99)]) == 3
     out = empty()
-    assert b.fetch(keys[1], out) and joined(out) == joined(page(2))
-    assert b.tier.contains(keys[1]) and page_file(b.tier, keys[1]).exists()  # now a local SSD page
+    assert b.fetch([(keys[1], out)]) == [True] and joined(out) == joined(page(2))
+    assert b.drain() and b.tier.contains(keys[1]) and page_file(b.tier, keys[1]).exists()  # now a local SSD page
     again = empty()
     assert b.tier.read_pages([(keys[1], again)]) == [True] and joined(again) == joined(page(2))
-    assert b.stats.remote_hit_pages == 1 and b.stats.imported_pages == 1
-    assert not b.fetch(key(99), empty()) and b.stats.remote_miss_pages == 1
+    assert b.stats.remote_hit_pages == 1 and b.stats.imported_pages == 1  # (kept on B's SSD)
+    assert b.fetch([(key(99), empty())]) == [False] and b.stats.remote_miss_pages == 1
+    first, last = empty(), empty()  # one round trip for several pages, a miss among them
+    assert b.fetch([(keys[0], first), (key(98), empty()), (keys[2], last)]) == [True, False, True]
+    assert joined(first) == joined(page(1)) and joined(last) == joined(page(3))
+    assert b.drain() and b.tier.contains(keys[2]) and not b.tier.contains(key(98))
     b.tier.check_integrity()
 
 
@@ -120,7 +124,7 @@ def test_another_namespace_sees_nothing(tmp_path, servers, shared):
     c = RemoteTier(shared.connect, SSDTier(tmp_path / "c", other, 1 << 20), retry_s=RETRY)
     try:
         assert c.leading_hits(keys) == 0
-        assert not c.fetch(keys[0], empty()) and not c.tier.contains(keys[0])
+        assert c.fetch([(keys[0], empty())]) == [False] and not c.tier.contains(keys[0])
     finally:
         c.close()
 
@@ -136,7 +140,7 @@ def test_a_corrupt_object_is_a_counted_miss_and_not_kept(servers):
     a.publish([k])
     assert a.drain()
     assert b.leading_hits([k]) == 1
-    assert not b.fetch(k, empty())
+    assert b.fetch([(k, empty())]) == [False] and b.drain()
     assert b.stats.remote_corrupt_pages == 1 and b.stats.remote_hit_pages == 0 and not b.tier.contains(k)
     b.tier.check_integrity()
 
@@ -151,7 +155,7 @@ def test_a_foreign_object_under_our_key_is_a_counted_miss(tmp_path, servers, sha
     store = shared.connect()
     try:
         store.put(a.object_key(k), intruder.page_blob(k))
-        assert not b.fetch(k, empty())
+        assert b.fetch([(k, empty())]) == [False] and b.drain()
         assert b.stats.remote_foreign_pages == 1 and not b.tier.contains(k)
     finally:
         if store is not shared.memory:
@@ -171,7 +175,7 @@ def test_importance_travels_with_the_page(tmp_path, shared):
         assert a.tier.write_pages([(k, page(7))]) == [True]
         a.publish([k])
         assert a.drain()
-        assert b.fetch(k, empty())
+        assert b.fetch([(k, empty())]) == [True] and b.drain()
         got = fresh.get(k)
         assert got is not None
         np.testing.assert_allclose(got.tokens, learned.get(k).tokens, atol=1e-3)
@@ -187,7 +191,7 @@ def test_store_down_means_misses_and_it_comes_back(servers, shared):
     shared.set_down(True)
     try:
         assert b.leading_hits(keys) == 0 and not b.up
-        assert not b.fetch(keys[0], empty())
+        assert b.fetch([(keys[0], empty())]) == [False]
         assert b.stats.remote_errors >= 1 and b.stats.remote_up == 0
         assert a.tier.write_pages([(key(12), page(12))]) == [True]
         a.publish([key(12)])  # dropped from sharing (counted), kept locally
@@ -202,7 +206,7 @@ def test_store_down_means_misses_and_it_comes_back(servers, shared):
     assert a.tier.write_pages([(later[0], page(13))]) == [True]
     assert until(lambda: (a.publish(later), a.drain(), b.leading_hits(later) == 1)[-1])
     out = empty()
-    assert b.fetch(later[0], out) and joined(out) == joined(page(13))
+    assert b.fetch([(later[0], out)]) == [True] and joined(out) == joined(page(13))
 
 
 def test_unreachable_at_start_runs_local_only_and_connects_later(tmp_path, shared):
