@@ -126,7 +126,7 @@ def page_latency(ssd: Path, master: MooncakeMaster, limit: int = 64) -> dict:
         return {}
     size = files[0].stat().st_size
     store = MooncakeStore(MooncakeAddress.parse(master.url, master.metadata_url), segment_bytes=64 << 20,
-                          buffer_bytes=16 * size + (16 << 20), local_host="127.0.0.1")
+                          object_bytes=size, local_host="127.0.0.1")
     local, remote, found = [], [], 0
     try:
         for f in files:

@@ -109,9 +109,9 @@ class TieredSSDStorage(HiCacheStorage):
         remote = self.config.remote_settings()
         if remote is not None:
             address, segment = remote
-            buffer = 16 * 1024**2 + 4 * page_bytes  # Mooncake's transfer buffer must hold the objects in flight
+            largest = page_bytes + 64 * 1024  # a page file: payload + header (a few KB)
             self.remote = RemoteTier(
-                lambda: MooncakeStore(address, segment_bytes=segment, buffer_bytes=buffer,
+                lambda: MooncakeStore(address, segment_bytes=segment, object_bytes=largest,
                                       local_host=self.config.remote_host),
                 self.tier, importance=self.importance)
             logger.info("tiered remote: mooncake master %s, metadata %s, lending %d bytes", address.master,

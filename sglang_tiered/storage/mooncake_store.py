@@ -95,10 +95,13 @@ def import_client():
 
 
 class MooncakeStore:
-    def __init__(self, address: MooncakeAddress, *, segment_bytes: int, buffer_bytes: int,
+    def __init__(self, address: MooncakeAddress, *, segment_bytes: int, object_bytes: int, buffer_objects: int = 8,
                  local_host: str = "") -> None:
         """Connects now. Raises RemoteError (master unreachable, setup refused) or ImportError (not installed).
-        `buffer_bytes`: this client's transfer buffer; it must hold the largest object put or got."""
+        `object_bytes`: the largest object put or got; this client's transfer buffer holds `buffer_objects` of them
+        (every object of one batched get must fit in it at once: `get_many` splits larger batches)."""
+        self.object_bytes, self.batch = int(object_bytes), max(1, buffer_objects // 2)
+        buffer_bytes = 4 * 1024**2 + buffer_objects * self.object_bytes
         client = import_client()
         if not address.reachable():
             raise RemoteError(f"mooncake master {address.master} is not reachable")
@@ -122,7 +125,13 @@ class MooncakeStore:
         return bytes(blob) if blob else None
 
     def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        return [bytes(b) if b else None for b in self._store.get_batch(list(keys))]
+        # One batch must fit in the transfer buffer at once (beyond it Mooncake answers b"" for the rest), and a
+        # concurrent put needs room too: at most half the buffer per batch.
+        keys = list(keys)
+        out: list[Optional[bytes]] = []
+        for i in range(0, len(keys), self.batch):
+            out.extend(bytes(b) if b else None for b in self._store.get_batch(keys[i : i + self.batch]))
+        return out
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         codes = self._store.batch_is_exist(list(keys))
