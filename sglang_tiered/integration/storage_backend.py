@@ -113,7 +113,7 @@ class TieredSSDStorage(HiCacheStorage):
             self.remote = RemoteTier(
                 lambda: MooncakeStore(address, segment_bytes=segment, object_bytes=largest,
                                       local_host=self.config.remote_host),
-                self.tier, importance=self.importance)
+                self.tier, importance=self.importance, before_put=FOREGROUND.wait_idle)
             logger.info("tiered remote: mooncake master %s, metadata %s, lending %d bytes", address.master,
                         address.metadata, segment)
         self.reporter = StatsReporter(

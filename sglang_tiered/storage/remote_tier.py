@@ -7,7 +7,9 @@ fetched page is checked exactly like a file read from the local disk.
 
 Contracts
 * `publish(keys)` never blocks: keys go to a bounded queue; one background thread reads each page's file and puts
-  it (a full queue or a down store drops the page from sharing, counted; it stays on the local SSD).
+  it. Pages that could not be put while the store was down are published when it answers again (up to
+  `queue_pages` of them, the oldest dropped beyond); a full queue drops a page from sharing (counted). Either way
+  the page stays on the local SSD.
 * `leading_hits(keys)` and `fetch(pages)` block on the network: call them from SGLang's prefetch thread, never the
   scheduler loop. While the store is down they answer "miss" at once.
 * A fetched page is served only if it passes the checks of a local read (`page_file.read_blob`: namespace, key,
@@ -23,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -40,9 +43,15 @@ _KNOWN_MAX = 1 << 20  # keys remembered as published; beyond, forgotten (a secon
 
 class RemoteTier:
     def __init__(self, connect: Callable[[], RemoteStore], tier: SSDTier, *,
-                 importance: Optional[ImportanceTable] = None, retry_s: float = 5.0, queue_pages: int = 1024) -> None:
+                 importance: Optional[ImportanceTable] = None, retry_s: float = 5.0, queue_pages: int = 1024,
+                 before_put: Optional[Callable[[], object]] = None) -> None:
         """`connect()` returns a connected store or raises RemoteError / ImportError; it is tried once now (a
-        failure is logged and retried in the background: the server starts local-only)."""
+        failure is logged and retried in the background: the server starts local-only). `before_put` runs in the
+        background thread before each publish (e.g. `ForegroundGate.wait_idle`; keeping a fetched page on the SSD
+        waits on the tier's own `before_write`)."""
+        self._before_put = before_put
+        self._connect_failed = False
+        self._deferred: deque[str] = deque(maxlen=queue_pages)  # pages to publish once the store answers again
         self.tier = tier
         self.stats = tier.stats
         self.importance = importance
@@ -164,6 +173,8 @@ class RemoteTier:
             with self._lock:
                 self._published.discard(key)
             return
+        if self._before_put is not None:
+            self._before_put()
         try:
             store.put(self.object_key(key), blob)
             record = self.importance.export(key) if self.importance is not None else None
@@ -171,11 +182,30 @@ class RemoteTier:
                 store.put(self.object_key(key) + ".imp", record)
         except RemoteError as exc:
             self._mark_down(exc)
-            self.stats.add(remote_dropped_pages=1)
-            with self._lock:
-                self._published.discard(key)
+            self._defer(key)
             return
         self.stats.add(remote_published_pages=1, remote_bytes_written=len(blob))
+
+    def _defer(self, key: str) -> None:
+        """Publish `key` once the store answers again; beyond `queue_pages` deferred pages, the oldest is dropped
+        from sharing (counted)."""
+        with self._lock:
+            if len(self._deferred) == self._deferred.maxlen:
+                self._published.discard(self._deferred[0])
+                self.stats.add(remote_dropped_pages=1)
+            self._deferred.append(key)
+
+    def _resume(self) -> None:
+        """The store answers again: queue the deferred pages."""
+        with self._lock:
+            keys, self._deferred = list(self._deferred), deque(maxlen=self._deferred.maxlen)
+        for key in keys:
+            try:
+                self._queue.put_nowait(key)
+            except queue.Full:
+                self.stats.add(remote_dropped_pages=1)
+                with self._lock:
+                    self._published.discard(key)
 
     # ----------------------------------------------------------------- health
     def _live(self) -> Optional[RemoteStore]:
@@ -199,13 +229,15 @@ class RemoteTier:
         try:
             store = self._connect()
         except (RemoteError, ImportError, OSError) as exc:
-            if self._store is None and not self._stop.is_set():
+            if not self._connect_failed and not self._stop.is_set():  # said once; the retries are quiet
                 logger.warning("tiered remote: cannot connect (%s); local tiers only until it answers (retry every "
                                "%.0f s)", exc, self.retry_s)
+            self._connect_failed = True
             return
         self._store = store
         self._mark_up()
         logger.info("tiered remote: connected, namespace %s", self.tier.ns_id)
+        self._resume()
 
     def _probe(self) -> None:
         if self._store is None:
@@ -216,7 +248,8 @@ class RemoteTier:
         except RemoteError:
             return
         self._mark_up()
-        logger.info("tiered remote: shared store answers again")
+        logger.info("tiered remote: shared store answers again; publishing %d deferred pages", len(self._deferred))
+        self._resume()
 
     def _run(self) -> None:
         next_probe = 0.0
@@ -234,9 +267,7 @@ class RemoteTier:
                         self.tier.keep_page(*key)
                 elif key is not None:
                     if store is None:
-                        self.stats.add(remote_dropped_pages=1)
-                        with self._lock:
-                            self._published.discard(key)
+                        self._defer(key)
                     else:
                         self._put(store, key)
                 if not self._up and time.monotonic() >= next_probe:

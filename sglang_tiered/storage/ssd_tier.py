@@ -201,6 +201,8 @@ class SSDTier:
         """Store `blob`, a page file obtained elsewhere (another server's `page_blob`, already checked with
         `page_file.read_blob`), as page `key` if it fits. True when stored (now or already). Like every page, it is
         checked again when read."""
+        if self._before_write is not None:
+            self._before_write()
         size = len(blob)
         with self._lock:
             if key in self._index or key in self._writing or key in self._member:

@@ -1,11 +1,12 @@
 """The shared tier against a real `mooncake_master` on 127.0.0.1 (started and stopped here) and real SGLang servers
 (CPU, the embedded SmolLM2), each with its own SSD directory.
 
-In order, on one master: (1) servers A, B and C (C: another model -- same tokens, same page keys) start while the
-master is down: a warning each, and C serves from its local tiers; (2) the master starts and all three connect by
-themselves; a prompt prefilled on A is served on B from the shared tier (storage tokens, identical greedy output);
-(3) C sees nothing of it; (4) A's objects in the store are overwritten with corrupt bytes: B counts corrupt misses
-and answers identically; (5) the master is killed: A and B keep answering correctly, and reconnect when it is back.
+In order, on one master (at most two SGLang servers at once: SGLang keeps 10 GiB of host memory free): (1) A and B
+start while the master is down: a warning each, and they serve from their local tiers; (2) the master starts, both
+connect by themselves, and a prompt prefilled on A is served on B from the shared tier (storage tokens, identical
+greedy output); (4) A's objects in the store are overwritten with corrupt bytes: B counts corrupt misses and answers
+identically; (5) the master is killed: A and B keep answering correctly, and reconnect when it is back; (3) B leaves,
+A publishes another prompt, and C -- another model: same tokens, same page keys -- sees nothing of it.
 """
 
 from __future__ import annotations
@@ -54,24 +55,23 @@ def test_servers_share_one_store(tmp_path, essays, model_dir, other_model_dir):
     from sglang_tiered.mooncake_master import MooncakeMaster
 
     master = MooncakeMaster(tmp_path / "master.log")
-    doc, doc2, doc3 = essays[0], essays[1], essays[2]
-    dtype = choose_dtype(json.loads((model_dir / "config.json").read_text())).dtype  # one dtype for all three
-    servers = [remote_server(tmp_path, "a", master, "--dtype", dtype),
-               remote_server(tmp_path, "b", master, "--dtype", dtype),
-               remote_server(tmp_path, "c", master, "--dtype", dtype, model=str(other_model_dir))]
-    a, b, c = servers
-    # (1) all three start with the master down: local tiers only, and they say so (the master's ports are chosen
-    # now; nothing listens on them yet)
-    start_together(servers)
+    doc, doc2, doc3, doc4 = essays[0], essays[1], essays[2], essays[3]
+    dtype = choose_dtype(json.loads((model_dir / "config.json").read_text())).dtype  # one dtype for all
+    a = remote_server(tmp_path, "a", master, "--dtype", dtype)
+    b = remote_server(tmp_path, "b", master, "--dtype", dtype)
+    c = remote_server(tmp_path, "c", master, "--dtype", dtype, model=str(other_model_dir))
+    servers = [a, b, c]  # at most two run at once: SGLang keeps 10 GiB of host memory free for itself
     try:
-        for s in servers:
+        # (1) A and B start with the master down: local tiers only, and they say so (the master's ports are chosen
+        # now; nothing listens on them yet)
+        start_together([a, b])
+        for s in (a, b):
             assert s.log_lines("tiered remote: cannot connect"), s.log_tail()
-        assert c.generate(doc3, max_new_tokens=1)["text"] is not None
-        # (2) the master comes up: they connect by themselves
+        assert a.generate(doc3, max_new_tokens=1)["text"] is not None
+        # (2) the master comes up: they connect by themselves; a prompt prefilled on A is served on B from the store
         master.start()
-        for s in servers:
+        for s in (a, b):
             assert wait_until(lambda s=s: metric(s.get("/metrics"), UP) == 1), f"{s.log_path} did not connect"
-        # (2') a prompt prefilled on A is served on B from the shared tier
         cold = a.generate(doc)
         wait_for_metric(a, PUBLISHED, 10)
         shared = b.generate(doc)
@@ -81,10 +81,6 @@ def test_servers_share_one_store(tmp_path, essays, model_dir, other_model_dir):
         assert metric(wait_for_metric(b, REMOTE_HITS, 10), REMOTE_HITS) >= 10
         assert b.generate(doc)["text"] == cold["text"]  # and now from B's own tiers
 
-        # (3) C sees nothing of the other model's pages under the same keys
-        other = c.generate(doc)
-        assert cached_details(other)["storage"] == 0 and metric(c.get("/metrics"), REMOTE_HITS) == 0
-
         # (4) corrupt objects in the store are counted misses; B's answer is what A computed
         before = metric(a.get("/metrics"), PUBLISHED)
         cold2 = a.generate(doc2)
@@ -93,11 +89,14 @@ def test_servers_share_one_store(tmp_path, essays, model_dir, other_model_dir):
         assert client.setup("127.0.0.1", master.metadata_url, 16 << 20, 16 << 20, "tcp", "",
                             f"127.0.0.1:{master.rpc_port}") == 0
         try:
-            for ns_id, key in page_keys(tmp_path / "ssd-a"):
+            corrupted = 0
+            for ns_id, key in page_keys(tmp_path / "ssd-a"):  # (the pages A computed offline were never published)
                 blob = bytearray(client.get(f"sgt/{ns_id}/{key}"))
-                assert blob, key
-                blob[len(blob) // 2] ^= 0xFF
-                assert client.upsert(f"sgt/{ns_id}/{key}", bytes(blob)) == 0
+                if blob:
+                    blob[len(blob) // 2] ^= 0xFF
+                    assert client.upsert(f"sgt/{ns_id}/{key}", bytes(blob)) == 0
+                    corrupted += 1
+            assert corrupted >= 20  # the two prompts A prefilled while the master was up
         finally:
             client.close()
         served = b.generate(doc2)
@@ -113,6 +112,17 @@ def test_servers_share_one_store(tmp_path, essays, model_dir, other_model_dir):
         master.start()
         assert wait_until(lambda: metric(a.get("/metrics"), UP) == 1 and metric(b.get("/metrics"), UP) == 1,
                           timeout=60), "A and B did not reconnect"
+
+        # (3) another model sees nothing: B leaves (with its segment), A publishes a new prompt into its own
+        # segment, then C -- same tokenizer and tokens, so the same page keys -- asks for it
+        b.stop()
+        before = metric(a.get("/metrics"), PUBLISHED)
+        a.generate(doc4, max_new_tokens=1)
+        assert metric(wait_for_metric(a, PUBLISHED, before + 10, timeout=30), PUBLISHED) >= before + 10
+        c.start()
+        other = c.generate(doc4)
+        assert cached_details(other)["storage"] == 0 and metric(c.get("/metrics"), REMOTE_HITS) == 0
+        assert metric(c.get("/metrics"), UP) == 1
     finally:
         for s in servers:
             s.stop()
