@@ -78,11 +78,15 @@ def main() -> int:
                     f"{w['device_tokens']} tokens, host {w['host']}; "
                     f"{w.get('cache_note', 'whole OS page cache dropped before every request')}.", "",
                     "| configuration | TTFT median (s) | p90 (s) | device tokens | host tokens | SSD tokens | "
-                    "computed tokens |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                    "computed tokens | important tokens from device / host / SSD / computed |",
+                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for name, r in d["placement"].items():
-                t = r["tokens"]
+                t, share = r["tokens"], r.get("important_share")
+                imp = " / ".join(f"{share[k]:.2f}" for k in ("device", "host", "storage", "computed")) if share else ""
                 out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {t['device']} | {t['host']} | "
-                           f"{t['storage']} | {t['computed']} |")
+                           f"{t['storage']} | {t['computed']} | {imp} |")
+            out += ["", "(sglang-file: SGLang's own hierarchical cache with `--hicache-storage-backend file` and its "
+                    "torch_native CPU attention; important tokens weighted by what the importance server learned.)"]
         if "sparse" in d:
             w = d.get("sparse_workload", {})
             out += ["", f"Gated sparse loading through the server: {w.get('docs')} documents x {w.get('tokens')} "
