@@ -153,12 +153,16 @@ class RemoteTier:
             fresh = [k for k in keys if k not in self._published]
             self._published.update(fresh)
         for key in fresh:
-            try:
-                self._queue.put_nowait(key)
-            except queue.Full:
-                self.stats.add(remote_dropped_pages=1)
-                with self._lock:
-                    self._published.discard(key)
+            self._enqueue(key)
+
+    def _enqueue(self, key: str) -> None:
+        """Queue a page for publishing; a full queue drops it from sharing (counted; a later write may retry)."""
+        try:
+            self._queue.put_nowait(key)
+        except queue.Full:
+            self.stats.add(remote_dropped_pages=1)
+            with self._lock:
+                self._published.discard(key)
 
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until every queued page was handled (tests, shutdown). True if the queue emptied in time."""
@@ -200,12 +204,7 @@ class RemoteTier:
         with self._lock:
             keys, self._deferred = list(self._deferred), deque(maxlen=self._deferred.maxlen)
         for key in keys:
-            try:
-                self._queue.put_nowait(key)
-            except queue.Full:
-                self.stats.add(remote_dropped_pages=1)
-                with self._lock:
-                    self._published.discard(key)
+            self._enqueue(key)
 
     # ----------------------------------------------------------------- health
     def _live(self) -> Optional[RemoteStore]:
