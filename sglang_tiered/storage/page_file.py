@@ -91,12 +91,17 @@ def write_page(path: str, namespace: str, key: str, segments: Sequence[memoryvie
 
     Raises OSError (disk full, permissions, ...) after removing the temporary file.
     """
-    header = encode_header(namespace, key, segments)
+    return write_file(path, [memoryview(encode_header(namespace, key, segments)), *segments])
+
+
+def write_file(path: str, parts: Sequence[memoryview]) -> int:
+    """Write the concatenation of `parts` to `path` atomically (temp file + rename): a whole page file, or one
+    obtained elsewhere (a shared store). Returns bytes written; raises OSError after removing the temporary file."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        total = len(header) + sum(seg.nbytes for seg in segments)
-        written = _vectored_all(os.pwritev, fd, [memoryview(header), *segments], 0)
+        total = sum(p.nbytes for p in parts)
+        written = _vectored_all(os.pwritev, fd, list(parts), 0)
         if written != total:
             raise OSError(f"short write to {tmp}: {written} of {total} bytes")
     except BaseException:

@@ -42,6 +42,7 @@ from sglang_tiered.storage.page_file import (
     PageReader,
     header_bound,
     read_page,
+    write_file,
     write_page,
 )
 from sglang_tiered.storage.stats import TierStats
@@ -203,40 +204,11 @@ class SSDTier:
         checked again when read."""
         if self._before_write is not None:
             self._before_write()
-        size = len(blob)
-        with self._lock:
-            if key in self._index or key in self._writing or key in self._member:
-                return True
-            victims = [] if size > self.capacity_bytes else \
-                self._pick_victims_locked(self._used + size - self.capacity_bytes)
-            admitted = self._used + size <= self.capacity_bytes
-            if admitted:
-                self._used += size
-                self._writing[key] = size
-        self._delete_victims(victims)
-        if not admitted:
-            self.stats.add(rejected_pages=1)
-            return False
-        path = self._path(key)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            tmp.write_bytes(blob)
-            os.replace(tmp, path)
-        except OSError as exc:
-            logger.warning("tiered ssd: keeping %s failed: %s", key, exc)
-            _unlink_quiet(tmp)
-            with self._lock:
-                self._used -= self._writing.pop(key)
-            self.stats.add(io_errors=1)
-            return False
-        with self._lock:
-            self._writing.pop(key)
-            self._index[key] = size
-            self._policy.insert(key)
-        self.stats.add(imported_pages=1, bytes_written=size)
-        self._publish_gauges()
-        return True
+        written = self._store_file(key, len(blob), lambda path: write_file(str(path), [memoryview(blob)]),
+                                   count_dedup=False)
+        if written:
+            self.stats.add(imported_pages=1, bytes_written=written)
+        return written is not None
 
     def run_io(self, fn: Callable, items: Sequence) -> list:
         """`fn` over `items` on the tier's I/O threads (in the caller's thread for one item), results in order."""
@@ -261,11 +233,24 @@ class SSDTier:
         if self._before_write is not None:
             self._before_write()
         size = header_bound(self.ns_id, key, [s.nbytes for s in segments]) + sum(s.nbytes for s in segments)
+        t0 = time.perf_counter()
+        written = self._store_file(key, size, lambda path: write_page(str(path), self.ns_id, key, segments))
+        if written:
+            self.stats.add(written_pages=1, bytes_written=written, write_seconds=time.perf_counter() - t0)
+        return written is not None
+
+    def _store_file(self, key: str, size: int, write: Callable[[Path], int], *, count_dedup: bool = True
+                    ) -> Optional[int]:
+        """Reserve `size` bytes for page `key` (evicting as needed), `write(path)` its file, index it. Returns the
+        bytes written, 0 if the page is stored or being stored already (touched, and counted as a dedup if
+        `count_dedup`), None if it was not admitted (larger than the capacity, or the rest of the space is being
+        written right now) or the write failed (counted)."""
         with self._lock:
             if key in self._index or key in self._writing or key in self._member:  # stored, or being stored
-                self._policy.touch(key)
-                self.stats.add(dedup_pages=1)
-                return True
+                if count_dedup:
+                    self._policy.touch(key)
+                    self.stats.add(dedup_pages=1)
+                return 0
             if size > self.capacity_bytes:  # would never fit: reject before evicting anything for it
                 victims, admitted = [], False
             else:
@@ -275,29 +260,27 @@ class SSDTier:
                 self._used += size
                 self._writing[key] = size
         self._delete_victims(victims)
-        if not admitted:  # larger than the capacity, or the rest of the space is being written right now
+        if not admitted:
             self.stats.add(rejected_pages=1)
             self._publish_gauges()
-            return False
+            return None
         path = self._path(key)
-        t0 = time.perf_counter()
         try:
             path.parent.mkdir(exist_ok=True)
-            actual = write_page(str(path), self.ns_id, key, segments)
+            actual = write(path)
         except OSError as exc:
             logger.warning("tiered ssd: write of %s failed: %s", key, exc)
             with self._lock:
                 self._used -= self._writing.pop(key)
             self.stats.add(io_errors=1)
             self._publish_gauges()
-            return False
+            return None
         with self._lock:
             self._used += actual - self._writing.pop(key)
             self._index[key] = actual
             self._policy.insert(key)
-        self.stats.add(written_pages=1, bytes_written=actual, write_seconds=time.perf_counter() - t0)
         self._publish_gauges()
-        return True
+        return actual
 
     # ----------------------------------------------------------------- groups
     def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16) -> bool:
