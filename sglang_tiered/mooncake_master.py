@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from sglang_tiered.server_process import free_port
+from sglang_tiered.server_process import free_port, signal_group
 
 
 def master_binary() -> str:
@@ -80,10 +80,7 @@ class MooncakeMaster:
         """Kill the master (SIGKILL: what a crash looks like to its clients)."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc, signal.SIGKILL)
         self.proc.wait(timeout=10)
         self.proc = None
 

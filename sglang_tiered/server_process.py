@@ -24,6 +24,14 @@ from typing import Optional
 from sglang_tiered.integration.settings import ENV as SETTINGS_ENV  # (settings.py imports no SGLang)
 
 
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the process group `proc` leads (started with `start_new_session=True`); gone already is fine."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,18 +120,12 @@ class ServerProcess:
     def stop(self) -> None:
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc, signal.SIGTERM)
         try:
             self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             pass
-        try:  # children (scheduler, detokenizer) share the group; make sure none survives
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        signal_group(self.proc, signal.SIGKILL)  # children (scheduler, detokenizer) share the group: none survives
         self.proc.wait(timeout=10)
         self.proc = None
 
