@@ -129,6 +129,27 @@ def evict_from_page_cache(directory: Path) -> int:
     return n
 
 
+def stream_generate(server: ServerProcess, payload: dict, timeout: float = 300.0) -> dict:
+    """POST /generate with streaming on; the last chunk's JSON plus `ttft_s` (seconds until the first streamed chunk,
+    i.e. the first token, client side) and `latency_s` (until the last)."""
+    import urllib.request
+
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps({**payload, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            last = json.loads(line[5:])
+    if last is None:
+        raise RuntimeError("/generate streamed nothing")
+    return {**last, "ttft_s": ttft, "latency_s": time.perf_counter() - t0}
+
+
 def server_read_bytes(server: ServerProcess) -> int:
     """Bytes the server's processes read from storage (/proc/<pid>/io read_bytes: what reached the block layer)."""
     total = 0

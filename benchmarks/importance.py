@@ -23,12 +23,15 @@ fact ("The access code for the archive room is NNNN."), first asked a different 
 the tokens and gets the pages repacked), then -- device and host flushed, page cache dropped -- asked for the code
 three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
 everything (`full`) and the gated load, the SSD tier's files evicted from the page cache before each (only those:
-`posix_fadvise`). TTFT, bytes the server read from storage (/proc/<pid>/io), whether the
-answer holds the code, and agreement with the full load's answer; natively and at `--slow-mbps`.
+`posix_fadvise`). TTFT (the first streamed token, client side), bytes the server read from storage
+(/proc/<pid>/io: what reached the block device, readahead included), whether the answer holds the code, and
+agreement with the full load: the answer (the first line of the 8-token greedy continuation) and all 8 tokens;
+natively and at `--slow-mbps`.
 
-Part `quality`: the same kind of documents through the engine alone (fp32): importance from a first question, the
-code question after a full prefill vs gated sparse loads at `--ratios`, by 16-token chunks (as the server loads) and
-by single tokens; accuracy, agreement with the full load's greedy answer, fraction loaded, gate pass rate.
+Part `quality`: the same kind of documents through the engine alone (fp32): the code question after a full prefill
+vs gated sparse loads at `--ratios`, by 16-token chunks of consecutive tokens (as the server loads a repacked
+group) and by single tokens, the probe int8 as stored; accuracy, agreement with the full load (answer, all 8
+tokens, first token), first-token KL(full || gated), fraction loaded, gate pass rate.
 
 Writes benchmarks/results/importance.json (parts not run keep their last results) and .png, prints one verdict line
 per part.
@@ -56,8 +59,10 @@ from _harness import (  # noqa: E402
     machine,
     save,
     server_read_bytes,
+    stream_generate,
 )
 
+from sglang_tiered.config import TieredConfig  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
 
 
@@ -189,6 +194,11 @@ def placement(source: PromptSource, dtype: str, docs: int, requests: int, client
 
 
 FACT = "The access code for the archive room is {code}. "
+
+
+def answer(text: str) -> str:
+    """The answer in a greedy continuation: its first line, stripped (" 1926.\n\nThe ..." -> "1926.")."""
+    return text.strip().split("\n", 1)[0].strip()
 QUESTION = "\n\nQuestion: What is the access code for the archive room?\nAnswer: The access code is"
 WARMUP = "\n\nQuestion: What is the text above about?\nAnswer:"
 
@@ -222,12 +232,11 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
                         s.flush_cache()
                         evict_from_page_cache(Path(tmp) / str(len(out)))
                         before = server_read_bytes(s)
-                        t0 = time.perf_counter()
-                        status, r = s.request("/generate", {"text": text + QUESTION, "sampling_params": {
+                        r = stream_generate(s, {"text": text + QUESTION, "sampling_params": {
                             "max_new_tokens": 8, "temperature": 0, "custom_params": {"tiered_importance": mode}}})
-                        ttft = time.perf_counter() - t0
-                        rows[mode].append({"ttft_s": ttft, "read_bytes": server_read_bytes(s) - before,
-                                           "output_ids": r["output_ids"], "correct": code in r["text"],
+                        rows[mode].append({"ttft_s": r["ttft_s"], "latency_s": r["latency_s"],
+                                           "read_bytes": server_read_bytes(s) - before, "output_ids": r["output_ids"],
+                                           "answer": answer(r["text"]), "correct": code in r["text"],
                                            "cached": cached_details(r)})
                 log = s.log_lines("tiered importance: rid")
             res = {}
@@ -239,6 +248,8 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
             for mode in ("full", "gated"):
                 same = [a["output_ids"] == b["output_ids"] for a, b in zip(rows[mode], off)]
                 res[mode]["identical_to_off"] = sum(same) / len(same)
+                res[mode]["answer_agreement"] = statistics.mean(
+                    float(a["answer"] == b["answer"]) for a, b in zip(rows[mode], off))
                 agree = [sum(x == y for x, y in zip(a["output_ids"], b["output_ids"])) / len(b["output_ids"])
                          for a, b in zip(rows[mode], off)]
                 res[mode]["token_agreement"] = statistics.mean(agree)
@@ -251,45 +262,39 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
 
 
 class _MemorySpan:
-    """A stored span held in memory, in 16-token units ordered by importance (what a repacked group holds)."""
+    """A stored span held in memory as a repacked group serves it: 16-token units of consecutive tokens (`units`,
+    None: single tokens) and an int8 probe (quantized like the group file's)."""
 
     def __init__(self, kv, units) -> None:
         self.kv, self.tokens, self.units = kv, kv.shape[1], units
 
     def probe(self, layer, heads):
-        return self.kv[layer, :, 0, heads]
+        import torch
+
+        from sglang_tiered.storage.group_file import dequantize_probe, quantize_probe
+
+        return torch.from_numpy(dequantize_probe(*quantize_probe(self.kv[layer, :, 0, heads].numpy())))
 
     def load(self, layer, idx):
         return self.kv[layer, idx]
 
 
 def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -> dict:
-    """Engine-level quality of gated loading on SmolLM2 (fp32, no server): the planted-fact documents, importance
-    learned from a first question, then the code question answered after a full prefill vs a gated sparse load
-    (greedy, 8 tokens; decoding attends to the loaded tokens only, as in the server)."""
+    """Engine-level quality of gated loading on SmolLM2 (fp32, no server): the planted-fact documents, the code
+    question answered after a full prefill vs a gated sparse load (greedy, 8 tokens; decoding attends to the loaded
+    tokens only, as in the server). Which tokens a load picks does not depend on the file order of a repacked group
+    (that only makes the picks' reads dense), so no first question is needed here."""
     import torch
 
     from sglang_tiered.engine.blend import greedy_continue
     from sglang_tiered.engine.sparse import sparse_prefill
     from sglang_tiered.engine.tuning import load_model
     from sglang_tiered.kernels.extend_attention import causal_attention
-    from sglang_tiered.kernels.importance import sampled_heads, window_scores
     from sglang_tiered.models import default_model_path
 
     model = load_model(("pretrained", str(default_model_path())), torch.float32)
     tok = source.tok
     c = model.cfg
-
-    @torch.inference_mode()
-    def scores(ids):  # what importance capture computes
-        n = ids.shape[0]
-        pos, x, total = torch.arange(n), model.embed(ids), torch.zeros(n)
-        heads = sampled_heads(c.heads, c.kv_heads, 3)
-        for layer in range(c.layers):
-            q, k, v = model.qkv(layer, x, pos)
-            total += window_scores(q[-32:], k, pos[-32:], heads)
-            x = model.finish_layer(layer, x, causal_attention(q, k, v, 0))
-        return total
 
     @torch.inference_mode()
     def decode(layers_kv, logits, n, steps=8):  # attends per layer only to the given KV
@@ -312,28 +317,29 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -
         d_ids = tok(body[:cut] + FACT.format(code=code) + body[cut:])["input_ids"]
         d_ids = d_ids[: len(d_ids) // 64 * 64]
         s = len(d_ids)
-        imp = scores(torch.tensor(d_ids + tok(WARMUP, add_special_tokens=False)["input_ids"]))[:s]
-        order = sorted(range(s), key=lambda t: (-float(imp[t]), t))
-        slots = torch.empty(s, dtype=torch.int64)
-        slots[torch.tensor(order)] = torch.arange(s)
         ids = torch.tensor(d_ids + tok(QUESTION, add_special_tokens=False)["input_ids"])
         full = model.prefill(ids)
         ref = greedy_continue(model, full.kv, full.logits, 8)
-        rows["full"].append({"correct": code in tok.decode(ref), "agreement": 1.0, "loaded": 1.0, "passes": 0})
+        rows["full"].append({"correct": code in tok.decode(ref), "agreement": 1.0, "answer": 1.0, "identical": 1.0,
+                             "first_token": 1.0, "kl": 0.0, "loaded": 1.0, "passes": 0})
         for ratio in ratios:
             for unit in ("chunks", "tokens"):
-                span = _MemorySpan(full.kv[:, :s], slots // 16 if unit == "chunks" else None)
+                span = _MemorySpan(full.kv[:, :s], torch.arange(s) // 16 if unit == "chunks" else None)
                 r = sparse_prefill(model, ids[s:], prefix_len=0, span=span, ratio=ratio)
                 out = decode([torch.cat([r.kept_kv[layer], r.kv[layer]]) for layer in range(c.layers)], r.logits,
                              ids.shape[0])
+                kl = torch.nn.functional.kl_div(r.logits.log_softmax(-1), full.logits.log_softmax(-1),
+                                                log_target=True, reduction="sum")
                 rows.setdefault(f"gated {ratio:.2f}, {unit}", []).append({
                     "correct": code in tok.decode(out), "agreement": sum(a == b for a, b in zip(out, ref)) / 8,
-                    "identical": out == ref, "loaded": r.loaded_fraction,
+                    "answer": answer(tok.decode(out)) == answer(tok.decode(ref)), "identical": out == ref,
+                    "first_token": out[0] == ref[0], "kl": float(kl), "loaded": r.loaded_fraction,
                     "passes": sum(g.passed for g in r.gates) / c.layers})
         print(f"[quality] document {len(rows['full'])}: code {code}, full load says {tok.decode(ref)!r}", flush=True)
     summary = {name: {k: statistics.mean(float(x[k]) for x in rs) for k in rs[0]} for name, rs in rows.items()}
     for name, m in summary.items():
-        print(f"[quality] {name}: accuracy {m['correct']:.2f}, agreement {m['agreement']:.2f}, loaded "
+        print(f"[quality] {name}: accuracy {m['correct']:.2f}, answer agreement {m['answer']:.2f}, identical "
+              f"{m['identical']:.2f}, token agreement {m['agreement']:.2f}, first-token KL {m['kl']:.3f}, loaded "
               f"{m['loaded']:.2f} of the token-layers, gate passes {m['passes']:.2f} of the layers", flush=True)
     return {"summary": summary, "rows": rows, "docs": docs, "tokens": tokens}
 
@@ -428,17 +434,23 @@ def main() -> int:
         verdicts.append(f"gated sparse load at {a.slow_mbps} MB/s: {bytes_x:.2f}x fewer bytes read (target >= 2x: "
                         f"{'PASS' if bytes_x >= 2 else 'MISS'}), TTFT {gated['median_s']:.3f} vs {off['median_s']:.3f}"
                         f" s = {ttft_x:.2f}x (target >= 1.5x: {'PASS' if ttft_x >= 1.5 else 'MISS'}); accuracy "
-                        f"{gated['accuracy']:.2f} vs full load {off['accuracy']:.2f}, answers identical to the full "
-                        f"load {gated['identical_to_off']:.2f} (target >= 0.95: "
-                        f"{'PASS' if gated['identical_to_off'] >= 0.95 else 'MISS'})")
+                        f"{gated['accuracy']:.2f} vs full load {off['accuracy']:.2f}, answer agreement with the full "
+                        f"load {gated['answer_agreement']:.2f} (target >= 0.95: "
+                        f"{'PASS' if gated['answer_agreement'] >= 0.95 else 'MISS'}), all 8 tokens identical "
+                        f"{gated['identical_to_off']:.2f}")
     if "quality" in a.parts:
         data["quality"] = quality(source, a.quality_docs, a.sparse_tokens, a.ratios)
         q = data["quality"]["summary"]
-        best = max((n for n in q if n != "full"), key=lambda n: q[n]["agreement"])
+        default = f"gated {TieredConfig().importance_ratio:.2f}, chunks"
+        d = q.get(default, {})
+        reach = sorted((n for n in q if n != "full" and q[n]["answer"] >= 0.95), key=lambda n: q[n]["loaded"])
         verdicts.append(f"gated quality (engine, {a.quality_docs} documents): full load accuracy "
-                        f"{q['full']['correct']:.2f}; best setting {best}: accuracy {q[best]['correct']:.2f}, answer "
-                        f"agreement {q[best]['agreement']:.2f} (target >= 0.95: "
-                        f"{'PASS' if q[best]['agreement'] >= 0.95 else 'MISS'}), loading {q[best]['loaded']:.2f}")
+                        f"{q['full']['correct']:.2f}; default ({default}): accuracy {d.get('correct', 0):.2f}, answer "
+                        f"agreement {d.get('answer', 0):.2f} (target >= 0.95: "
+                        f"{'PASS' if d.get('answer', 0) >= 0.95 else 'MISS'}), 8 tokens identical "
+                        f"{d.get('identical', 0):.2f}, loading {d.get('loaded', 0):.2f} of the token-layers; "
+                        + (f"cheapest setting reaching 0.95: {reach[0]} (loading {q[reach[0]]['loaded']:.2f})"
+                           if reach else "no setting reaches 0.95"))
     save("importance", data)
     plot(data, RESULTS / "importance.png")
     for v in verdicts:

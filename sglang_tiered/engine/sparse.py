@@ -5,13 +5,15 @@ Per layer, instead of loading all of S's KV:
 
   1. the new tokens' Q, K, V are computed (true positions);
   2. the *probe* is read -- the keys of S in the KV heads the sampled query heads read -- and the window (C's last
-     `window` queries) is scored against [P, S, C] in each sampled head (`kernels.importance.head_scores`);
+     `window` queries) is scored against [P, S, C] in every query head that reads a probed KV head (the sampled
+     heads and their GQA group mates: same keys, no extra bytes);
   3. each sampled head picks its top k = ceil(ratio * |S|) tokens of S; the gate (`policy.importance`) compares
-     their mean pairwise Jaccard J with t = j^alpha: J >= t -> only the picks are loaded (their K and V, all heads),
-     else all of S (exact for that layer). A span stored in I/O units (chunks) is loaded by unit: the units with
-     the most attention (summed over the sampled heads and their tokens), best first, until they hold k tokens --
-     every token of a loaded unit is used (ContiguousKV's chunk-as-I/O-unit selection); a span without units
-     loads the union of the heads' picks;
+     their mean pairwise Jaccard J with t = j^alpha: J >= t -> only a selection is loaded (its K and V, all heads),
+     else all of S (exact for that layer). The selection is by I/O unit (a 16-token chunk of a repacked group;
+     single tokens for a span without units): the units with the most attention -- summed over every scored head
+     and the window -- best first, until they hold k tokens (ContiguousKV's chunk-as-I/O-unit selection). Scoring
+     the selection with all probed heads rather than the union of the three sampled heads' picks doubled answer
+     agreement with a full load on SmolLM2 at the same bytes (benchmarks/importance.py, part quality);
   4. C attends to [P, the loaded S tokens, C] (keys carry RoPE from their real positions, so a gathered subset is
      attended at its original positions) and the layer finishes.
 
@@ -78,16 +80,16 @@ class SparseResult:
         return sum(g.loaded for g in self.gates) / max(1, len(self.gates) * self.span_tokens)
 
 
-def _selection(span: StoredSpan, scores: torch.Tensor, sets: list[set[int]], k: int) -> torch.Tensor:
-    """Tokens of S to load once the gate passed (ascending): the heads' picks, or whole units (see the module
-    docstring)."""
+def _selection(span: StoredSpan, mass: torch.Tensor, k: int) -> torch.Tensor:
+    """Tokens of S to load once the gate passed (ascending): whole units by attention `mass` [|S|], best first, until
+    they hold at least k tokens (see the module docstring)."""
     units = getattr(span, "units", None)
     if units is None:
-        return torch.tensor(sorted(set().union(*sets)), dtype=torch.int64)
-    mass = torch.zeros(int(units.max()) + 1).index_add_(0, units, scores.sum(0))
-    size = torch.bincount(units, minlength=mass.shape[0])
+        return torch.topk(mass, k).indices.sort().values
+    unit_mass = torch.zeros(int(units.max()) + 1).index_add_(0, units, mass)
+    size = torch.bincount(units, minlength=unit_mass.shape[0])
     chosen, covered = [], 0
-    for u in torch.argsort(mass, descending=True).tolist():
+    for u in torch.argsort(unit_mass, descending=True).tolist():
         if covered >= k:
             break
         chosen.append(u)
@@ -112,10 +114,12 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
         raise ValueError("prefix_len > 0 needs a prefix_loader")
     if force not in (None, "fail", "pass"):
         raise ValueError(f"force must be None, 'fail' or 'pass', got {force!r}")
+    group = c.heads // c.kv_heads
     q_heads = sampled_heads(c.heads, c.kv_heads, min(heads, c.heads))
-    kv_of = [h // (c.heads // c.kv_heads) for h in q_heads]
-    probe_heads = sorted(set(kv_of))
-    cols = [probe_heads.index(h) for h in kv_of]
+    probe_heads = sorted({h // group for h in q_heads})
+    scored = [h for h in range(c.heads) if h // group in probe_heads]  # the sampled heads and their group mates
+    rows = [scored.index(h) for h in q_heads]
+    cols = [probe_heads.index(h // group) for h in scored]
     k_top = min(s, max(1, math.ceil(ratio * s - 1e-9)))
     threshold = gate_threshold(k_top, s, alpha)
 
@@ -131,11 +135,11 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
             probe = probes.get(layer)  # [s, len(probe_heads), D]
             prefix = prefix_loader(layer) if p else model.empty_kv(0)[0]
             keys = torch.cat([prefix[:, 0, probe_heads], probe, k[:, probe_heads]])
-            scores = head_scores(q[-w:], keys[:, cols], positions[-w:], q_heads, kv_heads=kv_of)[:, p : p + s]
-            sets = topk_sets(scores, k_top)
-            jac = mean_pairwise_jaccard(sets)
+            scores = head_scores(q[-w:], keys[:, cols], positions[-w:], scored,
+                                 kv_heads=[h // group for h in scored])[:, p : p + s]
+            jac = mean_pairwise_jaccard(topk_sets(scores[rows], k_top))
             passed = force == "pass" or (force is None and jac >= threshold)
-            idx = _selection(span, scores, sets, k_top) if passed else torch.arange(s)
+            idx = _selection(span, scores.sum(0), k_top) if passed else torch.arange(s)
             loaded = span.load(layer, idx).to(model.dtype)
             kk = torch.cat([prefix[:, 0], loaded[:, 0], k])
             vv = torch.cat([prefix[:, 1], loaded[:, 1], v])

@@ -4,8 +4,11 @@ groups (`SSDTier.repack`), so that a sparse load finds the tokens it wants in a 
 Contracts
 * `offer(keys)` never blocks (a full queue drops the offer; the pages stay plain, which is always correct).
 * The worker waits (up to `wait_s`) for the pages to reach the SSD tier -- write-through is asynchronous -- then
-  repacks each maximal run of consecutive plain pages of at least `min_pages` pages. Slots are ordered by the
-  tokens' importance averages (most important first; ties and unobserved tokens by position).
+  repacks each maximal run of consecutive plain pages of at least `min_pages` pages. Slots are ordered by
+  `chunk`-token runs of consecutive tokens, most important run first (the mean of its tokens' importance averages;
+  ties and unobserved runs by position), tokens in prompt order inside a run: a chunk is the I/O unit of a sparse
+  load, and neighbouring tokens travel together (a fact is a run of tokens; loading runs answered like a full load
+  more often than loading the same number of single tokens on SmolLM2 -- benchmarks/importance.py, part quality).
 * `before_repack()` runs first (e.g. `ForegroundGate.wait_idle`: on CPU, repacking yields to the model forward).
 """
 
@@ -24,13 +27,16 @@ from sglang_tiered.storage.ssd_tier import SSDTier
 logger = logging.getLogger(__name__)
 
 
-def importance_order(table: ImportanceTable, keys: Sequence[str], page_size: int) -> list[int]:
-    """Token positions of the run `keys`, most important first (unknown importance counts 0; ties by position)."""
+def importance_order(table: ImportanceTable, keys: Sequence[str], page_size: int, chunk: int) -> list[int]:
+    """Token positions of the run `keys`: `chunk`-token runs of consecutive positions, the most important run first
+    (mean importance; unknown importance counts 0; ties by position), each run in position order."""
     scores: list[float] = []
     for key in keys:
         page = table.get(key)
         scores += [max(0.0, float(x)) for x in page.tokens] if page is not None else [0.0] * page_size
-    return sorted(range(len(scores)), key=lambda t: (-scores[t], t))
+    starts = range(0, len(scores), chunk)
+    mean = {c: sum(scores[c : c + chunk]) / len(scores[c : c + chunk]) for c in starts}
+    return [t for c in sorted(starts, key=lambda c: (-mean[c], c)) for t in range(c, min(c + chunk, len(scores)))]
 
 
 class Repacker:
@@ -88,7 +94,7 @@ class Repacker:
             if len(run) >= self.min_pages:
                 if self.before_repack is not None:
                     self.before_repack()
-                order = importance_order(self.table, run, self.tier.namespace.page_size)
+                order = importance_order(self.table, run, self.tier.namespace.page_size, self.chunk)
                 if self.tier.repack(run, order, self.probe_heads, self.chunk):
                     logger.info("tiered repack: %d pages in importance order", len(run))
             run = []

@@ -363,6 +363,8 @@ class SSDTier:
         path = self._path("g." + gid)
         try:
             fd = os.open(path, os.O_RDONLY)
+            # no readahead: a sparse load reads chosen chunks, and readahead would fetch their neighbours too
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         except FileNotFoundError:
             self._forget("g." + gid, delete=False)
             self.stats.add(lost_pages=len(meta.keys))

@@ -173,3 +173,21 @@ def test_a_repack_killed_at_any_moment_loses_nothing(tmp_path, delay):
     assert tier.read_pages([(key(i), outs[i]) for i in range(24)]) == [True] * 24
     assert all(joined(outs[i]) == joined(bf16_page(i)) for i in range(24))
     tier.check_integrity()
+
+
+def test_the_repack_order_puts_the_most_important_runs_of_chunk_tokens_first():
+    from sglang_tiered.storage.importance_table import ImportanceTable
+    from sglang_tiered.storage.repacker import importance_order
+
+    table = ImportanceTable(PS, alpha=1.0)
+    verdicts = [False] * (3 * PS)
+    for t in (20, 21, 22, 40):  # chunk 2 of 4 tokens (16..23 in chunks of 8) holds three important tokens
+        verdicts[t] = True
+    table.observe([key(0), key(1), key(2)], verdicts)
+    got = importance_order(table, [key(0), key(1), key(2), key(3)], PS, chunk=8)  # key(3): never observed
+    assert got[:8] == list(range(16, 24))  # mean 3/8
+    assert got[8:16] == list(range(40, 48))  # mean 1/8
+    rest = [c for c in range(0, 4 * PS, 8) if c not in (16, 40)]
+    assert got[16:] == [t for c in rest for t in range(c, c + 8)]  # ties by position, each run in order
+    assert sorted(got) == list(range(4 * PS))
+

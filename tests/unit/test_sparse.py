@@ -55,13 +55,28 @@ def test_a_passing_gate_loads_only_the_picks(setup):
     span = Span(full.kv[:, :100])
     r = sparse_prefill(model, ids[100:], prefix_len=0, span=span, ratio=0.1, force="pass")
     assert span.probed == list(range(GQA.layers))
-    k = 10  # ceil(0.1 * 100) per head, 3 sampled heads
-    assert all(k <= n <= 3 * k for n in span.loaded), span.loaded
-    assert r.loaded_fraction == sum(span.loaded) / (GQA.layers * 100) < 0.31
+    assert span.loaded == [10] * GQA.layers  # k = ceil(0.1 * 100) single tokens
+    assert r.loaded_fraction == 0.1
     for idx, kv, layer in zip(r.kept, r.kept_kv, range(GQA.layers)):
         assert idx.tolist() == sorted(set(idx.tolist()))  # ascending, no repeats
         assert torch.equal(kv, full.kv[layer, idx])  # the loaded KV is the span's own, per token
     assert torch.isfinite(r.logits).all()
+
+
+def test_the_picks_are_the_top_k_of_the_attention_of_every_head_reading_a_probed_kv_head(setup):
+    from sglang_tiered.kernels.importance import head_scores
+
+    model, ids, full = setup
+    r = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.1, force="pass",
+                       heads=3, window=8)
+    # GQA 6 query / 2 KV heads: the 3 sampled heads read both KV heads, so all 6 query heads are scored
+    pos = torch.arange(100, 120)
+    q, k, _ = model.qkv(0, model.embed(ids[100:]), pos)
+    keys = torch.cat([full.kv[0, :100, 0], k])
+    mass = head_scores(q[-8:], keys, pos[-8:], list(range(GQA.heads)))[:, :100].sum(0)
+    assert r.kept[0].tolist() == sorted(torch.topk(mass, 10).indices.tolist())
+    only_sampled = head_scores(q[-8:], keys, pos[-8:], [0, 1, 3])[:, :100].sum(0)
+    assert set(torch.topk(only_sampled, 10).indices.tolist()) != set(r.kept[0].tolist())  # the group mates count
 
 
 def test_a_span_in_units_is_loaded_by_whole_units_up_to_the_budget(setup):
