@@ -337,8 +337,11 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -
                     "passes": sum(g.passed for g in r.gates) / c.layers})
         print(f"[quality] document {len(rows['full'])}: code {code}, full load says {tok.decode(ref)!r}", flush=True)
     summary = {name: {k: statistics.mean(float(x[k]) for x in rs) for k in rs[0]} for name, rs in rows.items()}
+    right = [i for i, x in enumerate(rows["full"]) if x["correct"]]  # documents the full load answers correctly
     for name, m in summary.items():
-        print(f"[quality] {name}: accuracy {m['correct']:.2f}, answer agreement {m['answer']:.2f}, identical "
+        m["answer_where_full_right"] = statistics.mean(float(rows[name][i]["answer"]) for i in right) if right else 0
+        print(f"[quality] {name}: accuracy {m['correct']:.2f}, answer agreement {m['answer']:.2f} "
+              f"({m['answer_where_full_right']:.2f} where the full load is right), identical "
               f"{m['identical']:.2f}, token agreement {m['agreement']:.2f}, first-token KL {m['kl']:.3f}, loaded "
               f"{m['loaded']:.2f} of the token-layers, gate passes {m['passes']:.2f} of the layers", flush=True)
     return {"summary": summary, "rows": rows, "docs": docs, "tokens": tokens}
@@ -447,7 +450,8 @@ def main() -> int:
         verdicts.append(f"gated quality (engine, {a.quality_docs} documents): full load accuracy "
                         f"{q['full']['correct']:.2f}; default ({default}): accuracy {d.get('correct', 0):.2f}, answer "
                         f"agreement {d.get('answer', 0):.2f} (target >= 0.95: "
-                        f"{'PASS' if d.get('answer', 0) >= 0.95 else 'MISS'}), 8 tokens identical "
+                        f"{'PASS' if d.get('answer', 0) >= 0.95 else 'MISS'}; "
+                        f"{d.get('answer_where_full_right', 0):.2f} where the full load is right), 8 tokens identical "
                         f"{d.get('identical', 0):.2f}, loading {d.get('loaded', 0):.2f} of the token-layers; "
                         + (f"cheapest setting reaching 0.95: {reach[0]} (loading {q[reach[0]]['loaded']:.2f})"
                            if reach else "no setting reaches 0.95"))

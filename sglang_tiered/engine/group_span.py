@@ -4,7 +4,8 @@ The span is the logical tokens [first * page_size, (first + pages) * page_size) 
 first .. first + pages - 1). `probe` dequantizes the group's int8 probe into logical order; `load` maps the wanted
 logical tokens to storage slots, reads only the chunks that hold them (importance order puts the usual picks in the
 first chunks) and returns their K and V. Every read is checksummed by the tier; a miss raises `SpanMiss`. Bytes read
-are counted in `bytes_read` (what was asked of the file system; the block device may read more).
+are counted in `bytes_read` (what was asked of the file system; the tier reads groups without readahead, so the
+block device reads the same bytes, rounded out to 4 KiB pages).
 """
 
 from __future__ import annotations
@@ -52,18 +53,18 @@ class GroupSpan:
     def load(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         m = self.meta
         slots = self.slots[idx]
-        chunks = sorted(set((slots // m.chunk).tolist()))
+        wanted = torch.unique(slots // m.chunk)  # ascending
+        chunks = wanted.tolist()
         got = self.tier.read_group_chunks(m.gid, layer, chunks)
         if got is None:
             raise SpanMiss(f"layer {layer} of group {m.gid}")
-        shape = (m.heads, m.dim)
-        out = torch.empty(len(slots), 2, *shape, dtype=self.dtype)
-        for c in chunks:
-            k_bytes, v_bytes = got[c]
-            self.bytes_read += len(k_bytes) + len(v_bytes)
-            k = torch.frombuffer(bytearray(k_bytes), dtype=self.dtype).view(-1, *shape)
-            v = torch.frombuffer(bytearray(v_bytes), dtype=self.dtype).view(-1, *shape)
-            rows = (slots // m.chunk == c).nonzero().squeeze(1)
-            within = slots[rows] - c * m.chunk
-            out[rows, 0], out[rows, 1] = k[within], v[within]
-        return out
+        # the chunks side by side: chunk i of `chunks` starts at row i * m.chunk (only the group's last chunk may be
+        # shorter, and it sorts last)
+        k, v = (bytearray().join(got[c][j] for c in chunks) for j in (0, 1))
+        self.bytes_read += len(k) + len(v)
+        where = torch.empty(m.chunks, dtype=torch.int64)
+        where[wanted] = torch.arange(len(chunks))
+        rows = where[slots // m.chunk] * m.chunk + slots % m.chunk
+        shape = (-1, m.heads, m.dim)
+        return torch.stack([torch.frombuffer(k, dtype=self.dtype).view(shape)[rows],
+                            torch.frombuffer(v, dtype=self.dtype).view(shape)[rows]], 1)

@@ -135,8 +135,7 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
             probe = probes.get(layer)  # [s, len(probe_heads), D]
             prefix = prefix_loader(layer) if p else model.empty_kv(0)[0]
             keys = torch.cat([prefix[:, 0, probe_heads], probe, k[:, probe_heads]])
-            scores = head_scores(q[-w:], keys[:, cols], positions[-w:], scored,
-                                 kv_heads=[h // group for h in scored])[:, p : p + s]
+            scores = head_scores(q[-w:], keys, positions[-w:], scored, kv_cols=cols)[:, p : p + s]
             jac = mean_pairwise_jaccard(topk_sets(scores[rows], k_top))
             passed = force == "pass" or (force is None and jac >= threshold)
             idx = _selection(span, scores.sum(0), k_top) if passed else torch.arange(s)

@@ -36,24 +36,27 @@ def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, heads: 
 
 
 def head_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, heads: Sequence[int],
-                scale: float | None = None, kv_heads: Sequence[int] | None = None) -> torch.Tensor:
+                scale: float | None = None, kv_cols: Sequence[int] | None = None) -> torch.Tensor:
     """Per sampled head [len(heads), S] (fp32): the attention each key receives from the window queries, summed over
-    queries. `k` holds every KV head ([S, Hkv, D]); or, with `kv_heads` given, one column per sampled head:
-    k[:, j] is the KV head that heads[j] reads (kv_heads[j], its index in the full model)."""
+    queries. `k` holds every KV head ([S, Hkv, D]); or, with `kv_cols` given, some of them: heads[j] reads the
+    column k[:, kv_cols[j]]. Heads reading the same column share one matrix product (GQA group mates)."""
     hq = q.shape[1]
-    hkv = k.shape[1] if kv_heads is None else None
     heads = list(heads)
-    if kv_heads is None:
+    if kv_cols is None:
+        hkv = k.shape[1]
         if hq % hkv:
             raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
-        cols = [h // (hq // hkv) for h in heads]
-    else:
-        cols = list(range(len(kv_heads)))
-    qs = q[:, heads].float().transpose(0, 1)  # [h, w, D]
-    ks = k[:, cols].float().transpose(0, 1)  # [h, S, D]
-    scores = torch.bmm(qs, ks.transpose(1, 2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        kv_cols = [h // (hq // hkv) for h in heads]
+    kv_cols = list(kv_cols)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    w = q.shape[0]
+    scores = torch.empty(len(heads), w, k.shape[0], device=q.device)
+    for col in sorted(set(kv_cols)):
+        rows = [j for j, c in enumerate(kv_cols) if c == col]
+        qs = q[:, [heads[j] for j in rows]].float().transpose(0, 1).reshape(-1, q.shape[-1])  # [n * w, D]
+        scores[rows] = (qs @ k[:, col].float().T).view(len(rows), w, -1) * scale
     visible = torch.arange(k.shape[0], device=k.device)[None, :] <= q_pos.to(k.device)[:, None]  # [w, S]
-    probs = scores.masked_fill(~visible[None], float("-inf")).softmax(-1)
+    probs = scores.masked_fill_(~visible[None], float("-inf")).softmax(-1)
     return probs.sum(1)
 
 

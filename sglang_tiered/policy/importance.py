@@ -7,7 +7,8 @@ heads agree enough to load only the tokens they select.
   time a later request's prefill sees the node again.
 * Gate: the sampled heads each pick their top-k of the n stored tokens; if their sets' mean pairwise Jaccard
   similarity J reaches t = j^alpha with j = (k/n) / (2 - k/n) (the expected Jaccard of two random k-subsets of n is
-  about j), the heads agree more than chance and the union of their picks is loaded; otherwise everything is.
+  about j), the heads agree more than chance and only a selection of about k tokens is loaded (engine/sparse.py);
+  otherwise everything is.
 """
 
 from __future__ import annotations

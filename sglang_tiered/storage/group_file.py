@@ -11,8 +11,8 @@ meta: {"ns", "gid", "keys": [page keys, logical order], "page_size", "tokens" T,
        "chunk": C (tokens per data chunk), "probe_crc": [per layer], "data_crc": [per layer, per chunk]}
 
 * Logical order is the prompt's token order (what SGLang's page keys name); storage slot i holds logical token
-  perm[i]. Slots are sorted by importance (most important first), so the tokens a sparse load wants sit in the
-  first chunks.
+  perm[i]. Slots hold runs of consecutive tokens (the chunks), the most important run first (repacker.py), so
+  the chunks a sparse load usually wants are the first ones of each layer: a few dense reads.
 * Probe section, per layer: int8 keys of `probe_heads` for every slot [T, h, D] followed by their fp16 scales
   [T, h] (symmetric, per token and head). Scoring needs only a ranking, which 8 bits keep.
 * Data section, per layer, per chunk of C slots: K [C, H, D] then V [C, H, D] (the last chunk may be shorter).
@@ -169,9 +169,11 @@ def read_probe(fd: int, meta: GroupMeta, layer: int) -> tuple[np.ndarray, np.nda
     return q, s
 
 
-def read_chunks(fd: int, meta: GroupMeta, layer: int, chunks: Sequence[int]) -> dict[int, tuple[bytes, bytes]]:
-    """{chunk: (K bytes, V bytes)} of one layer, each chunk verified; consecutive chunks are read in one call."""
-    out: dict[int, tuple[bytes, bytes]] = {}
+def read_chunks(fd: int, meta: GroupMeta, layer: int,
+                chunks: Sequence[int]) -> dict[int, tuple[memoryview, memoryview]]:
+    """{chunk: (K bytes, V bytes)} of one layer, each chunk verified; consecutive chunks are read in one call (the
+    values are views of that read: no copies)."""
+    out: dict[int, tuple[memoryview, memoryview]] = {}
     wanted = sorted(set(chunks))
     i = 0
     while i < len(wanted):
@@ -180,7 +182,7 @@ def read_chunks(fd: int, meta: GroupMeta, layer: int, chunks: Sequence[int]) -> 
             j += 1
         start, end = meta.chunk_offset(layer, wanted[i]), meta.chunk_offset(layer, wanted[j]) + \
             2 * meta.chunk_tokens(wanted[j]) * meta.row_bytes
-        blob = os.pread(fd, end - start, start)
+        blob = memoryview(os.pread(fd, end - start, start))
         if len(blob) != end - start:
             raise GroupError(f"short read of layer {layer} chunks {wanted[i]}..{wanted[j]}")
         pos = 0

@@ -42,7 +42,7 @@ def group_id(keys: Sequence[str]) -> str:
 def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], order: Sequence[int],
              probe_heads: Sequence[int], chunk: int = 16) -> tuple[dict, list, list]:
     """(meta, probes, data) for `group_file.write_group` from the member pages' payloads (logical order).
-    `order[i]` = the logical token stored in slot i (a permutation: most important first)."""
+    `order[i]` = the logical token stored in slot i (a permutation; repacker.importance_order)."""
     size, layers, ps = itemsize(ns), ns.layer_num, ns.page_size
     h, d = ns.kv_heads, ns.head_dim
     tokens = len(keys) * ps
