@@ -203,9 +203,37 @@ QUESTION = "\n\nQuestion: What is the access code for the archive room?\nAnswer:
 WARMUP = "\n\nQuestion: What is the text above about?\nAnswer:"
 
 
+def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: list[str], codes: list[str],
+                   modes: dict[str, str]) -> tuple[dict, list[str]]:
+    """One gated server on a fresh SSD directory: each document asked the warm-up question (its pages get scored and
+    repacked), then per document and per mode (label -> `tiered_importance`), device and host flushed and the SSD
+    files evicted from the page cache, the code question. Rows per label, and the sparse-load log lines."""
+    store = tmp / name
+    rows: dict = {label: [] for label in modes}
+    with ServerProcess([*args, "--tiered-ssd-dir", str(store)], log_path=tmp / f"{name}.log", wrapper=wrapper) as s:
+        for i, text in enumerate(texts):
+            s.generate(text + WARMUP, max_new_tokens=1)
+            deadline = time.monotonic() + 60
+            while len(s.log_lines("tiered repack:")) <= i and time.monotonic() < deadline:
+                time.sleep(0.2)
+        for text, code in zip(texts, codes):
+            for label, mode in modes.items():
+                s.flush_cache()
+                evict_from_page_cache(store)
+                before = server_read_bytes(s)
+                r = stream_generate(s, {"text": text + QUESTION, "sampling_params": {
+                    "max_new_tokens": 8, "temperature": 0, "custom_params": {"tiered_importance": mode}}})
+                rows[label].append({"ttft_s": r["ttft_s"], "latency_s": r["latency_s"],
+                                    "read_bytes": server_read_bytes(s) - before, "output_ids": r["output_ids"],
+                                    "answer": answer(r["text"]), "correct": code in r["text"],
+                                    "cached": cached_details(r)})
+        return rows, s.log_lines("tiered importance: rid")
+
+
 def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int) -> dict:
     """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
-    the sparse path loading everything (full) and the gated load, same server, page cache dropped before each."""
+    the sparse path loading everything (full) and the gated load, same server; and the gated load from groups kept
+    in prompt order (`--tiered-importance-order position`, a second server: the reordering ablation)."""
     rng = random.Random(1)
     texts, codes = [], []
     for _ in range(docs):
@@ -215,37 +243,22 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
         codes.append(code)
     out: dict = {}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
-        for disk in ("native", f"{slow_mbps} MB/s"):
+        for n, disk in enumerate(("native", f"{slow_mbps} MB/s")):
             wrapper = [] if disk == "native" else [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
             args = ["--kv-backend", "tiered", "--max-total-tokens", str(2 * tokens + 1024), "--dtype", dtype,
-                    "--tiered-ssd-dir", f"{tmp}/{len(out)}", "--tiered-stats-interval", "0",
-                    "--tiered-importance-load", "gated"]
-            rows: dict = {m: [] for m in ("off", "full", "gated")}
-            with ServerProcess(args, log_path=Path(tmp) / f"sparse-{len(out)}.log", wrapper=wrapper) as s:
-                for i, text in enumerate(texts):
-                    s.generate(text + WARMUP, max_new_tokens=1)
-                    deadline = time.monotonic() + 60
-                    while len(s.log_lines("tiered repack:")) <= i and time.monotonic() < deadline:
-                        time.sleep(0.2)
-                for text, code in zip(texts, codes):
-                    for mode in rows:
-                        s.flush_cache()
-                        evict_from_page_cache(Path(tmp) / str(len(out)))
-                        before = server_read_bytes(s)
-                        r = stream_generate(s, {"text": text + QUESTION, "sampling_params": {
-                            "max_new_tokens": 8, "temperature": 0, "custom_params": {"tiered_importance": mode}}})
-                        rows[mode].append({"ttft_s": r["ttft_s"], "latency_s": r["latency_s"],
-                                           "read_bytes": server_read_bytes(s) - before, "output_ids": r["output_ids"],
-                                           "answer": answer(r["text"]), "correct": code in r["text"],
-                                           "cached": cached_details(r)})
-                log = s.log_lines("tiered importance: rid")
+                    "--tiered-stats-interval", "0", "--tiered-importance-load", "gated"]
+            rows, log = _sparse_server(Path(tmp), f"reordered-{n}", wrapper, args, texts, codes,
+                                       {"off": "off", "full": "full", "gated": "gated"})
+            rows["gated, prompt order"], _ = _sparse_server(
+                Path(tmp), f"prompt-order-{n}", wrapper, [*args, "--tiered-importance-order", "position"], texts,
+                codes, {"gated, prompt order": "gated"})
             res = {}
             for mode, rs in rows.items():
                 res[mode] = {"median_s": statistics.median(r["ttft_s"] for r in rs),
                              "read_mib": statistics.median(r["read_bytes"] for r in rs) / 2**20,
                              "accuracy": sum(r["correct"] for r in rs) / len(rs), "rows": rs}
             off = rows["off"]
-            for mode in ("full", "gated"):
+            for mode in ("full", "gated", "gated, prompt order"):
                 same = [a["output_ids"] == b["output_ids"] for a, b in zip(rows[mode], off)]
                 res[mode]["identical_to_off"] = sum(same) / len(same)
                 res[mode]["answer_agreement"] = statistics.mean(
@@ -363,11 +376,12 @@ def plot(data: dict, path: Path) -> None:
             ax.set_title(f"importance capture: {data['capture']['overhead']:+.1%}")
         elif part == "sparse":
             disks = list(data["sparse"])
-            modes = ["off", "full", "gated"]
+            modes = [m for m in ("off", "full", "gated", "gated, prompt order") if m in data["sparse"][disks[0]]]
+            width = 0.8 / len(modes)
             for i, mode in enumerate(modes):
-                ax.bar([j + i * 0.27 for j in range(len(disks))], [data["sparse"][d][mode]["median_s"] for d in disks],
-                       0.27, label=mode)
-            ax.set_xticks([j + 0.27 for j in range(len(disks))], [f"disk {d}" for d in disks])
+                ax.bar([j + i * width for j in range(len(disks))], [data["sparse"][d][mode]["median_s"] for d in disks],
+                       width, label=mode)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(disks))], [f"disk {d}" for d in disks])
             ax.set_ylabel("TTFT of an SSD hit, median (s)")
             ax.set_title("gated sparse loading")
             ax.legend()

@@ -17,9 +17,11 @@ CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attenti
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
+IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-order (see storage/repacker.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/kvpr.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES,
-           "importance_load": IMPORTANCE_LOAD_CHOICES, "kvpr": KVPR_CHOICES}
+           "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
+           "kvpr": KVPR_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -77,6 +79,7 @@ class TieredConfig:
     importance_load: str = "off"  # "gated": SSD prefixes repacked by importance and loaded sparsely (approximate)
     importance_alpha: float = 0.6  # gate exponent: the heads' Jaccard must reach ((k/n) / (2 - k/n)) ** alpha
     importance_min_tokens: int = 256  # shortest stored span worth a sparse load
+    importance_order: str = "importance"  # chunk order in a repacked group; IMPORTANCE_ORDER_CHOICES
     kvpr: str = "auto"  # partial-recompute loading of SSD prefixes; KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a partial-recompute load
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
@@ -270,6 +273,9 @@ FLAG_HELP: dict[str, str] = {
     "importance_alpha": "Gate exponent alpha: the sampled heads' mean Jaccard must reach ((k/n)/(2-k/n))**alpha. "
     "Default: 0.6.",
     "importance_min_tokens": "Shortest stored span (tokens) that a gated request loads sparsely. Default: 256.",
+    "importance_order": "Order of the 16-token chunks in a prefix repacked for gated loading: 'importance' (the "
+    "chunk with the most important tokens first, so a sparse load's picks are a few dense reads) or 'position' "
+    "(prompt order, the same chunks; for comparison). Default: importance.",
     "kvpr": "Partial-recompute loading (KVPR, exact): pages written through to SSD also store their per-layer "
     "attention inputs, and a prefix loaded from SSD reads those of its first l tokens and recomputes their K, V while "
     "the KV of the rest streams in, l chosen per load from the measured read bandwidth and compute "

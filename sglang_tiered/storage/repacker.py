@@ -41,8 +41,11 @@ def importance_order(table: ImportanceTable, keys: Sequence[str], page_size: int
 
 class Repacker:
     def __init__(self, tier: SSDTier, table: ImportanceTable, probe_heads: Sequence[int], *, min_pages: int = 4,
-                 chunk: int = 16, wait_s: float = 30.0, before_repack: Optional[Callable[[], object]] = None) -> None:
+                 chunk: int = 16, wait_s: float = 30.0, before_repack: Optional[Callable[[], object]] = None,
+                 by_importance: bool = True) -> None:
+        """`by_importance` False: groups keep prompt order (`--tiered-importance-order position`, for comparison)."""
         self.tier, self.table, self.probe_heads = tier, table, list(probe_heads)
+        self.by_importance = by_importance
         self.min_pages, self.chunk, self.wait_s, self.before_repack = min_pages, chunk, wait_s, before_repack
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._busy = threading.Event()
@@ -94,7 +97,10 @@ class Repacker:
             if len(run) >= self.min_pages:
                 if self.before_repack is not None:
                     self.before_repack()
-                order = importance_order(self.table, run, self.tier.namespace.page_size, self.chunk)
+                ps = self.tier.namespace.page_size
+                order = importance_order(self.table, run, ps, self.chunk) if self.by_importance else \
+                    list(range(len(run) * ps))
                 if self.tier.repack(run, order, self.probe_heads, self.chunk):
-                    logger.info("tiered repack: %d pages in importance order", len(run))
+                    logger.info("tiered repack: %d pages in %s order", len(run),
+                                "importance" if self.by_importance else "prompt")
             run = []

@@ -191,3 +191,25 @@ def test_the_repack_order_puts_the_most_important_runs_of_chunk_tokens_first():
     assert got[16:] == [t for c in rest for t in range(c, c + 8)]  # ties by position, each run in order
     assert sorted(got) == list(range(4 * PS))
 
+
+
+@pytest.mark.parametrize("by_importance", [True, False])
+def test_the_repacker_writes_groups_in_importance_or_prompt_order(tmp_path, by_importance):
+    from sglang_tiered.storage.importance_table import ImportanceTable
+    from sglang_tiered.storage.repacker import Repacker, importance_order
+
+    tier = filled(tmp_path, pages=4)
+    keys = [key(i) for i in range(4)]
+    table = ImportanceTable(PS, alpha=1.0)
+    table.observe(keys, [t in (50, 51, 52) for t in range(4 * PS)])  # the chunk 48..55 is the important one
+    repacker = Repacker(tier, table, probe_heads=[0], chunk=8, by_importance=by_importance)
+    try:
+        repacker.offer(keys)
+        repacker.flush()
+    finally:
+        repacker.close()
+    meta = tier.group_of(keys[0])
+    assert meta is not None and meta.keys == tuple(keys)
+    expected = importance_order(table, keys, PS, 8) if by_importance else list(range(4 * PS))
+    assert list(meta.perm) == expected
+    assert list(meta.perm[:8]) == (list(range(48, 56)) if by_importance else list(range(8)))
