@@ -249,9 +249,10 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
                     "--tiered-stats-interval", "0", "--tiered-importance-load", "gated"]
             rows, log = _sparse_server(Path(tmp), f"reordered-{n}", wrapper, args, texts, codes,
                                        {"off": "off", "full": "full", "gated": "gated"})
-            rows["gated, prompt order"], _ = _sparse_server(
+            prompt_order, _ = _sparse_server(
                 Path(tmp), f"prompt-order-{n}", wrapper, [*args, "--tiered-importance-order", "position"], texts,
                 codes, {"gated, prompt order": "gated"})
+            rows.update(prompt_order)
             res = {}
             for mode, rs in rows.items():
                 res[mode] = {"median_s": statistics.median(r["ttft_s"] for r in rs),

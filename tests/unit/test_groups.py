@@ -213,3 +213,42 @@ def test_the_repacker_writes_groups_in_importance_or_prompt_order(tmp_path, by_i
     expected = importance_order(table, keys, PS, 8) if by_importance else list(range(4 * PS))
     assert list(meta.perm) == expected
     assert list(meta.perm[:8]) == (list(range(48, 56)) if by_importance else list(range(8)))
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+
+
+def _evict(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_it(tmp_path):
+    big = Namespace(model="m:1", dtype="torch.bfloat16", page_size=64, layout="layer_first", layer_num=8,
+                    kv_heads=4, head_dim=64)
+    tier = SSDTier(tmp_path, big, 1 << 28)
+    seg = 64 * 4 * 64 * 2
+    keys = [key(i) for i in range(16)]  # 1024 tokens: 1 MiB of K and V per layer, a group of about 9 MiB
+    rng = np.random.default_rng(0)
+    assert all(tier.write_pages([(k, [memoryview(rng.integers(0, 1 << 14, seg // 2, dtype=np.uint16).tobytes())
+                                      for _ in range(16)]) for k in keys]))
+    assert tier.repack(keys, list(range(1024)), probe_heads=[0])
+    meta = tier.group_of(keys[0])
+    (path,) = list(tmp_path.glob("*/groups/*.kvg"))
+    _evict(path)
+    before = _read_bytes()
+    for c in range(10, 18):  # one chunk (16 tokens: 16 KiB of K and V) at a time, as a sparse load reads its picks
+        assert tier.read_group_chunks(meta.gid, 3, [c]) is not None
+    chunks_read = _read_bytes() - before
+    _evict(path)
+    before = _read_bytes()
+    assert tier.read_group_chunks(meta.gid, 3, range(meta.chunks)) is not None
+    if _read_bytes() - before == 0:
+        pytest.skip("tmp_path is not on a block device (reads are not counted)")
+    assert 8 * 16 * 1024 <= chunks_read <= 8 * 20 * 1024, chunks_read  # the chunks, rounded out to 4 KiB pages
