@@ -22,16 +22,18 @@ Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-toke
 fact ("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores
 the tokens and gets the pages repacked), then -- device and host flushed, page cache dropped -- asked for the code
 three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
-everything (`full`) and the gated load, the SSD tier's files evicted from the page cache before each (only those:
-`posix_fadvise`). TTFT (the first streamed token, client side), bytes the server read from storage
-(/proc/<pid>/io: what reached the block device, readahead included), whether the answer holds the code, and
-agreement with the full load: the answer (the first line of the 8-token greedy continuation) and all 8 tokens;
-natively and at `--slow-mbps`.
+everything (`full`) and the gated load; and the gated load on a second server whose groups keep prompt order
+(`--tiered-importance-order position`: the reordering ablation). The SSD tier's files are evicted from the page
+cache before each request (only those: `posix_fadvise`). TTFT (the first streamed token, client side), bytes the
+server read from storage (/proc/<pid>/io: what reached the block device, readahead included), whether the answer
+holds the code, and agreement with the full load: the answer (the first line of the 8-token greedy continuation)
+and all 8 tokens; natively and at `--slow-mbps`.
 
-Part `quality`: the same kind of documents through the engine alone (fp32): the code question after a full prefill
-vs gated sparse loads at `--ratios`, by 16-token chunks of consecutive tokens (as the server loads a repacked
-group) and by single tokens, the probe int8 as stored; accuracy, agreement with the full load (answer, all 8
-tokens, first token), first-token KL(full || gated), fraction loaded, gate pass rate.
+Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
+other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
+`--ratios`, by 16-token chunks of consecutive tokens (as the server loads a repacked group) and by single tokens,
+the probe int8 as stored; accuracy, agreement with the full load (answer, all 8 tokens, first token), first-token
+KL(full || gated), fraction loaded, gate pass rate.
 
 Writes benchmarks/results/importance.json (parts not run keep their last results) and .png, prints one verdict line
 per part.
@@ -403,7 +405,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["capture", "placement", "sparse", "quality"],
                    choices=["capture", "placement", "sparse", "quality"])
-    p.add_argument("--quality-docs", type=int, default=12)
+    p.add_argument("--quality-docs", type=int, default=24)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.5])
     p.add_argument("--sparse-docs", type=int, default=6)
     p.add_argument("--sparse-tokens", type=int, default=2048)
@@ -457,7 +459,7 @@ def main() -> int:
                         f"{'PASS' if gated['answer_agreement'] >= 0.95 else 'MISS'}), all 8 tokens identical "
                         f"{gated['identical_to_off']:.2f}")
     if "quality" in a.parts:
-        data["quality"] = quality(source, a.quality_docs, a.sparse_tokens, a.ratios)
+        data["quality"] = quality(PromptSource(), a.quality_docs, a.sparse_tokens, a.ratios)
         q = data["quality"]["summary"]
         default = f"gated {TieredConfig().importance_ratio:.2f}, chunks"
         d = q.get(default, {})
