@@ -20,6 +20,7 @@ Contracts
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -363,14 +364,14 @@ class SSDTier:
         path = self._path("g." + gid)
         try:
             fd = os.open(path, os.O_RDONLY)
-            # no readahead: a sparse load reads chosen chunks, and readahead would fetch their neighbours too
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         except FileNotFoundError:
             self._forget("g." + gid, delete=False)
             self.stats.add(lost_pages=len(meta.keys))
             return None
         t0 = time.perf_counter()
         try:
+            with contextlib.suppress(OSError):  # advice only: no readahead, a sparse load reads chosen chunks
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             out = fn(fd, meta)
         except group_file.GroupError as exc:
             logger.warning("tiered ssd: corrupt group %s (%s): removed, recomputing", gid, exc)
