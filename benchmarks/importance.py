@@ -26,8 +26,8 @@ everything (`full`) and the gated load; and the gated load on a second server wh
 (`--tiered-importance-order position`: the reordering ablation). The SSD tier's files are evicted from the page
 cache before each request (only those: `posix_fadvise`). TTFT (the first streamed token, client side), bytes the
 server read from storage (/proc/<pid>/io: what reached the block device, readahead included), whether the answer
-holds the code, and agreement with the full load: the answer (the first line of the 8-token greedy continuation)
-and all 8 tokens; natively and at `--slow-mbps`.
+holds the code, and agreement with the full load: the answer (the first sentence of the 8-token greedy
+continuation, see `answer`) and all 8 tokens; natively and at `--slow-mbps`.
 
 Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
 other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -199,8 +200,11 @@ FACT = "The access code for the archive room is {code}. "
 
 
 def answer(text: str) -> str:
-    """The answer in a greedy continuation: its first line, stripped (" 1926.\n\nThe ..." -> "1926.")."""
-    return text.strip().split("\n", 1)[0].strip()
+    """The answer in a greedy continuation (special tokens already removed): its first sentence -- up to the first
+    full stop or line break -- stripped. The question ends "The access code is", so the sentence is the answer and
+    what follows it is not: " 6048. ed." and " 6048.\n\n" both answer "6048"; " a\n[1]The ..." answers "a"."""
+    return re.split(r"[.\n]", text.strip(), maxsplit=1)[0].strip()
+
 QUESTION = "\n\nQuestion: What is the access code for the archive room?\nAnswer: The access code is"
 WARMUP = "\n\nQuestion: What is the text above about?\nAnswer:"
 
@@ -348,7 +352,8 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -
                                                 log_target=True, reduction="sum")
                 rows.setdefault(f"gated {ratio:.2f}, {unit}", []).append({
                     "correct": code in tok.decode(out), "agreement": sum(a == b for a, b in zip(out, ref)) / 8,
-                    "answer": answer(tok.decode(out)) == answer(tok.decode(ref)), "identical": out == ref,
+                    "answer": answer(tok.decode(out, skip_special_tokens=True)) == answer(
+                        tok.decode(ref, skip_special_tokens=True)), "identical": out == ref,
                     "first_token": out[0] == ref[0], "kl": float(kl), "loaded": r.loaded_fraction,
                     "passes": sum(g.passed for g in r.gates) / c.layers})
         print(f"[quality] document {len(rows['full'])}: code {code}, full load says {tok.decode(ref)!r}", flush=True)
