@@ -18,7 +18,8 @@ Per layer, instead of loading all of S's KV:
      attended at its original positions) and the layer finishes.
 
 The probe of layer l + 1 is fetched by the engine's `LayerLoader` while layer l computes. `force="fail"` loads all
-of S on every layer: the result equals a full prefill over [P, S, C] (the exact path the gate falls back to).
+of S on every layer without probing or scoring (the loader fetches S's KV one layer ahead instead): the result
+equals a full prefill over [P, S, C] (the exact path the gate falls back to).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class StoredSpan(Protocol):
 @dataclass(frozen=True)
 class Gate:
     layer: int
-    jaccard: float
+    jaccard: float  # nan where not measured (force="fail")
     threshold: float
     passed: bool
     loaded: int  # tokens of S loaded on this layer
@@ -72,7 +73,7 @@ class SparseResult:
     kept_kv: list[torch.Tensor] = field(default_factory=list)  # per layer: their KV [len, 2, kv_heads, head_dim]
     gates: list[Gate] = field(default_factory=list)
     span_tokens: int = 0
-    probe_wait_s: float = 0.0  # time the compute waited for a probe
+    load_wait_s: float = 0.0  # time the compute waited for the layer loader (the probe; all of S with force="fail")
 
     @property
     def loaded_fraction(self) -> float:
@@ -128,18 +129,23 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
     x = model.embed(ids)
     new_kv = model.empty_kv(n)
     kept, kept_kv, gates = [], [], []
-    with LayerLoader(lambda layer: span.probe(layer, probe_heads), c.layers, overlap=overlap,
-                     name="sparse-probe") as probes:
+    everything = torch.arange(s)
+    exact = force == "fail"  # no probe, no scoring: the loader fetches all of S one layer ahead
+    fetch = (lambda layer: span.load(layer, everything)) if exact else (lambda layer: span.probe(layer, probe_heads))
+    with LayerLoader(fetch, c.layers, overlap=overlap, name="sparse-load" if exact else "sparse-probe") as loads:
         for layer in range(c.layers):
             q, k, v = model.qkv(layer, x, positions)
-            probe = probes.get(layer)  # [s, len(probe_heads), D]
             prefix = prefix_loader(layer) if p else model.empty_kv(0)[0]
-            keys = torch.cat([prefix[:, 0, probe_heads], probe, k[:, probe_heads]])
-            scores = head_scores(q[-w:], keys, positions[-w:], scored, kv_cols=cols)[:, p : p + s]
-            jac = mean_pairwise_jaccard(topk_sets(scores[rows], k_top))
-            passed = force == "pass" or (force is None and jac >= threshold)
-            idx = _selection(span, scores.sum(0), k_top) if passed else torch.arange(s)
-            loaded = span.load(layer, idx).to(model.dtype)
+            if exact:
+                jac, passed, idx, loaded = math.nan, False, everything, loads.get(layer).to(model.dtype)
+            else:
+                probe = loads.get(layer)  # [s, len(probe_heads), D]
+                keys = torch.cat([prefix[:, 0, probe_heads], probe, k[:, probe_heads]])
+                scores = head_scores(q[-w:], keys, positions[-w:], scored, kv_cols=cols)[:, p : p + s]
+                jac = mean_pairwise_jaccard(topk_sets(scores[rows], k_top))
+                passed = force == "pass" or (force is None and jac >= threshold)
+                idx = _selection(span, scores.sum(0), k_top) if passed else everything
+                loaded = span.load(layer, idx).to(model.dtype)
             kk = torch.cat([prefix[:, 0], loaded[:, 0], k])
             vv = torch.cat([prefix[:, 1], loaded[:, 1], v])
             x = model.finish_layer(layer, x, causal_attention(q, kk, vv, p + idx.shape[0]))
@@ -147,4 +153,4 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
             kept.append(idx)
             kept_kv.append(loaded)
             gates.append(Gate(layer, jac, threshold, passed, int(idx.shape[0])))
-    return SparseResult(model.logits(x[-1:])[0], x[-1], new_kv, kept, kept_kv, gates, s, probes.wait_s)
+    return SparseResult(model.logits(x[-1:])[0], x[-1], new_kv, kept, kept_kv, gates, s, loads.wait_s)

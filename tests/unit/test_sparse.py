@@ -38,16 +38,18 @@ def setup():
 
 
 @pytest.mark.parametrize("p", [0, 16])
-def test_forced_fail_loads_everything_and_equals_full_prefill(setup, p):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_forced_fail_loads_everything_and_equals_full_prefill(setup, p, overlap):
     model, ids, full = setup
     s_end = 100  # P = [0, p), S = [p, 100), C = [100, 120)
     span = Span(full.kv[:, p:s_end])
     r = sparse_prefill(model, ids[s_end:], prefix_len=p, span=span, prefix_loader=lambda layer: full.kv[layer, :p],
-                       force="fail")
+                       force="fail", overlap=overlap)
     assert (r.logits - full.logits).abs().max().item() <= TOL
     assert (r.kv - full.kv[:, s_end:]).abs().max().item() <= TOL
     assert span.loaded == [s_end - p] * GQA.layers and r.loaded_fraction == 1.0
     assert all(not g.passed for g in r.gates)
+    assert span.probed == []  # the exact path reads no probe
 
 
 def test_a_passing_gate_loads_only_the_picks(setup):
