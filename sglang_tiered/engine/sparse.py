@@ -34,7 +34,7 @@ import torch
 from sglang_tiered.engine.layer_loader import LayerLoader
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.kernels.extend_attention import causal_attention
-from sglang_tiered.kernels.importance import head_scores, sampled_heads, topk_sets
+from sglang_tiered.kernels.importance import head_scores, probed_kv_heads, sampled_heads, topk_sets
 from sglang_tiered.policy.importance import gate_threshold, mean_pairwise_jaccard
 
 
@@ -117,7 +117,7 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
         raise ValueError(f"force must be None, 'fail' or 'pass', got {force!r}")
     group = c.heads // c.kv_heads
     q_heads = sampled_heads(c.heads, c.kv_heads, min(heads, c.heads))
-    probe_heads = sorted({h // group for h in q_heads})
+    probe_heads = probed_kv_heads(c.heads, c.kv_heads, min(heads, c.heads))
     scored = [h for h in range(c.heads) if h // group in probe_heads]  # the sampled heads and their group mates
     rows = [scored.index(h) for h in q_heads]
     cols = [probe_heads.index(h // group) for h in scored]

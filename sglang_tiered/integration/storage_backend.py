@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang_tiered.integration import importance, kvpr
 from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
 from sglang_tiered.integration.settings import current as current_settings
-from sglang_tiered.kernels.importance import sampled_heads
+from sglang_tiered.kernels.importance import probed_kv_heads
 from sglang_tiered.storage.foreground import FOREGROUND
 from sglang_tiered.storage.groups import ITEMSIZE
 from sglang_tiered.storage.importance_table import ImportanceTable
@@ -102,8 +102,7 @@ class TieredSSDStorage(HiCacheStorage):
                                           f"16/32-bit KV dtype, got {layout} / {namespace.dtype}")
             heads = current_settings().attention_heads or int(mem_pool_host.head_num)
             kv = int(mem_pool_host.head_num)
-            probe = sorted({h // max(1, heads // kv) for h in sampled_heads(heads, kv, min(
-                self.config.importance_heads, heads))})
+            probe = probed_kv_heads(heads, kv, min(self.config.importance_heads, heads))
             self.repacker = Repacker(self.tier, self.importance, probe, before_repack=FOREGROUND.wait_idle,
                                      by_importance=self.config.importance_order == "importance")
             importance.attach_repacker(self.repacker, self.tier)

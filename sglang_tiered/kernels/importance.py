@@ -28,6 +28,13 @@ def sampled_heads(q_heads: int, kv_heads: int, n: int) -> list[int]:
     return sorted(order[:n])
 
 
+def probed_kv_heads(q_heads: int, kv_heads: int, n: int) -> list[int]:
+    """The KV heads that the `n` sampled query heads (`sampled_heads`) read, ascending: the heads a group's probe
+    stores and a sparse load scores with."""
+    group = q_heads // kv_heads
+    return sorted({h // group for h in sampled_heads(q_heads, kv_heads, n)})
+
+
 def window_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, heads: Sequence[int],
                   scale: float | None = None) -> torch.Tensor:
     """Attention received by each key [S] (fp32) from the window queries `q` [w, Hq, D] of the sampled `heads`,
