@@ -252,3 +252,17 @@ def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_i
     if _read_bytes() - before == 0:
         pytest.skip("tmp_path is not on a block device (reads are not counted)")
     assert 8 * 16 * 1024 <= chunks_read <= 8 * 20 * 1024, chunks_read  # the chunks, rounded out to 4 KiB pages
+
+
+def test_a_refused_readahead_advice_still_reads_the_group(tmp_path, monkeypatch):
+    tier = filled(tmp_path)
+    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    meta = tier.group_of(key(0))
+
+    def refuse(*args):
+        raise OSError(22, "fadvise not supported here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    assert tier.read_group_chunks(meta.gid, 0, [0]) is not None
+    assert tier.read_group_probe(meta.gid, 0) is not None
+    assert tier.stats.snapshot()["io_errors"] == 0
