@@ -22,18 +22,20 @@ Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-toke
 fact ("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores
 the tokens and gets the pages repacked), then -- device and host flushed, page cache dropped -- asked for the code
 three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
-everything (`full`) and the gated load; and the gated load on a second server whose groups keep prompt order
-(`--tiered-importance-order position`: the reordering ablation). The SSD tier's files are evicted from the page
-cache before each request (only those: `posix_fadvise`). TTFT (the first streamed token, client side), bytes the
-server read from storage (/proc/<pid>/io: what reached the block device, readahead included), whether the answer
-holds the code, and agreement with the full load: the answer (the first sentence of the 8-token greedy
-continuation, see `answer`) and all 8 tokens; natively and at `--slow-mbps`.
+everything (`full`) and the gated load; the gated load on a second server whose groups keep prompt order
+(`--tiered-importance-order position`: the reordering ablation); and the gated load on one more server per
+`--alphas` value (`--tiered-importance-alpha`: the gate's trade of bytes against agreement). The SSD tier's files
+are evicted from the page cache before each request (only those: `posix_fadvise`). TTFT (the first streamed token,
+client side), bytes the server read from storage (/proc/<pid>/io: what reached the block device, readahead
+included), whether the answer holds the code, and agreement with the full load: the answer (the first sentence of
+the 8-token greedy continuation, see `answer`) and all 8 tokens; natively and at `--slow-mbps`.
 
 Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
 other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
 `--ratios`, by 16-token chunks of consecutive tokens (as the server loads a repacked group) and by single tokens,
-the probe int8 as stored; accuracy, agreement with the full load (answer, all 8 tokens, first token), first-token
-KL(full || gated), fraction loaded, gate pass rate.
+and at the default ratio by chunks with each `--alphas` gate exponent; the probe int8 as stored; accuracy,
+agreement with the full load (answer, all 8 tokens, first token), first-token KL(full || gated), fraction loaded,
+gate pass rate.
 
 Writes benchmarks/results/importance.json (parts not run keep their last results) and .png, prints one verdict line
 per part.
@@ -236,10 +238,15 @@ def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], te
         return rows, s.log_lines("tiered importance: rid")
 
 
-def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int) -> dict:
+def alpha_label(alpha: float) -> str:
+    return f"gated, alpha {alpha:g}"
+
+
+def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int, alphas: list[float]) -> dict:
     """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
-    the sparse path loading everything (full) and the gated load, same server; and the gated load from groups kept
-    in prompt order (`--tiered-importance-order position`, a second server: the reordering ablation)."""
+    the sparse path loading everything (full) and the gated load, same server; the gated load from groups kept in
+    prompt order (`--tiered-importance-order position`, a second server: the reordering ablation); the gated load
+    with each gate exponent of `alphas` (one server each)."""
     rng = random.Random(1)
     texts, codes = [], []
     for _ in range(docs):
@@ -259,13 +266,19 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
                 Path(tmp), f"prompt-order-{n}", wrapper, [*args, "--tiered-importance-order", "position"], texts,
                 codes, {"gated, prompt order": "gated"})
             rows.update(prompt_order)
+            for alpha in alphas:
+                label = alpha_label(alpha)
+                more, _ = _sparse_server(Path(tmp), f"alpha-{alpha}-{n}", wrapper,
+                                         [*args, "--tiered-importance-alpha", str(alpha)], texts, codes,
+                                         {label: "gated"})
+                rows.update(more)
             res = {}
             for mode, rs in rows.items():
                 res[mode] = {"median_s": statistics.median(r["ttft_s"] for r in rs),
                              "read_mib": statistics.median(r["read_bytes"] for r in rs) / 2**20,
                              "accuracy": sum(r["correct"] for r in rs) / len(rs), "rows": rs}
             off = rows["off"]
-            for mode in ("full", "gated", "gated, prompt order"):
+            for mode in [m for m in rows if m != "off"]:
                 same = [a["output_ids"] == b["output_ids"] for a, b in zip(rows[mode], off)]
                 res[mode]["identical_to_off"] = sum(same) / len(same)
                 res[mode]["answer_agreement"] = statistics.mean(
@@ -299,7 +312,7 @@ class _MemorySpan:
         return self.kv[layer, idx]
 
 
-def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -> dict:
+def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], alphas: list[float]) -> dict:
     """Engine-level quality of gated loading on SmolLM2 (fp32, no server): the planted-fact documents, the code
     question answered after a full prefill vs a gated sparse load (greedy, 8 tokens; decoding attends to the loaded
     tokens only, as in the server). Which tokens a load picks does not depend on the file order of a repacked group
@@ -310,6 +323,7 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -
     from sglang_tiered.engine.sparse import sparse_prefill
     from sglang_tiered.engine.tuning import load_model
     from sglang_tiered.kernels.extend_attention import causal_attention
+    from sglang_tiered.kernels.importance import probed_kv_heads
     from sglang_tiered.models import default_model_path
 
     model = load_model(("pretrained", str(default_model_path())), torch.float32)
@@ -329,6 +343,15 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -
             out.append(int(model.logits(x)[0].argmax()))
         return out
 
+    default = TieredConfig()
+    # bytes a server reads per token-layer, as a fraction of a full load: the int8 probe (+ fp16 scale) of the probed
+    # KV heads on every layer, plus the loaded tokens' K and V in bf16 (the group file's layout)
+    probe_share = len(probed_kv_heads(c.heads, c.kv_heads, default.importance_heads)) * (c.head_dim + 2) / (
+        2 * c.kv_heads * c.head_dim * 2)
+    settings = [(f"gated {ratio:.2f}, {unit}", ratio, unit, default.importance_alpha)
+                for ratio in ratios for unit in ("chunks", "tokens")]
+    settings += [(f"gated {default.importance_ratio:.2f}, chunks, alpha {alpha:g}", default.importance_ratio,
+                  "chunks", alpha) for alpha in alphas]
     rng = random.Random(2)
     rows: dict = {"full": []}
     for _ in range(docs):
@@ -341,21 +364,21 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -
         full = model.prefill(ids)
         ref = greedy_continue(model, full.kv, full.logits, 8)
         rows["full"].append({"correct": code in tok.decode(ref), "agreement": 1.0, "answer": 1.0, "identical": 1.0,
-                             "first_token": 1.0, "kl": 0.0, "loaded": 1.0, "passes": 0})
-        for ratio in ratios:
-            for unit in ("chunks", "tokens"):
-                span = _MemorySpan(full.kv[:, :s], torch.arange(s) // 16 if unit == "chunks" else None)
-                r = sparse_prefill(model, ids[s:], prefix_len=0, span=span, ratio=ratio)
-                out = decode([torch.cat([r.kept_kv[layer], r.kv[layer]]) for layer in range(c.layers)], r.logits,
-                             ids.shape[0])
-                kl = torch.nn.functional.kl_div(r.logits.log_softmax(-1), full.logits.log_softmax(-1),
-                                                log_target=True, reduction="sum")
-                rows.setdefault(f"gated {ratio:.2f}, {unit}", []).append({
-                    "correct": code in tok.decode(out), "agreement": sum(a == b for a, b in zip(out, ref)) / 8,
-                    "answer": answer(tok.decode(out, skip_special_tokens=True)) == answer(
-                        tok.decode(ref, skip_special_tokens=True)), "identical": out == ref,
-                    "first_token": out[0] == ref[0], "kl": float(kl), "loaded": r.loaded_fraction,
-                    "passes": sum(g.passed for g in r.gates) / c.layers})
+                             "first_token": 1.0, "kl": 0.0, "loaded": 1.0, "read": 1.0, "passes": 0})
+        for name, ratio, unit, alpha in settings:
+            span = _MemorySpan(full.kv[:, :s], torch.arange(s) // 16 if unit == "chunks" else None)
+            r = sparse_prefill(model, ids[s:], prefix_len=0, span=span, ratio=ratio, alpha=alpha)
+            out = decode([torch.cat([r.kept_kv[layer], r.kv[layer]]) for layer in range(c.layers)], r.logits,
+                         ids.shape[0])
+            kl = torch.nn.functional.kl_div(r.logits.log_softmax(-1), full.logits.log_softmax(-1),
+                                            log_target=True, reduction="sum")
+            rows.setdefault(name, []).append({
+                "correct": code in tok.decode(out), "agreement": sum(a == b for a, b in zip(out, ref)) / 8,
+                "answer": answer(tok.decode(out, skip_special_tokens=True)) == answer(
+                    tok.decode(ref, skip_special_tokens=True)), "identical": out == ref,
+                "first_token": out[0] == ref[0], "kl": float(kl), "loaded": r.loaded_fraction,
+                "read": probe_share + r.loaded_fraction,
+                "passes": sum(g.passed for g in r.gates) / c.layers})
         print(f"[quality] document {len(rows['full'])}: code {code}, full load says {tok.decode(ref)!r}", flush=True)
     summary = {name: {k: statistics.mean(float(x[k]) for x in rs) for k in rs[0]} for name, rs in rows.items()}
     right = [i for i, x in enumerate(rows["full"]) if x["correct"]]  # documents the full load answers correctly
@@ -364,7 +387,8 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float]) -
         print(f"[quality] {name}: accuracy {m['correct']:.2f}, answer agreement {m['answer']:.2f} "
               f"({m['answer_where_full_right']:.2f} where the full load is right), identical "
               f"{m['identical']:.2f}, token agreement {m['agreement']:.2f}, first-token KL {m['kl']:.3f}, loaded "
-              f"{m['loaded']:.2f} of the token-layers, gate passes {m['passes']:.2f} of the layers", flush=True)
+              f"{m['loaded']:.2f} of the token-layers (reads {m['read']:.2f} of a full load's bytes), gate passes "
+              f"{m['passes']:.2f} of the layers", flush=True)
     return {"summary": summary, "rows": rows, "docs": docs, "tokens": tokens}
 
 
@@ -384,7 +408,7 @@ def plot(data: dict, path: Path) -> None:
             ax.set_title(f"importance capture: {data['capture']['overhead']:+.1%}")
         elif part == "sparse":
             disks = list(data["sparse"])
-            modes = [m for m in ("off", "full", "gated", "gated, prompt order") if m in data["sparse"][disks[0]]]
+            modes = [m for m in data["sparse"][disks[0]] if m != "log"]
             width = 0.8 / len(modes)
             for i, mode in enumerate(modes):
                 ax.bar([j + i * width for j in range(len(disks))], [data["sparse"][d][mode]["median_s"] for d in disks],
@@ -411,7 +435,10 @@ def main() -> int:
     p.add_argument("--parts", nargs="+", default=["capture", "placement", "sparse", "quality"],
                    choices=["capture", "placement", "sparse", "quality"])
     p.add_argument("--quality-docs", type=int, default=24)
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.5])
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.5, 0.7])
+    p.add_argument("--alphas", type=float, nargs="*", default=[1.0],
+                   help="gate exponents measured besides the default (sparse: one server each; quality: at the "
+                        "default ratio)")
     p.add_argument("--sparse-docs", type=int, default=6)
     p.add_argument("--sparse-tokens", type=int, default=2048)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
@@ -450,7 +477,7 @@ def main() -> int:
                             f", LRU {fast['lru']:.2f}, SGLang file backend {fast['sglang-file']:.2f}; from SSD: "
                             + ", ".join(f"{n} {v['storage']:.2f}" for n, v in share.items()))
     if "sparse" in a.parts:
-        data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps)
+        data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas)
         data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps}
         r = data["sparse"][f"{a.slow_mbps} MB/s"]
         off, gated = r["off"], r["gated"]
@@ -463,19 +490,26 @@ def main() -> int:
                         f"load {gated['answer_agreement']:.2f} (target >= 0.95: "
                         f"{'PASS' if gated['answer_agreement'] >= 0.95 else 'MISS'}), all 8 tokens identical "
                         f"{gated['identical_to_off']:.2f}")
+        for alpha in a.alphas:
+            m = r[alpha_label(alpha)]
+            verdicts.append(f"gated sparse load with --tiered-importance-alpha {alpha:g} at {a.slow_mbps} MB/s: "
+                            f"{off['read_mib'] / max(m['read_mib'], 1e-9):.2f}x fewer bytes, TTFT "
+                            f"{off['median_s'] / m['median_s']:.2f}x, answer agreement {m['answer_agreement']:.2f}, "
+                            f"accuracy {m['accuracy']:.2f}")
     if "quality" in a.parts:
-        data["quality"] = quality(PromptSource(), a.quality_docs, a.sparse_tokens, a.ratios)
+        data["quality"] = quality(PromptSource(), a.quality_docs, a.sparse_tokens, a.ratios, a.alphas)
         q = data["quality"]["summary"]
         default = f"gated {TieredConfig().importance_ratio:.2f}, chunks"
         d = q.get(default, {})
-        reach = sorted((n for n in q if n != "full" and q[n]["answer"] >= 0.95), key=lambda n: q[n]["loaded"])
+        reach = sorted((n for n in q if n != "full" and q[n]["answer"] >= 0.95), key=lambda n: q[n]["read"])
         verdicts.append(f"gated quality (engine, {a.quality_docs} documents): full load accuracy "
                         f"{q['full']['correct']:.2f}; default ({default}): accuracy {d.get('correct', 0):.2f}, answer "
                         f"agreement {d.get('answer', 0):.2f} (target >= 0.95: "
                         f"{'PASS' if d.get('answer', 0) >= 0.95 else 'MISS'}; "
                         f"{d.get('answer_where_full_right', 0):.2f} where the full load is right), 8 tokens identical "
                         f"{d.get('identical', 0):.2f}, loading {d.get('loaded', 0):.2f} of the token-layers; "
-                        + (f"cheapest setting reaching 0.95: {reach[0]} (loading {q[reach[0]]['loaded']:.2f})"
+                        + (f"cheapest setting reaching 0.95: {reach[0]} (loading {q[reach[0]]['loaded']:.2f} of the "
+                           f"token-layers, reading {q[reach[0]]['read']:.2f} of a full load's bytes with the probe)"
                            if reach else "no setting reaches 0.95"))
     save("importance", data)
     plot(data, RESULTS / "importance.png")

@@ -95,30 +95,31 @@ def main() -> int:
                     "| disk | mode | TTFT median (s) | read (MiB, median) | answer has the fact | same answer as "
                     "the full load | all 8 tokens identical |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
             for disk, r in d["sparse"].items():
-                for mode in ("off", "full", "gated", "gated, prompt order"):
-                    if mode not in r:
+                for mode, m in r.items():
+                    if mode == "log":
                         continue
-                    m = r[mode]
                     same = f"{m['answer_agreement']:.2f}" if "answer_agreement" in m else "-"
                     ident = f"{m['identical_to_off']:.2f}" if "identical_to_off" in m else "-"
                     out.append(f"| {disk} | {mode} | {m['median_s']:.3f} | {m['read_mib']:.1f} | "
                                f"{m['accuracy']:.2f} | {same} | {ident} |")
             out += ["", "(TTFT = the first streamed token. off = SGLang's own load of every page; full = our sparse "
                     "path loading everything, exact; gated = the default; prompt order = the same gated load from "
-                    "groups kept in prompt order, `--tiered-importance-order position`.)"]
+                    "groups kept in prompt order, `--tiered-importance-order position`; alpha = the gated load on a "
+                    "server with that `--tiered-importance-alpha` (default 0.6).)"]
         if "quality" in d:
             q = d["quality"]
             out += ["", f"Gated loading quality through the engine alone (fp32, {q['docs']} documents x "
                     f"{q['tokens']} tokens, decoding over the loaded tokens only):", "",
                     "| setting | answer has the fact | same answer as the full load (where it is right) | 8 tokens "
-                    "identical | token agreement | first-token KL | token-layers loaded | gate passes (layers) |",
-                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                    "identical | token agreement | first-token KL | token-layers loaded | bytes read (with the probe) "
+                    "| gate passes (layers) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for name, m in q["summary"].items():
                 if "answer" not in m:
                     continue
+                read = f"{m['read']:.2f}" if "read" in m else "-"
                 out.append(f"| {name} | {m['correct']:.2f} | {m['answer']:.2f} ({m['answer_where_full_right']:.2f}) "
                            f"| {m['identical']:.2f} | {m['agreement']:.2f} | {m['kl']:.3f} | {m['loaded']:.2f} | "
-                           f"{m['passes']:.2f} |")
+                           f"{read} | {m['passes']:.2f} |")
         out += ["", "![importance](benchmarks/results/importance.png)", ""]
     kv = RESULTS / "kvpr.json"
     if kv.exists():

@@ -271,7 +271,8 @@ FLAG_HELP: dict[str, str] = {
     "custom_params.tiered_importance = 'off', or takes the same path loading everything (exact) with 'full'. "
     "CPU servers only. Default: off.",
     "importance_alpha": "Gate exponent alpha: the sampled heads' mean Jaccard must reach ((k/n)/(2-k/n))**alpha. "
-    "Default: 0.6.",
+    "Higher passes more layers (fewer bytes read, answers further from a full load); 1.0 passes whenever the heads "
+    "agree more than chance. Default: 0.6.",
     "importance_min_tokens": "Shortest stored span (tokens) that a gated request loads sparsely. Default: 256.",
     "importance_order": "Order of the 16-token chunks in a prefix repacked for gated loading: 'importance' (the "
     "chunk with the most important tokens first, so a sparse load's picks are a few dense reads) or 'position' "
