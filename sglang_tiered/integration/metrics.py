@@ -230,6 +230,8 @@ EVENTS = {
     "importance_gate_passes": "Layers of sparse loads whose sampled heads agreed (only their picks loaded)",
     "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the heads disagreed)",
     "importance_tokens_skipped": "Token-layers of stored prefixes not loaded by sparse loads",
+    "importance_bytes_skipped": "Bytes of K and V of stored prefixes not loaded by sparse loads (the probe read "
+    "instead is in importance_bytes_read)",
     "importance_bytes_read": "Bytes read from repacked groups by sparse loads (probe + chunks)",
     "importance_bytes_needed": "Bytes of the K and V of the stored tokens sparse loads used",
     "importance_fallbacks": "Gated requests whose stored span SGLang computed instead",

@@ -19,8 +19,9 @@ served by `engine.sparse.sparse_prefill` instead of SGLang's load of every page:
 
 Counters: `sglang_tiered:importance_sparse_requests_total`, `..._importance_gate_passes_total`,
 `..._importance_gate_fails_total` (layers), `..._importance_tokens_skipped_total` (token-layers of S not loaded),
-`..._importance_bytes_read_total` (probe + chunks), `..._importance_bytes_needed_total` (K and V of the tokens
-used: read amplification = read / needed), `..._importance_fallbacks_total`; one log line per sparse request.
+`..._importance_bytes_skipped_total` (their K and V), `..._importance_bytes_read_total` (probe + chunks),
+`..._importance_bytes_needed_total` (K and V of the tokens used: read amplification = read / needed),
+`..._importance_fallbacks_total`; one log line per sparse request.
 """
 
 from __future__ import annotations
@@ -177,11 +178,13 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
             _holes.popitem(last=False)
     passes = sum(g.passed for g in res.gates)
     skipped = sum(s - g.loaded for g in res.gates)
-    needed = sum(g.loaded for g in res.gates) * engine.cfg.geometry(engine.dtype.itemsize).token_layer_bytes
+    token_layer_bytes = engine.cfg.geometry(engine.dtype.itemsize).token_layer_bytes
+    needed = sum(g.loaded for g in res.gates) * token_layer_bytes
     metrics.count("importance_sparse_requests")
     metrics.count("importance_gate_passes", passes)
     metrics.count("importance_gate_fails", len(res.gates) - passes)
     metrics.count("importance_tokens_skipped", skipped)
+    metrics.count("importance_bytes_skipped", skipped * token_layer_bytes)
     metrics.count("importance_bytes_read", span.bytes_read)
     metrics.count("importance_bytes_needed", needed)
     importance.tier().stats.add(sparse_bytes_read=span.bytes_read, sparse_bytes_needed=needed)

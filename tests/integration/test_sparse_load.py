@@ -73,5 +73,8 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     full_bytes = metric_total(before, "sglang_tiered:importance_bytes_read_total")  # the `full` load alone
     assert delta("sparse_requests") == 2
     assert delta("gate_passes") >= 1 and delta("tokens_skipped") > 0
+    assert metric_total(before, "sglang_tiered:importance_bytes_skipped_total") == 0  # the `full` load skipped none
+    # SmolLM2 in fp32: K and V of 3 KV heads x 64 dims x 4 bytes per token-layer
+    assert delta("bytes_skipped") == delta("tokens_skipped") * 2 * 3 * 64 * 4
     assert delta("bytes_read") / 2 < full_bytes  # each gated load read less than the full one
     assert cached_details(gated_again)["device"] == 0  # approximate KV never entered the radix tree
