@@ -5,14 +5,17 @@ default, 3 sampled heads) and off (`--tiered-importance-heads 0`), same prompts,
 
 Part `placement`: a shared-document workload whose KV does not fit in device + host memory. `--docs` documents of
 about 1000 tokens, each request one document + a new question (Zipf popularity, s = 1.1, the same seeded sequence
-for every configuration), sent by `--clients` concurrent clients. Configurations: LRU (SGLang's order, today's
-default) and importance placement, each at the disk's own speed and with the server's block-device reads
-throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the OS page cache is dropped
-before every request so that SSD hits really read the device), and SGLang's own hierarchical cache with its
-`file` storage backend (`sglang-file`, its torch_native CPU attention: compare its tokens by tier, not its TTFT).
-Reported: TTFT median and p90, tokens served from device / host / SSD / computed, and the same weighted by token
-importance (the moving averages the importance server learned, read from its SSD directory under SGLang's page keys:
-the share of the important tokens each tier served).
+for every configuration), sent by `--clients` concurrent clients. Configurations, the paper's ablation: LRU
+(SGLang's order, today's default) -> importance placement -> + gated sparse loading (`--tiered-importance-load
+gated`, groups in prompt order) -> + reordering (groups in importance order, the default); and SGLang's own
+hierarchical cache with its `file` storage backend (`sglang-file`, its torch_native CPU attention: compare its
+tokens by tier, not its TTFT). Each at the disk's own speed and with the server's block-device reads throttled to
+`--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the SSD files are evicted from the page cache
+before every request so that SSD hits really read the device). Reported: TTFT median and p90, bytes the server read
+from storage, sparse loads and their read amplification, tokens served from device / host / SSD (a sparse load's
+span counts as SSD: SGLang reports it as not cached) / computed, and the same weighted by token importance (the
+moving averages the importance server learned, read from its SSD directory under SGLang's page keys: the share of
+the important tokens each tier served).
 (The results recorded before 2026-11-23 04:30 dropped the whole OS page cache before
 every request instead, which made every configuration re-read its code pages too.)
 
@@ -112,7 +115,7 @@ def run_workload(server: ServerProcess, prompts: list[str], docs: list[int], cli
             r = server.generate(prompts[i], max_new_tokens=1)
             with lock:
                 rows.append({"doc": docs[i], "ttft_s": r["latency_s"], **cached_details(r),
-                             "prompt": r["meta_info"]["prompt_tokens"]})
+                             "prompt": r["meta_info"]["prompt_tokens"], "rid": r["meta_info"].get("id")})
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -122,14 +125,45 @@ def run_workload(server: ServerProcess, prompts: list[str], docs: list[int], cli
     return rows
 
 
-def placement_args(policy: str, store: str, dtype: str) -> list[str]:
+GATED = ["--tiered-importance-load", "gated"]
+# the paper's ablation, one step per configuration: LRU + full load (today's default) -> + importance placement ->
+# + gated sparse loading (groups in prompt order) -> + reordering (groups in importance order); then SGLang's own
+ABLATION: dict[str, list[str]] = {
+    "lru": ["--tiered-placement", "lru"],
+    "importance": ["--tiered-placement", "importance"],
+    "importance + gated": ["--tiered-placement", "importance", *GATED, "--tiered-importance-order", "position"],
+    "importance + gated + reordering": ["--tiered-placement", "importance", *GATED],
+    "sglang-file": [],
+}
+
+
+def placement_args(config: str, store: str, dtype: str) -> list[str]:
     common = ["--max-total-tokens", "2304", "--dtype", dtype]
-    if policy == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
+    if config == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
         return [*common, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
                 "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": store}), "--page-size",
                 "64", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--device", "cpu"]
     return [*common, "--kv-backend", "tiered", "--tiered-host-size", "2x", "--tiered-ssd-dir", store,
-            "--tiered-stats-interval", "0", "--tiered-placement", policy]
+            "--tiered-stats-interval", "0", *ABLATION[config]]
+
+
+def count_sparse_loads(rows: list[dict], lines: list[str]) -> dict:
+    """Match a server's sparse-load log lines to the workload's rows by request id: SGLang reports a sparsely loaded
+    span as not cached, so its `stored` tokens are added to the row's `storage` (they came from the SSD tier,
+    sparsely; the row is marked `sparse`). Returns how many loads, their tokens, and the median read amplification
+    (bytes read / bytes of the K and V used)."""
+    loads = {}
+    for line in lines:
+        m = re.search(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* read amplification ([0-9.]+)", line)
+        if m:
+            loads[m.group(1)] = (int(m.group(2)), float(m.group(3)))
+    for r in rows:
+        if r.get("rid") in loads:
+            r["storage"] += loads[r["rid"]][0]
+            r["sparse"] = True
+    amp = [a for _, a in loads.values()]
+    return {"requests": len(loads), "tokens": sum(s for s, _ in loads.values()),
+            "read_amplification": statistics.median(amp) if amp else None}
 
 
 def token_importance(store: Path, token_ids: list[int]) -> list[float]:
@@ -174,21 +208,24 @@ def placement(source: PromptSource, dtype: str, docs: int, requests: int, client
         for disk in ("native", f"{slow_mbps} MB/s"):
             wrapper = [] if disk == "native" else [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
             runs = {}
-            for policy in ("lru", "importance", "sglang-file"):
-                name = f"{policy}, disk {disk}"
-                store = Path(f"{tmp}/{policy}-{len(out)}")
-                with ServerProcess(placement_args(policy, str(store), dtype), log_path=Path(tmp) / f"{len(out)}.log",
+            for config in ABLATION:
+                name = f"{config}, disk {disk}"
+                store = Path(f"{tmp}/{len(out)}")
+                with ServerProcess(placement_args(config, str(store), dtype), log_path=Path(tmp) / f"{len(out)}.log",
                                    wrapper=wrapper) as s:
                     s.generate(source.take(64), max_new_tokens=1)
+                    before = server_read_bytes(s)
                     rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients, store)
+                    read_mib = (server_read_bytes(s) - before) / 2**20
+                    sparse_loads = count_sparse_loads(rows, s.log_lines("tiered importance: rid"))
                 ttft = sorted(r["ttft_s"] for r in rows)
                 tiers = {k: sum(r[k] for r in rows) for k in ("device", "host", "storage")}
                 tiers["computed"] = sum(r["prompt"] for r in rows) - sum(tiers.values())
                 out[name] = {"median_s": statistics.median(ttft), "p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-                             "tokens": tiers, "rows": rows}
-                runs[policy] = (name, store, rows)
+                             "tokens": tiers, "read_mib": read_mib, "sparse": sparse_loads, "rows": rows}
+                runs[config] = (name, store, rows)
                 print(f"[placement] {name}: median {out[name]['median_s']:.3f} s, p90 {out[name]['p90_s']:.3f} s, "
-                      f"tokens {tiers}", flush=True)
+                      f"tokens {tiers}, {read_mib:.1f} MiB read, sparse loads {sparse_loads}", flush=True)
             # one set of weights for every configuration of this disk: what the importance server learned
             weights = {d: token_importance(runs["importance"][1], doc_ids[d]) for d in set(order)}
             for name, _, rows in runs.values():
@@ -476,6 +513,9 @@ def main() -> int:
             verdicts.append(f"important tokens served from device + host at {slow}: importance {fast['importance']:.2f}"
                             f", LRU {fast['lru']:.2f}, SGLang file backend {fast['sglang-file']:.2f}; from SSD: "
                             + ", ".join(f"{n} {v['storage']:.2f}" for n, v in share.items()))
+        chain = [(n, r[f"{n}, disk {slow}"]) for n in ABLATION if n != "sglang-file"]
+        verdicts.append(f"ablation at {slow} (median / p90 TTFT, MiB read): " + " -> ".join(
+            f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))
     if "sparse" in a.parts:
         data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas)
         data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps}
