@@ -154,7 +154,7 @@ def count_sparse_loads(rows: list[dict], lines: list[str]) -> dict:
     (bytes read / bytes of the K and V used)."""
     loads = {}
     for line in lines:
-        m = re.search(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* read amplification ([0-9.]+)", line)
+        m = re.search(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .*read amplification ([0-9.]+)", line)
         if m:
             loads[m.group(1)] = (int(m.group(2)), float(m.group(3)))
     for r in rows:
