@@ -150,19 +150,21 @@ def placement_args(config: str, store: str, dtype: str) -> list[str]:
 def count_sparse_loads(rows: list[dict], lines: list[str]) -> dict:
     """Match a server's sparse-load log lines to the workload's rows by request id: SGLang reports a sparsely loaded
     span as not cached, so its `stored` tokens are added to the row's `storage` (they came from the SSD tier,
-    sparsely; the row is marked `sparse`). Returns how many loads, their tokens, and the median read amplification
-    (bytes read / bytes of the K and V used)."""
+    sparsely; the row is marked `sparse`). Returns how many loads, their tokens, what they read (MiB) and their
+    median read amplification (bytes read / bytes of the K and V used)."""
     loads = {}
     for line in lines:
-        m = re.search(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .*read amplification ([0-9.]+)", line)
+        m = re.search(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0-9.]+) MiB read \(read amplification "
+                      r"([0-9.]+)", line)
         if m:
-            loads[m.group(1)] = (int(m.group(2)), float(m.group(3)))
+            loads[m.group(1)] = (int(m.group(2)), float(m.group(3)), float(m.group(4)))
     for r in rows:
         if r.get("rid") in loads:
             r["storage"] += loads[r["rid"]][0]
             r["sparse"] = True
-    amp = [a for _, a in loads.values()]
-    return {"requests": len(loads), "tokens": sum(s for s, _ in loads.values()),
+    amp = [a for _, _, a in loads.values()]
+    return {"requests": len(loads), "tokens": sum(s for s, _, _ in loads.values()),
+            "read_mib": sum(m for _, m, _ in loads.values()),
             "read_amplification": statistics.median(amp) if amp else None}
 
 

@@ -77,23 +77,23 @@ def main() -> int:
                     f"{w['requests']} requests, {w['clients']} clients, s = {w['zipf_s']}; device pool "
                     f"{w['device_tokens']} tokens, host {w['host']}; "
                     f"{w.get('cache_note', 'whole OS page cache dropped before every request')}.", "",
-                    "| configuration | TTFT median (s) | p90 (s) | read (MiB) | sparse loads (read amplification) | "
-                    "device tokens | host tokens | SSD tokens | computed tokens | important tokens from device / host "
-                    "/ SSD / computed |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                    "| configuration | TTFT median (s) | p90 (s) | read (MiB) | sparse loads: count, MiB, read "
+                    "amplification | device tokens | host tokens | SSD tokens | computed tokens | important tokens "
+                    "from device / host / SSD / computed |", "| --- |" + " ---: |" * 9]
             for name, r in d["placement"].items():
                 t, share = r["tokens"], r.get("important_share")
                 imp = " / ".join(f"{share[k]:.2f}" for k in ("device", "host", "storage", "computed")) if share else ""
                 read = f"{r['read_mib']:.0f}" if "read_mib" in r else "-"
                 sp = r.get("sparse") or {}
-                loads = (f"{sp['requests']} ({sp['read_amplification']:.2f})" if sp.get("read_amplification")
-                         else str(sp.get("requests", "-")))
+                loads = (f"{sp['requests']}, {sp.get('read_mib', 0):.0f}, {sp['read_amplification']:.2f}"
+                         if sp.get("read_amplification") else str(sp.get("requests", "-")))
                 out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {read} | {loads} | {t['device']} | "
                            f"{t['host']} | {t['storage']} | {t['computed']} | {imp} |")
             out += ["", "(The paper's ablation: lru -> importance placement -> + gated sparse loading from groups in "
                     "prompt order -> + reordering (groups in importance order). A sparse load's span counts as SSD "
-                    "tokens. sglang-file: SGLang's own hierarchical cache with `--hicache-storage-backend file` and "
-                    "its torch_native CPU attention; important tokens weighted by what the importance server "
-                    "learned.)"]
+                    "tokens. read = everything the server read from storage, the repacker's reads included. "
+                    "sglang-file: SGLang's own hierarchical cache with `--hicache-storage-backend file` and its "
+                    "torch_native CPU attention; important tokens weighted by what the importance server learned.)"]
         if "sparse" in d:
             w = d.get("sparse_workload", {})
             out += ["", f"Gated sparse loading through the server: {w.get('docs')} documents x {w.get('tokens')} "
