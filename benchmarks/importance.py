@@ -457,14 +457,19 @@ def plot(data: dict, path: Path) -> None:
             ax.set_title("gated sparse loading")
             ax.legend()
         else:
-            names = list(data["placement"])
-            xs = range(len(names))
-            ax.bar([x - 0.2 for x in xs], [data["placement"][n]["median_s"] for n in names], 0.4, label="median")
-            ax.bar([x + 0.2 for x in xs], [data["placement"][n]["p90_s"] for n in names], 0.4, label="p90")
-            ax.set_xticks(list(xs), [n.replace(", ", "\n") for n in names], fontsize=8)
-            ax.set_ylabel("TTFT (s)")
-            ax.set_title("Zipf documents: placement")
-            ax.legend()
+            runs = data["placement"]  # "<configuration>, disk <disk>"
+            configs = list(dict.fromkeys(n.rsplit(", disk ", 1)[0] for n in runs))
+            disks = list(dict.fromkeys(n.rsplit(", disk ", 1)[1] for n in runs))
+            width = 0.8 / len(configs)
+            for i, config in enumerate(configs):
+                xs = [j + i * width for j in range(len(disks))]
+                m = [runs.get(f"{config}, disk {d}", {}) for d in disks]
+                ax.bar(xs, [r.get("median_s", 0) for r in m], width, label=config)
+                ax.scatter(xs, [r.get("p90_s", 0) for r in m], marker="_", color="black", s=80)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(disks))], [f"disk {d}" for d in disks])
+            ax.set_ylabel("TTFT median, bar; p90, dash (s)")
+            ax.set_title("Zipf documents: the ablation")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
