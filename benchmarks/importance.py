@@ -4,7 +4,8 @@ Part `capture`: what scoring costs. Cold TTFT of 2048-token prompts on a server 
 default, 3 sampled heads) and off (`--tiered-importance-heads 0`), same prompts, same run. Target: <= 5 %.
 
 Part `placement`: a shared-document workload whose KV does not fit in device + host memory. `--docs` documents of
-about 1000 tokens, each request one document + a new question (Zipf popularity, s = 1.1, the same seeded sequence
+`--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x), each
+request one document + a new question (Zipf popularity, s = 1.1, the same seeded sequence
 for every configuration), sent by `--clients` concurrent clients. Configurations, the paper's ablation: LRU
 (SGLang's order, today's default) -> importance placement -> + gated sparse loading (`--tiered-importance-load
 gated`, groups in prompt order) -> + reordering (groups in importance order, the default); and SGLang's own
@@ -137,8 +138,8 @@ ABLATION: dict[str, list[str]] = {
 }
 
 
-def placement_args(config: str, store: str, dtype: str) -> list[str]:
-    common = ["--max-total-tokens", "2304", "--dtype", dtype]
+def placement_args(config: str, store: str, dtype: str, device_tokens: int) -> list[str]:
+    common = ["--max-total-tokens", str(device_tokens), "--dtype", dtype]
     if config == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
         return [*common, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
                 "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": store}), "--page-size",
@@ -200,8 +201,10 @@ def weighted_hits(rows: list[dict], weights: dict[int, list[float]]) -> dict:
     return {k: v / total for k, v in served.items()}
 
 
-def placement(source: PromptSource, dtype: str, docs: int, requests: int, clients: int, slow_mbps: int) -> dict:
-    texts = [source.take(1000) for _ in range(docs)]
+def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int], requests: int, clients: int,
+              slow_mbps: int) -> dict:
+    texts = [source.take(doc_tokens[i % len(doc_tokens)]) for i in range(docs)]
+    device_tokens = max(doc_tokens) + 2048
     order = zipf_sequence(docs, requests, 1.1, seed=0)
     questions = [f"\n\nQuestion {i}: what is the main point of the text above?" for i in range(requests)]
     doc_ids = [source.tok(t)["input_ids"] for t in texts]
@@ -213,8 +216,8 @@ def placement(source: PromptSource, dtype: str, docs: int, requests: int, client
             for config in ABLATION:
                 name = f"{config}, disk {disk}"
                 store = Path(f"{tmp}/{len(out)}")
-                with ServerProcess(placement_args(config, str(store), dtype), log_path=Path(tmp) / f"{len(out)}.log",
-                                   wrapper=wrapper) as s:
+                args = placement_args(config, str(store), dtype, device_tokens)
+                with ServerProcess(args, log_path=Path(tmp) / f"{len(out)}.log", wrapper=wrapper) as s:
                     s.generate(source.take(64), max_new_tokens=1)
                     before = server_read_bytes(s)
                     rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients, store)
@@ -488,6 +491,8 @@ def main() -> int:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--docs", type=int, default=12)
+    p.add_argument("--doc-tokens", type=int, nargs="+", default=[2048, 3072, 4096],
+                   help="placement: document lengths, cycled (the issue's workload: 2-8k)")
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--slow-mbps", type=int, default=100)
@@ -504,9 +509,10 @@ def main() -> int:
         verdicts.append(f"capture overhead at 2048 tokens {o:+.1%} of cold TTFT "
                         f"(target <= 5 %: {'PASS' if o <= 0.05 else 'MISS'})")
     if "placement" in a.parts:
-        data["placement"] = placement(source, dtype, a.docs, a.requests, a.clients, a.slow_mbps)
-        data["workload"] = {"docs": a.docs, "doc_tokens": 1000, "requests": a.requests, "clients": a.clients,
-                            "zipf_s": 1.1, "device_tokens": 2304, "host": "2x", "slow_mbps": a.slow_mbps,
+        data["placement"] = placement(source, dtype, a.docs, a.doc_tokens, a.requests, a.clients, a.slow_mbps)
+        data["workload"] = {"docs": a.docs, "doc_tokens": a.doc_tokens, "requests": a.requests, "clients": a.clients,
+                            "zipf_s": 1.1, "device_tokens": max(a.doc_tokens) + 2048, "host": "2x",
+                            "slow_mbps": a.slow_mbps,
                             "cache_note": "the SSD tier's files evicted from the page cache before every request"}
         r = data["placement"]
         slow = f"{a.slow_mbps} MB/s"

@@ -73,7 +73,9 @@ def main() -> int:
                     f"({c['overhead']:+.1%}).", ""]
         if "placement" in d:
             w = d["workload"]
-            out += [f"Zipf workload: {w['docs']} documents x {w['doc_tokens']} tokens + a new question each, "
+            lengths = w["doc_tokens"] if isinstance(w["doc_tokens"], list) else [w["doc_tokens"]]
+            out += [f"Zipf workload: {w['docs']} documents of {'/'.join(map(str, lengths))} tokens + a new question "
+                    "each, "
                     f"{w['requests']} requests, {w['clients']} clients, s = {w['zipf_s']}; device pool "
                     f"{w['device_tokens']} tokens, host {w['host']}; "
                     f"{w.get('cache_note', 'whole OS page cache dropped before every request')}.", "",
