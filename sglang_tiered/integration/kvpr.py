@@ -292,7 +292,7 @@ def plan_load(scheduler, req, start: int, mode: Any) -> Optional[Plan]:
     """The load of `req`'s stored pages from token `start`, or None (SGLang loads them as usual)."""
     tier = _state.tier
     ps = tier.namespace.page_size
-    if start % ps:
+    if start % ps or model_forward.too_long_for_one_extend(scheduler, req, start) is not None:
         return None
     keys = importance.page_keys(req, len(req.origin_input_ids) - 1, ps)[start // ps :]
     n = 0

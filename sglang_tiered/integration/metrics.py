@@ -235,6 +235,7 @@ EVENTS = {
     "importance_bytes_read": "Bytes read from repacked groups by sparse loads (probe + chunks)",
     "importance_bytes_needed": "Bytes of the K and V of the stored tokens sparse loads used",
     "importance_fallbacks": "Gated requests whose stored span SGLang computed instead",
+    "importance_too_long": "Gated requests longer than --chunked-prefill-size (SGLang loaded their stored prefix)",
     "kvpr_loads": "Stored prefixes loaded by partial recompute (KVPR)",
     "kvpr_tokens_recomputed": "Tokens of stored prefixes whose K and V were recomputed from activations",
     "kvpr_bytes_saved": "KV bytes partial-recompute loads did not read, minus the activation bytes they read",

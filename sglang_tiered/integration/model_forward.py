@@ -191,6 +191,16 @@ def _around_forward(original, self, input_ids, positions, forward_batch, input_e
         return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
 
 
+def too_long_for_one_extend(scheduler, req, start: int) -> Optional[int]:
+    """At admission: the scheduler's `--chunked-prefill-size` if the prompt from token `start` on is longer (SGLang
+    would prefill it in pieces, which a handler computing the whole remaining prompt cannot take: the request then
+    keeps SGLang's own load of its stored prefix instead of skipping it); None if it fits in one extend."""
+    limit = getattr(scheduler, "chunked_prefill_size", None)
+    if limit is None or limit <= 0:
+        return None
+    return limit if len(req.origin_input_ids) - start > limit else None
+
+
 def why_not_whole_prompt(fb, req) -> Optional[str]:
     """Why a handler that computes one request's whole remaining prompt itself cannot take this extend batch
     (None: it can)."""

@@ -106,9 +106,17 @@ def _around_prefetch(original, self, req, *args, **kwargs):
         return original(self, req, *args, **kwargs)
     try:
         req.init_next_round_input(self.tree_cache, cow_mamba=False)
-        run = stored_run(req, req.prefix_len + req.host_hit_length)
+        start = req.prefix_len + req.host_hit_length
+        run = stored_run(req, start)
         current = settings.current()
         if run is not None and run[2] * run[0].page_size >= current.config.importance_min_tokens:
+            limit = model_forward.too_long_for_one_extend(self, req, start)
+            if limit is not None:
+                metrics.count("importance_too_long")
+                logger.info("tiered importance: rid %s not loaded sparsely: %d tokens to prefill exceed "
+                            "--chunked-prefill-size %d; SGLang loads the stored prefix", req.rid,
+                            len(req.origin_input_ids) - start, limit)
+                return original(self, req, *args, **kwargs)
             req.tiered_sparse = True
             req.skip_radix_cache_insert = True
             return None  # no L3 prefetch: the stored span is loaded sparsely in the forward

@@ -37,14 +37,18 @@ def ask(s: ServerProcess, text: str, mode: str | None = None) -> dict:
     return body
 
 
+def wait_for_repack(s: ServerProcess) -> None:
+    deadline = time.monotonic() + 60
+    while not s.log_lines("tiered repack:") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert s.log_lines("tiered repack:"), "the prompt's pages were never repacked"
+
+
 def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays):
     prompt = essays[7] + "\n\nQuestion: What is this essay about?\nAnswer:"
     with server(tmp_path, "first") as s:
         cold = ask(s, prompt)
-        deadline = time.monotonic() + 60
-        while not s.log_lines("tiered repack:") and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert s.log_lines("tiered repack:"), "the prompt's pages were never repacked"
+        wait_for_repack(s)
     assert list((tmp_path / "ssd").glob("*/groups/*.kvg"))
 
     with server(tmp_path, "restart") as s:
@@ -78,3 +82,24 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert delta("bytes_skipped") == delta("tokens_skipped") * 2 * 3 * 64 * 4
     assert delta("bytes_read") / 2 < full_bytes  # each gated load read less than the full one
     assert cached_details(gated_again)["device"] == 0  # approximate KV never entered the radix tree
+
+
+def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
+    """A gated request that SGLang would prefill in pieces (longer than --chunked-prefill-size) cannot be loaded
+    sparsely (a piece is not the whole prompt): it keeps SGLang's own load of its stored prefix -- exact, counted,
+    logged -- rather than skipping that load and leaving SGLang to compute the span."""
+    prompt = essays[7] + "\n\nQuestion: What is this essay about?\nAnswer:"
+    args = tiered_args(tmp_path / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32",
+                       "--enable-metrics", "--chunked-prefill-size", "256")
+    with ServerProcess(args, log_path=tmp_path / "chunked.log") as s:
+        cold = ask(s, prompt)
+        wait_for_repack(s)
+        s.flush_cache()
+        again = ask(s, prompt)
+        too_long = s.log_lines("not loaded sparsely")
+        computed = s.log_lines("SGLang computes the span")
+        counted = metric_total(s.get("/metrics"), "sglang_tiered:importance_too_long_total")
+    assert cached_details(again)["storage"] >= 640  # SGLang read the stored prefix back
+    assert again["output_ids"] == cold["output_ids"]
+    assert len(too_long) == 1 and "exceed --chunked-prefill-size 256" in too_long[0], too_long
+    assert not computed and counted == 1
