@@ -4,19 +4,19 @@ Part `capture`: what scoring costs. Cold TTFT of 2048-token prompts on a server 
 default, 3 sampled heads) and off (`--tiered-importance-heads 0`), same prompts, same run. Target: <= 5 %.
 
 Part `placement`: a shared-document workload whose KV does not fit in device + host memory. `--docs` documents of
-`--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x), each
-request one document + a new question (Zipf popularity, s = 1.1, the same seeded sequence
-for every configuration), sent by `--clients` concurrent clients. Configurations, the paper's ablation: LRU
-(SGLang's order, today's default) -> importance placement -> + gated sparse loading (`--tiered-importance-load
-gated`, groups in prompt order) -> + reordering (groups in importance order, the default); and SGLang's own
-hierarchical cache with its `file` storage backend (`sglang-file`, its torch_native CPU attention: compare its
-tokens by tier, not its TTFT). Each at the disk's own speed and with the server's block-device reads throttled to
-`--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the SSD files are evicted from the page cache
-before every request so that SSD hits really read the device). Reported: TTFT median and p90, bytes the server read
-from storage, sparse loads and their read amplification, tokens served from device / host / SSD (a sparse load's
-span counts as SSD: SGLang reports it as not cached) / computed, and the same weighted by token importance (the
-moving averages the importance server learned, read from its SSD directory under SGLang's page keys: the share of
-the important tokens each tier served).
+`--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x,
+`--chunked-prefill-size 8192` so that every prompt is one extend), each request one document + a new question (Zipf
+popularity, s = 1.1, the same seeded sequence for every configuration), sent by `--clients` concurrent clients.
+Configurations, the paper's ablation: LRU (SGLang's order, today's default) -> importance placement -> + gated
+sparse loading (`--tiered-importance-load gated`, groups in prompt order) -> + reordering (groups in importance
+order, the default); and SGLang's own hierarchical cache with its `file` storage backend (`sglang-file`, its
+torch_native CPU attention: compare its tokens by tier, not its TTFT). Each at the disk's own speed and with the
+server's block-device reads throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the
+SSD files are evicted from the page cache before every request so that SSD hits really read the device). Reported:
+TTFT median and p90, bytes the server read from storage, sparse loads and their read amplification, tokens served
+from device / host / SSD (a sparse load's span counts as SSD: SGLang reports it as not cached) / computed, and the
+same weighted by token importance (the moving averages the importance server learned, read from its SSD directory
+under SGLang's page keys: the share of the important tokens each tier served).
 (The results recorded before 2026-11-23 04:30 dropped the whole OS page cache before
 every request instead, which made every configuration re-read its code pages too.)
 
@@ -139,7 +139,9 @@ ABLATION: dict[str, list[str]] = {
 
 
 def placement_args(config: str, store: str, dtype: str, device_tokens: int) -> list[str]:
-    common = ["--max-total-tokens", str(device_tokens), "--dtype", dtype]
+    # every prompt in one extend (SGLang's CPU default, 4096, would prefill the longest in pieces, which gated loading
+    # leaves to SGLang's own load): the same for every configuration
+    common = ["--max-total-tokens", str(device_tokens), "--dtype", dtype, "--chunked-prefill-size", "8192"]
     if config == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
         return [*common, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
                 "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": store}), "--page-size",
@@ -512,6 +514,7 @@ def main() -> int:
         data["placement"] = placement(source, dtype, a.docs, a.doc_tokens, a.requests, a.clients, a.slow_mbps)
         data["workload"] = {"docs": a.docs, "doc_tokens": a.doc_tokens, "requests": a.requests, "clients": a.clients,
                             "zipf_s": 1.1, "device_tokens": max(a.doc_tokens) + 2048, "host": "2x",
+                            "chunked_prefill_size": 8192,
                             "slow_mbps": a.slow_mbps,
                             "cache_note": "the SSD tier's files evicted from the page cache before every request"}
         r = data["placement"]
