@@ -152,23 +152,3 @@ def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path, essa
     empty = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "none")], capture_output=True,
                            text=True, timeout=120)
     assert empty.returncode == 1 and "no profile" in empty.stderr
-
-
-
-def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
-    """A prompt that SGLang would prefill in pieces (longer than --chunked-prefill-size) is not planned for partial
-    recompute (the loader computes whole prompts): SGLang loads its stored prefix as usual, nothing is computed."""
-    model = random_model_dir(tmp_path / "model", MHA, seed=1)
-    args = tiered_args(tmp_path / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force",
-                       "--chunked-prefill-size", "256")
-    prompt = essays[2][:3000] + "\n\nQuestion: What is this essay about?\nAnswer:"
-    with ServerProcess(args, log_path=tmp_path / "server.log", model_path=str(model)) as s:
-        cold = ask(s, prompt)
-        pages = cold["meta_info"]["prompt_tokens"] // PAGE
-        wait_for_activations(s, pages)
-        s.flush_cache()
-        again = ask(s, prompt, 10**6)  # every page from activations, were it planned
-        loads, fallbacks = counter(s, "loads"), counter(s, "fallbacks")
-    assert cached_details(again)["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
-    assert again["output_ids"] == cold["output_ids"]
-    assert loads == 0 and fallbacks == 0
