@@ -138,10 +138,18 @@ ABLATION: dict[str, list[str]] = {
 }
 
 
-def placement_args(config: str, store: str, dtype: str, device_tokens: int) -> list[str]:
-    # every prompt in one extend (SGLang's CPU default, 4096, would prefill the longest in pieces, which gated loading
-    # leaves to SGLang's own load): the same for every configuration
-    common = ["--max-total-tokens", str(device_tokens), "--dtype", dtype, "--chunked-prefill-size", "8192"]
+# every prompt in one extend (SGLang's CPU default, 4096, would prefill the longest in pieces, which gated loading
+# leaves to SGLang's own load): the same for every configuration
+CHUNKED_PREFILL = 8192
+
+
+def device_tokens(doc_tokens: list[int]) -> int:
+    """The placement servers' device pool: the longest document and 2048 tokens more."""
+    return max(doc_tokens) + 2048
+
+
+def placement_args(config: str, store: str, dtype: str, device: int) -> list[str]:
+    common = ["--max-total-tokens", str(device), "--dtype", dtype, "--chunked-prefill-size", str(CHUNKED_PREFILL)]
     if config == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
         return [*common, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
                 "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": store}), "--page-size",
@@ -206,7 +214,6 @@ def weighted_hits(rows: list[dict], weights: dict[int, list[float]]) -> dict:
 def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int], requests: int, clients: int,
               slow_mbps: int) -> dict:
     texts = [source.take(doc_tokens[i % len(doc_tokens)]) for i in range(docs)]
-    device_tokens = max(doc_tokens) + 2048
     order = zipf_sequence(docs, requests, 1.1, seed=0)
     questions = [f"\n\nQuestion {i}: what is the main point of the text above?" for i in range(requests)]
     doc_ids = [source.tok(t)["input_ids"] for t in texts]
@@ -218,7 +225,7 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
             for config in ABLATION:
                 name = f"{config}, disk {disk}"
                 store = Path(f"{tmp}/{len(out)}")
-                args = placement_args(config, str(store), dtype, device_tokens)
+                args = placement_args(config, str(store), dtype, device_tokens(doc_tokens))
                 with ServerProcess(args, log_path=Path(tmp) / f"{len(out)}.log", wrapper=wrapper) as s:
                     s.generate(source.take(64), max_new_tokens=1)
                     before = server_read_bytes(s)
@@ -369,6 +376,7 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
     from sglang_tiered.kernels.extend_attention import causal_attention
     from sglang_tiered.kernels.importance import probed_kv_heads
     from sglang_tiered.models import default_model_path
+    from sglang_tiered.storage.group_file import GroupMeta
 
     model = load_model(("pretrained", str(default_model_path())), torch.float32)
     tok = source.tok
@@ -388,10 +396,12 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
         return out
 
     default = TieredConfig()
-    # bytes a server reads per token-layer, as a fraction of a full load: the int8 probe (+ fp16 scale) of the probed
-    # KV heads on every layer, plus the loaded tokens' K and V in bf16 (the group file's layout)
-    probe_share = len(probed_kv_heads(c.heads, c.kv_heads, default.importance_heads)) * (c.head_dim + 2) / (
-        2 * c.kv_heads * c.head_dim * 2)
+    # bytes a server reads per token-layer, as a fraction of a full load: the probe of every layer plus the loaded
+    # tokens' K and V, as a repacked group of bf16 KV lays them out
+    layout = GroupMeta(ns="", gid="", keys=(), page_size=64, tokens=1, layers=1, heads=c.kv_heads, dim=c.head_dim,
+                       itemsize=2, perm=(0,), chunk=16, probe_crc=(), data_crc=(),
+                       probe_heads=tuple(probed_kv_heads(c.heads, c.kv_heads, default.importance_heads)))
+    probe_share = layout.probe_layer_bytes / layout.data_layer_bytes
     settings = [(f"gated {ratio:.2f}, {unit}", ratio, unit, default.importance_alpha)
                 for ratio in ratios for unit in ("chunks", "tokens")]
     settings += [(f"gated {default.importance_ratio:.2f}, chunks, alpha {alpha:g}", default.importance_ratio,
@@ -513,9 +523,8 @@ def main() -> int:
     if "placement" in a.parts:
         data["placement"] = placement(source, dtype, a.docs, a.doc_tokens, a.requests, a.clients, a.slow_mbps)
         data["workload"] = {"docs": a.docs, "doc_tokens": a.doc_tokens, "requests": a.requests, "clients": a.clients,
-                            "zipf_s": 1.1, "device_tokens": max(a.doc_tokens) + 2048, "host": "2x",
-                            "chunked_prefill_size": 8192,
-                            "slow_mbps": a.slow_mbps,
+                            "zipf_s": 1.1, "device_tokens": device_tokens(a.doc_tokens), "host": "2x",
+                            "chunked_prefill_size": CHUNKED_PREFILL, "slow_mbps": a.slow_mbps,
                             "cache_note": "the SSD tier's files evicted from the page cache before every request"}
         r = data["placement"]
         slow = f"{a.slow_mbps} MB/s"
