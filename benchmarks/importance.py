@@ -149,7 +149,8 @@ def device_tokens(doc_tokens: list[int]) -> int:
 
 
 def placement_args(config: str, store: str, dtype: str, device: int) -> list[str]:
-    common = ["--max-total-tokens", str(device), "--dtype", dtype, "--chunked-prefill-size", str(CHUNKED_PREFILL)]
+    common = ["--max-total-tokens", str(device), "--dtype", dtype, "--chunked-prefill-size", str(CHUNKED_PREFILL),
+              "--enable-metrics"]
     if config == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
         return [*common, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
                 "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": store}), "--page-size",
@@ -177,6 +178,18 @@ def count_sparse_loads(rows: list[dict], lines: list[str]) -> dict:
     return {"requests": len(loads), "tokens": sum(s for s, _, _ in loads.values()),
             "read_mib": sum(m for _, m, _ in loads.values()),
             "read_amplification": statistics.median(amp) if amp else None}
+
+
+def unfulfilled_prefetch(metrics: str) -> dict[str, int]:
+    """SGLang's count of L3 hit tokens its prefetch did not deliver to the request, by reason (nonzero ones):
+    `cache_admission_shortfall` = loaded into host memory but evicted again before the request was admitted,
+    `host_capacity` = no host memory for the whole hit, `deadline` = the prefetch timed out."""
+    out: dict[str, int] = {}
+    for m in re.finditer(r'^sglang:storage_prefetch_unfulfilled_tokens_total\{[^}]*reason="([a-z_]+)"[^}]*\} '
+                         r"([0-9.e+]+)$", metrics, re.M):
+        if float(m.group(2)):
+            out[m.group(1)] = out.get(m.group(1), 0) + int(float(m.group(2)))
+    return out
 
 
 def token_importance(store: Path, token_ids: list[int]) -> list[float]:
@@ -232,14 +245,17 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
                     rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients, store)
                     read_mib = (server_read_bytes(s) - before) / 2**20
                     sparse_loads = count_sparse_loads(rows, s.log_lines("tiered importance: rid"))
+                    lost = unfulfilled_prefetch(s.get("/metrics"))
                 ttft = sorted(r["ttft_s"] for r in rows)
                 tiers = {k: sum(r[k] for r in rows) for k in ("device", "host", "storage")}
                 tiers["computed"] = sum(r["prompt"] for r in rows) - sum(tiers.values())
                 out[name] = {"median_s": statistics.median(ttft), "p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-                             "tokens": tiers, "read_mib": read_mib, "sparse": sparse_loads, "rows": rows}
+                             "tokens": tiers, "read_mib": read_mib, "sparse": sparse_loads,
+                             "prefetch_unfulfilled": lost, "rows": rows}
                 runs[config] = (name, store, rows)
                 print(f"[placement] {name}: median {out[name]['median_s']:.3f} s, p90 {out[name]['p90_s']:.3f} s, "
-                      f"tokens {tiers}, {read_mib:.1f} MiB read, sparse loads {sparse_loads}", flush=True)
+                      f"tokens {tiers}, {read_mib:.1f} MiB read, sparse loads {sparse_loads}, SGLang's L3 prefetch "
+                      f"tokens not used, by reason {lost}", flush=True)
             # one set of weights for every configuration of this disk: what the importance server learned
             weights = {d: token_importance(runs["importance"][1], doc_ids[d]) for d in set(order)}
             for name, _, rows in runs.values():

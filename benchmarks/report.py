@@ -81,7 +81,8 @@ def main() -> int:
                     f"{w.get('cache_note', 'whole OS page cache dropped before every request')}.", "",
                     "| configuration | TTFT median (s) | p90 (s) | read (MiB) | sparse loads: count, MiB, read "
                     "amplification | device tokens | host tokens | SSD tokens | computed tokens | important tokens "
-                    "from device / host / SSD / computed |", "| --- |" + " ---: |" * 9]
+                    "from device / host / SSD / computed | SGLang's L3 loads not used (tokens, reason) |",
+                    "| --- |" + " ---: |" * 10]
             for name, r in d["placement"].items():
                 t, share = r["tokens"], r.get("important_share")
                 imp = " / ".join(f"{share[k]:.2f}" for k in ("device", "host", "storage", "computed")) if share else ""
@@ -89,13 +90,19 @@ def main() -> int:
                 sp = r.get("sparse") or {}
                 loads = (f"{sp['requests']}, {sp.get('read_mib', 0):.0f}, {sp['read_amplification']:.2f}"
                          if sp.get("read_amplification") else str(sp.get("requests", "-")))
+                lost = "-"  # not recorded (runs before 2026-11-23 20:00)
+                if "prefetch_unfulfilled" in r:
+                    lost = ", ".join(f"{n} {k}" for k, n in r["prefetch_unfulfilled"].items()) or "0"
                 out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {read} | {loads} | {t['device']} | "
-                           f"{t['host']} | {t['storage']} | {t['computed']} | {imp} |")
+                           f"{t['host']} | {t['storage']} | {t['computed']} | {imp} | {lost} |")
             out += ["", "(The paper's ablation: lru -> importance placement -> + gated sparse loading from groups in "
                     "prompt order -> + reordering (groups in importance order). A sparse load's span counts as SSD "
                     "tokens. read = everything the server read from storage, the repacker's reads included. "
                     "sglang-file: SGLang's own hierarchical cache with `--hicache-storage-backend file` and its "
-                    "torch_native CPU attention; important tokens weighted by what the importance server learned.)"]
+                    "torch_native CPU attention; important tokens weighted by what the importance server learned. "
+                    "L3 loads not used: SGLang's `storage_prefetch_unfulfilled_tokens_total` -- "
+                    "cache_admission_shortfall = loaded into host memory, evicted again before the request ran; "
+                    "host_capacity = no host memory for the whole hit; deadline = the prefetch timed out.)"]
         if "sparse" in d:
             w = d.get("sparse_workload", {})
             out += ["", f"Gated sparse loading through the server: {w.get('docs')} documents x {w.get('tokens')} "

@@ -7,7 +7,8 @@ leaves; host leaves), lowest first. `PlacementStrategy` is that strategy for any
 the *name* of `--radix-eviction-policy` and never runs Python strategies, so `TieredRadixCache.use_placement`
 refuses a Rust core, and a placement other than SGLang's own needs the cache built with `tree_core_backend =
 "python"`: `--tiered-placement importance` builds it so; `lru` (the default) keeps SGLang's LRU on the Rust core.
-A node's view carries what the importance table knows of its pages (important tokens, reuses per page).
+A node's view carries what the importance table knows of its pages (important tokens, reuses per page) and SGLang's
+access clock (the counter `last_access_time` is drawn from) at the time of ranking.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
+from sglang.srt.mem_cache.unified_cache.components import base as tree_clock
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sglang_tiered.integration import importance, settings
@@ -33,7 +35,8 @@ def node_view(node) -> NodeView:
     return NodeView(node_id=int(node.id), tokens=len(node.key), last_access=float(node.last_access_time),
                     created=float(node.creation_time), hits=int(node.hit_count), on_host=bool(node.evicted),
                     page_keys=keys, important_tokens=table.important_tokens(keys) if table and keys else 0.0,
-                    reuses=table.reuses(keys) // max(1, len(keys)) if table and keys else 0)
+                    reuses=table.reuses(keys) // max(1, len(keys)) if table and keys else 0,
+                    clock=float(tree_clock._LAST_ACCESS_TIME_COUNTER_FLOAT))
 
 
 class PlacementStrategy(EvictionStrategy):

@@ -12,10 +12,20 @@ Contract of `Placement.priority(node) -> tuple`:
 * a pure function of the view (no state changes, same view -> same priority), so a heap built from it is valid;
 * comparable across all nodes of one tier (device candidates are ranked against device candidates, host
   against host; `on_host` says which heap is asking).
+
+A host node that SGLang has just loaded from SSD must not go first: an L3 prefetch lands in the host tier, unlocked,
+and waits there until the scheduler admits its request; evicting it meanwhile throws the load away and the request
+computes the span instead (SGLang counts it as `cache_admission_shortfall`). LRU never does that (such a node is the
+newest); a score-only order does whenever the node's score is low (a document's first reuse has no reuses yet). So
+the importance order ranks host candidates accessed within the last `recent` ticks of SGLang's access clock after
+all other host candidates, least recently used first. The waiting queue is re-matched every scheduling round, which
+refreshes `last_access` of a pending request's nodes, so such a node stays recent while it waits. Device candidates
+are not protected: a node a request needs on device is locked by SGLang while it runs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +43,7 @@ class NodeView:
     page_keys: tuple[str, ...] = ()  # storage keys of the node's pages (stable across splits and restarts)
     important_tokens: float = 0.0  # learned: sum over the node's tokens of their "important" average (0..tokens)
     reuses: int = 0  # learned: times requests reused the node's pages (every tier, unlike SGLang's hit_count)
+    clock: float = math.inf  # SGLang's access clock when the candidates are ranked (inf: unknown, nothing is recent)
 
 
 class Placement(Protocol):
@@ -52,17 +63,30 @@ class LRUPlacement:
         return (node.last_access,)
 
 
+# SGLang's access clock advances once per match or insert: about 8 ticks per request in the benchmark's workload
+# (2 clients), so 32 covers the last few requests
+RECENT_TICKS = 32.0
+
+
 class ImportancePlacement:
     """IMPRESS: keep what matters where it is fast. Score = important tokens x access frequency, per token of the
     node (SGLang evicts whole leaf nodes of any length; unnormalized, a long node would always outrank a short one),
     with frequency = 1 + reuses so that a node never reused still ranks by its importance. Lowest score first; among
-    equal scores the least recently used."""
+    equal scores the least recently used. Host candidates accessed within the last `recent` ticks go after all other
+    host candidates, least recently used first (see the module docstring)."""
 
     name = "importance"
 
+    def __init__(self, recent: float = RECENT_TICKS) -> None:
+        if recent < 0:
+            raise ValueError(f"recent must be >= 0 ticks, got {recent}")
+        self.recent = recent
+
     def priority(self, node: NodeView) -> tuple:
+        if node.on_host and node.clock - node.last_access < self.recent:
+            return (1, 0.0, node.last_access)
         score = node.important_tokens * (1 + node.reuses) / max(1, node.tokens)
-        return (score, node.last_access)
+        return (0, score, node.last_access)
 
 
 PLACEMENTS: dict[str, type] = {"lru": LRUPlacement, "importance": ImportancePlacement}

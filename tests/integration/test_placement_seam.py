@@ -90,3 +90,17 @@ def test_the_rust_tree_core_is_refused():
         pytest.skip("SGLang's Rust tree core is not available on this machine")
     with pytest.raises(RuntimeError, match="needs SGLang's Python tree core"):
         cache.use_placement(LRUPlacement())
+
+
+def test_the_view_carries_sglangs_access_clock():
+    """`clock` is the counter SGLang draws `last_access_time` from, so `clock - last_access` is a node's age in
+    ticks: the recency the importance order protects host nodes by."""
+    from sglang_tiered.integration.radix_cache import node_view
+
+    cache, alloc = build("python")
+    script(cache, alloc)
+    views = {n.key.token_ids[0] // 1000 - 1: node_view(n) for n in cache.tree_core.evictable_device_leaves}
+    clocks = {v.clock for v in views.values()}
+    assert len(clocks) == 1 and clocks.pop() > max(v.last_access for v in views.values())
+    ages = {leaf: v.clock - v.last_access for leaf, v in views.items()}
+    assert min(ages, key=ages.get) == 5 and max(ages, key=ages.get) == 1  # last matched; oldest never matched

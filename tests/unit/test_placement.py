@@ -3,13 +3,14 @@ scripted set of candidates."""
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
 
 import pytest
 
-from sglang_tiered.policy.placement import PLACEMENTS, LRUPlacement, NodeView, make_placement
+from sglang_tiered.policy.placement import PLACEMENTS, ImportancePlacement, LRUPlacement, NodeView, make_placement
 
 
 def view(node_id: int, **kw) -> NodeView:
@@ -29,7 +30,8 @@ def random_nodes(seed: int, n: int = 40) -> list[NodeView]:
     return [view(i, tokens=64 * rng.randint(1, 8), last_access=float(rng.randint(0, 20)),
                  created=float(rng.randint(0, 20)), hits=rng.randint(0, 5), on_host=rng.random() < 0.5,
                  page_keys=tuple(f"k{i}.{j}" for j in range(rng.randint(1, 3))),
-                 important_tokens=rng.random() * 64, reuses=rng.randint(0, 4)) for i in range(n)]
+                 important_tokens=rng.random() * 64, reuses=rng.randint(0, 4),
+                 clock=float(rng.choice([20, 100]))) for i in range(n)]
 
 
 @pytest.fixture(params=sorted(PLACEMENTS))
@@ -47,7 +49,8 @@ def test_priorities_are_tuples_comparable_across_any_nodes(policy):
 def test_priority_is_a_pure_function_of_the_view(policy):
     for a, b in itertools.product(random_nodes(1, 10), repeat=2):
         assert policy.priority(a) == policy.priority(view(a.node_id, **{k: getattr(a, k) for k in (
-            "tokens", "last_access", "created", "hits", "on_host", "page_keys", "important_tokens", "reuses")}))
+            "tokens", "last_access", "created", "hits", "on_host", "page_keys", "important_tokens", "reuses",
+            "clock")}))
         policy.priority(b)  # asking about another node changes nothing
     nodes = random_nodes(2, 10)
     assert [policy.priority(n) for n in nodes] == [policy.priority(n) for n in nodes]
@@ -72,16 +75,36 @@ def test_importance_keeps_the_node_with_more_important_tokens_per_token_and_more
     assert p.priority(view(5, tokens=128, important_tokens=32.0, reuses=1, last_access=0.5)) < p.priority(base)
 
 
+def test_importance_evicts_recently_accessed_host_nodes_last_whatever_their_score():
+    """A host node SGLang just loaded from SSD for a waiting request has the newest `last_access`; evicting it first
+    would throw the load away. Within `recent` ticks of the clock a host node goes after every older one, least
+    recently used first; older nodes rank by score. Device candidates rank by score whatever their age."""
+    p = ImportancePlacement(recent=10.0)
+    clock = 100.0
+    popular = view(1, last_access=50.0, important_tokens=64.0, reuses=9)  # old, high score
+    loaded = view(2, last_access=95.0, important_tokens=1.0)  # just prefetched, lowest score
+    newest = view(3, last_access=99.0, important_tokens=64.0, reuses=9)
+    stale = view(4, last_access=89.0, important_tokens=2.0)  # 11 ticks old: ranked by score
+    host = [dataclasses.replace(n, on_host=True, clock=clock) for n in (popular, loaded, newest, stale)]
+    assert eviction_order(p, host) == [4, 1, 2, 3]
+    assert eviction_order(ImportancePlacement(recent=0.0), host) == [2, 4, 1, 3]
+    device = [dataclasses.replace(n, clock=clock) for n in (popular, loaded, newest, stale)]
+    assert eviction_order(p, device) == [2, 4, 1, 3]
+    with pytest.raises(ValueError, match="recent"):
+        ImportancePlacement(recent=-1.0)
+
+
 def test_unknown_placement_is_refused():
     with pytest.raises(ValueError, match="unknown placement 'mru'"):
         make_placement("mru")
 
 
 EXPECTED = {  # node ids in eviction order for the scripted candidates below
-    "lru": [4, 2, 0, 3, 1],
+    "lru": [4, 2, 0, 3, 1, 6, 7, 5],
     # scores (important tokens x (1 + reuses) / tokens): 0: 64*1/640=0.1, 1: 16*1/64=0.25, 2: 16*3/64=0.75,
-    # 3: 0.25 (ties with 1, older), 4: 256*2/1280=0.4
-    "importance": [0, 3, 1, 4, 2],
+    # 3: 0.25 (ties with 1, older), 4: 256*2/1280=0.4; 5: 1/64 and 6: 64*6/64=6 on host, recent (within 32 ticks
+    # of the clock, 200): last, by recency; 7: 1/64 on device, recent but not protected
+    "importance": [7, 0, 3, 1, 4, 2, 6, 5],
 }
 
 
@@ -90,8 +113,12 @@ def test_exact_order_on_a_scripted_set():
              view(1, last_access=9.0, important_tokens=16.0),
              view(2, last_access=2.0, important_tokens=16.0, reuses=2),
              view(3, last_access=7.0, on_host=True, important_tokens=16.0),
-             view(4, last_access=1.0, tokens=64 * 20, important_tokens=256.0, reuses=1)]
+             view(4, last_access=1.0, tokens=64 * 20, important_tokens=256.0, reuses=1),
+             view(5, last_access=190.0, important_tokens=1.0, on_host=True),
+             view(6, last_access=175.0, important_tokens=64.0, reuses=5, on_host=True),
+             view(7, last_access=180.0, important_tokens=1.0)]
+    nodes = [dataclasses.replace(n, clock=200.0) for n in nodes]
     assert sorted(EXPECTED) == sorted(PLACEMENTS), "every policy needs its scripted order"
     for name, order in EXPECTED.items():
         assert eviction_order(make_placement(name), nodes) == order, name
-    assert eviction_order(LRUPlacement(), nodes) == sorted(range(5), key=lambda i: nodes[i].last_access)
+    assert eviction_order(LRUPlacement(), nodes) == sorted(range(8), key=lambda i: nodes[i].last_access)
