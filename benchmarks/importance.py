@@ -32,7 +32,10 @@ everything (`full`) and the gated load; the gated load on a second server whose 
 are evicted from the page cache before each request (only those: `posix_fadvise`). TTFT (the first streamed token,
 client side), bytes the server read from storage (/proc/<pid>/io: what reached the block device, readahead
 included), whether the answer holds the code, and agreement with the full load: the answer (the first sentence of
-the 8-token greedy continuation, see `answer`) and all 8 tokens; natively and at `--slow-mbps`.
+the 8-token greedy continuation, see `answer`) and all 8 tokens; natively, at `--slow-mbps`, and at `--slow-mbps`
+with at most `--slow-iops` read I/Os per second (`benchmarks/iops-limit`, the kernel's blkio IOPS throttle: network
+block storage limits both; a gp3-class volume gives 125 MB/s and 3000 IOPS) -- where reordering should show, since
+a group in importance order serves a sparse load in a few long reads and one in prompt order in many short ones.
 
 Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
 other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
@@ -72,6 +75,7 @@ from _harness import (  # noqa: E402
 )
 
 from sglang_tiered.config import TieredConfig  # noqa: E402
+from sglang_tiered.integration.sparse_load import LOG_PATTERN as SPARSE_LOAD_LINE  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
 
 
@@ -166,8 +170,7 @@ def count_sparse_loads(rows: list[dict], lines: list[str]) -> dict:
     median read amplification (bytes read / bytes of the K and V used)."""
     loads = {}
     for line in lines:
-        m = re.search(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0-9.]+) MiB read \(read amplification "
-                      r"([0-9.]+)", line)
+        m = SPARSE_LOAD_LINE.search(line)
         if m:
             loads[m.group(1)] = (int(m.group(2)), float(m.group(3)), float(m.group(4)))
     for r in rows:
@@ -309,11 +312,25 @@ def alpha_label(alpha: float) -> str:
     return f"gated, alpha {alpha:g}"
 
 
-def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int, alphas: list[float]) -> dict:
+IOPS_LIMIT = Path(__file__).parent / "iops-limit"
+
+
+def disks(tmp: str, slow_mbps: int, slow_iops: int) -> dict[str, list[str]]:
+    """Disk label -> the wrapper that runs a server on it: the disk's own speed, reads throttled to `slow_mbps`, and
+    (`slow_iops` > 0) to `slow_mbps` and `slow_iops` read I/Os per second as well."""
+    slow = [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
+    out = {"native": [], f"{slow_mbps} MB/s": slow}
+    if slow_iops:
+        out[f"{slow_mbps} MB/s, {slow_iops} IOPS"] = [*slow, str(IOPS_LIMIT), str(slow_iops), tmp, "--"]
+    return out
+
+
+def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int, alphas: list[float],
+           slow_iops: int = 0) -> dict:
     """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
     the sparse path loading everything (full) and the gated load, same server; the gated load from groups kept in
     prompt order (`--tiered-importance-order position`, a second server: the reordering ablation); the gated load
-    with each gate exponent of `alphas` (one server each)."""
+    with each gate exponent of `alphas` (one server each). On every disk of `disks`."""
     rng = random.Random(1)
     texts, codes = [], []
     for _ in range(docs):
@@ -323,8 +340,7 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
         codes.append(code)
     out: dict = {}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
-        for n, disk in enumerate(("native", f"{slow_mbps} MB/s")):
-            wrapper = [] if disk == "native" else [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
+        for n, (disk, wrapper) in enumerate(disks(tmp, slow_mbps, slow_iops).items()):
             args = ["--kv-backend", "tiered", "--max-total-tokens", str(2 * tokens + 1024), "--dtype", dtype,
                     "--tiered-stats-interval", "0", "--tiered-importance-load", "gated"]
             rows, log = _sparse_server(Path(tmp), f"reordered-{n}", wrapper, args, texts, codes,
@@ -524,6 +540,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--slow-mbps", type=int, default=100)
+    p.add_argument("--slow-iops", type=int, default=3000,
+                   help="part sparse also runs on a disk limited to --slow-mbps and this many read I/Os per second "
+                        "(benchmarks/iops-limit; 0: not)")
     a = p.parse_args()
     dtype = a.dtype or auto_dtype()
     source = PromptSource()
@@ -558,8 +577,9 @@ def main() -> int:
         verdicts.append(f"ablation at {slow} (median / p90 TTFT, MiB read): " + " -> ".join(
             f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))
     if "sparse" in a.parts:
-        data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas)
-        data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps}
+        data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas, a.slow_iops)
+        data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps,
+                                   "slow_iops": a.slow_iops}
         r = data["sparse"][f"{a.slow_mbps} MB/s"]
         off, gated = r["off"], r["gated"]
         bytes_x = off["read_mib"] / max(gated["read_mib"], 1e-9)
@@ -571,6 +591,12 @@ def main() -> int:
                         f"load {gated['answer_agreement']:.2f} (target >= 0.95: "
                         f"{'PASS' if gated['answer_agreement'] >= 0.95 else 'MISS'}), all 8 tokens identical "
                         f"{gated['identical_to_off']:.2f}")
+        for disk, d in data["sparse"].items():
+            if disk != "native":
+                ordered, prompt = d["gated"]["median_s"], d["gated, prompt order"]["median_s"]
+                verdicts.append(f"reordering at {disk}: gated from groups in importance order {ordered:.3f} s vs "
+                                f"prompt order {prompt:.3f} s ({prompt / ordered:.2f}x); SGLang's full load "
+                                f"{d['off']['median_s']:.3f} s")
         for alpha in a.alphas:
             m = r[alpha_label(alpha)]
             verdicts.append(f"gated sparse load with --tiered-importance-alpha {alpha:g} at {a.slow_mbps} MB/s: "

@@ -27,6 +27,7 @@ Counters: `sglang_tiered:importance_sparse_requests_total`, `..._importance_gate
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -196,11 +197,16 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     metrics.count("importance_bytes_read", span.bytes_read)
     metrics.count("importance_bytes_needed", needed)
     importance.tier().stats.add(sparse_bytes_read=span.bytes_read, sparse_bytes_needed=needed)
-    logger.info("tiered importance: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s gate passed %d/%d "
-                "layers, loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), total=%.3fs",
-                req.rid, prefix, s, ext - s, mode, passes, len(res.gates), res.loaded_fraction,
+    logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, passes, len(res.gates), res.loaded_fraction,
                 span.bytes_read / 2**20, span.bytes_read / max(1, needed), time.perf_counter() - t0)
     return hidden
+
+
+LOG_LINE = ("tiered importance: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s gate passed %d/%d "
+            "layers, loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), total=%.3fs")
+# what `LOG_LINE` says, for readers of the server log (benchmarks): rid, stored tokens, MiB read, read amplification
+LOG_PATTERN = re.compile(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0-9.]+) MiB read \(read amplification "
+                         r"([0-9.]+)")
 
 
 def register_hooks() -> bool:

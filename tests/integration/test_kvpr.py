@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,13 +19,11 @@ import pytest
 
 from sglang_tiered.engine.llama import LlamaConfig
 from sglang_tiered.models import random_model_dir
-from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from sglang_tiered.server_process import ServerProcess, cached_details
 from tests.integration.helpers import tiered_args
+from tests.integration.kvpr_helpers import MHA, PAGE, ask, counter, wait_for_activations
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
-
-MHA = LlamaConfig(hidden=576, layers=6, heads=9, kv_heads=9, head_dim=64, intermediate=1536, vocab=49152)
-PAGE = 64
 
 
 @pytest.fixture(scope="module")
@@ -37,26 +34,6 @@ def mha_server(tmp_path_factory) -> Iterator[ServerProcess]:
     with ServerProcess(args, log_path=tmp / "server.log", model_path=str(model)) as s:
         s.ssd = tmp / "ssd"
         yield s
-
-
-def ask(s: ServerProcess, text: str, mode=None) -> dict:
-    params: dict = {"max_new_tokens": 10, "temperature": 0}
-    if mode is not None:
-        params["custom_params"] = {"tiered_kvpr": mode}
-    status, body = s.request("/generate", {"text": text, "sampling_params": params})
-    assert status == 200, body
-    return body
-
-
-def counter(s: ServerProcess, name: str) -> float:
-    return metric_total(s.get("/metrics"), f"sglang_tiered:kvpr_{name}_total")
-
-
-def wait_for_activations(s: ServerProcess, pages: int) -> None:
-    deadline = time.monotonic() + 60
-    while counter(s, "activation_pages_written") < pages and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert counter(s, "activation_pages_written") >= pages
 
 
 def load_lines(s: ServerProcess, mark: int) -> list[str]:

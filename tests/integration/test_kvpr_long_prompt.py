@@ -11,7 +11,7 @@ import pytest
 from sglang_tiered.models import random_model_dir
 from sglang_tiered.server_process import ServerProcess, cached_details
 from tests.integration.helpers import tiered_args
-from tests.integration.test_kvpr import MHA, PAGE, ask, counter, wait_for_activations
+from tests.integration.kvpr_helpers import MHA, PAGE, ask, counter, wait_for_activations
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

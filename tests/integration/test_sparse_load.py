@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_tiered.integration.sparse_load import LOG_PATTERN
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from tests.integration.helpers import tiered_args
 
@@ -69,6 +70,8 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert gated["meta_info"]["completion_tokens"] >= 1
     assert len(lines) == 3 and "mode=full" in lines[0] and "mode=gated" in lines[1], lines
     assert "loaded 1.000 of the stored token-layers" in lines[0]
+    parsed = [LOG_PATTERN.search(line) for line in lines]  # what the benchmark reads from these lines
+    assert all(parsed) and parsed[1].group(1) == gated["meta_info"]["id"], lines
 
     def delta(name: str) -> float:
         return metric_total(after, f"sglang_tiered:importance_{name}_total") - \

@@ -1,0 +1,34 @@
+"""What the partial-recompute (KVPR) server tests share: the multi-head-attention model they serve (random weights),
+its page size, a greedy request with an optional per-request mode, and the loader's counters."""
+
+from __future__ import annotations
+
+import time
+
+from sglang_tiered.engine.llama import LlamaConfig
+from sglang_tiered.server_process import ServerProcess, metric_total
+
+MHA = LlamaConfig(hidden=576, layers=6, heads=9, kv_heads=9, head_dim=64, intermediate=1536, vocab=49152)
+PAGE = 64
+
+
+def ask(s: ServerProcess, text: str, mode=None) -> dict:
+    """10 greedy tokens; `mode` sets the request's `tiered_kvpr` custom parameter."""
+    params: dict = {"max_new_tokens": 10, "temperature": 0}
+    if mode is not None:
+        params["custom_params"] = {"tiered_kvpr": mode}
+    status, body = s.request("/generate", {"text": text, "sampling_params": params})
+    assert status == 200, body
+    return body
+
+
+def counter(s: ServerProcess, name: str) -> float:
+    return metric_total(s.get("/metrics"), f"sglang_tiered:kvpr_{name}_total")
+
+
+def wait_for_activations(s: ServerProcess, pages: int) -> None:
+    """Until `pages` activation pages reached the SSD tier (written after the KV, asynchronously); at most 60 s."""
+    deadline = time.monotonic() + 60
+    while counter(s, "activation_pages_written") < pages and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert counter(s, "activation_pages_written") >= pages
