@@ -79,6 +79,7 @@ class TieredConfig:
     importance_load: str = "off"  # "gated": SSD prefixes repacked by importance and loaded sparsely (approximate)
     importance_alpha: float = 0.6  # gate exponent: the heads' Jaccard must reach ((k/n) / (2 - k/n)) ** alpha
     importance_min_tokens: int = 256  # shortest stored span worth a sparse load
+    importance_probe_skip: int = 4  # a layer whose gate failed on its last N measured loads skips the probe; 0 = off
     importance_order: str = "importance"  # chunk order in a repacked group; IMPORTANCE_ORDER_CHOICES
     kvpr: str = "auto"  # partial-recompute loading of SSD prefixes; KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a partial-recompute load
@@ -190,6 +191,8 @@ class TieredConfig:
             raise ConfigError(f"--tiered-importance-alpha: must be in (0, 10], got {self.importance_alpha}")
         if self.importance_min_tokens < 1:
             raise ConfigError(f"--tiered-importance-min-tokens: must be >= 1, got {self.importance_min_tokens}")
+        if self.importance_probe_skip < 0:
+            raise ConfigError(f"--tiered-importance-probe-skip: must be >= 0, got {self.importance_probe_skip}")
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
         if self.importance_load == "gated" and self.importance_heads == 0:
@@ -274,6 +277,9 @@ FLAG_HELP: dict[str, str] = {
     "Higher passes more layers (fewer bytes read, answers further from a full load); 1.0 passes whenever the heads "
     "agree more than chance. Default: 0.6.",
     "importance_min_tokens": "Shortest stored span (tokens) that a gated request loads sparsely. Default: 256.",
+    "importance_probe_skip": "A layer whose gate failed on each of its last N measured sparse loads loads the whole "
+    "stored span without reading its probe first (what a failed gate loads anyway, less the probe's bytes); every "
+    "8th load measures every layer again. 0: always probe. Default: 4.",
     "importance_order": "Order of the 16-token chunks in a prefix repacked for gated loading: 'importance' (the "
     "chunk with the most important tokens first, so a sparse load's picks are a few dense reads) or 'position' "
     "(prompt order, the same chunks; for comparison). Default: importance.",

@@ -20,13 +20,14 @@ Per layer, instead of loading all of S's KV:
 
 The probe of layer l + 1 is fetched by the engine's `LayerLoader` while layer l computes. `force="fail"` loads all
 of S on every layer without probing or scoring (the loader fetches S's KV one layer ahead instead): the result
-equals a full prefill over [P, S, C] (the exact path the gate falls back to).
+equals a full prefill over [P, S, C] (the exact path the gate falls back to). `skip` does the same for some layers
+only (those whose gate keeps failing, `policy.importance.GateHistory`): no probe, all of S, jaccard nan.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -103,11 +104,12 @@ def _selection(span: StoredSpan, mass: torch.Tensor, k: int) -> torch.Tensor:
 def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span: StoredSpan,
                    prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, heads: int = 3,
                    window: int = 32, ratio: float = 0.2, alpha: float = 0.6, force: Optional[str] = None,
-                   overlap: bool = True) -> SparseResult:
+                   skip: Collection[int] = (), overlap: bool = True) -> SparseResult:
     """Prefill the new tokens `ids` (positions prefix_len + span.tokens ..) over the exact prefix
     (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the stored span, loading the span sparsely
     (see the module docstring).
-    `force`: None (the gate decides), "fail" (load everything: exact), "pass" (always load only the picks)."""
+    `force`: None (the gate decides), "fail" (load everything: exact), "pass" (always load only the picks).
+    `skip`: layers that load everything without a probe (as if their gate failed, unmeasured)."""
     c = model.cfg
     n, p, s = ids.shape[0], prefix_len, span.tokens
     if n < 1 or s < 1:
@@ -132,12 +134,18 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
     kept, kept_kv, gates = [], [], []
     everything = torch.arange(s)
     exact = force == "fail"  # no probe, no scoring: the loader fetches all of S one layer ahead
-    fetch = (lambda layer: span.load(layer, everything)) if exact else (lambda layer: span.probe(layer, probe_heads))
+
+    def whole(layer: int) -> bool:  # this layer loads all of S, unprobed
+        return exact or layer in skip
+
+    def fetch(layer: int) -> torch.Tensor:
+        return span.load(layer, everything) if whole(layer) else span.probe(layer, probe_heads)
+
     with LayerLoader(fetch, c.layers, overlap=overlap, name="sparse-load" if exact else "sparse-probe") as loads:
         for layer in range(c.layers):
             q, k, v = model.qkv(layer, x, positions)
             prefix = prefix_loader(layer) if p else model.empty_kv(0)[0]
-            if exact:
+            if whole(layer):
                 jac, passed, idx, loaded = math.nan, False, everything, loads.get(layer).to(model.dtype)
             else:
                 probe = loads.get(layer)  # [s, len(probe_heads), D]

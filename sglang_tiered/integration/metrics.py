@@ -228,7 +228,10 @@ EVENTS = {
     "importance_pages": "KV pages whose token importance was updated",
     "importance_sparse_requests": "Requests whose stored prefix was loaded sparsely (gated)",
     "importance_gate_passes": "Layers of sparse loads whose sampled heads agreed (only their picks loaded)",
-    "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the heads disagreed)",
+    "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the heads disagreed, or "
+    "the probe was skipped)",
+    "importance_probes_skipped": "Layers of sparse loads that loaded the whole stored span without reading their "
+    "probe (the layer's gate failed on its last --tiered-importance-probe-skip measured loads)",
     "importance_tokens_skipped": "Token-layers of stored prefixes not loaded by sparse loads",
     "importance_bytes_skipped": "Bytes of K and V of stored prefixes not loaded by sparse loads (the probe read "
     "instead is in importance_bytes_read)",

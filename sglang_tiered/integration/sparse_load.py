@@ -18,10 +18,11 @@ served by `engine.sparse.sparse_prefill` instead of SGLang's load of every page:
   (cpu_attention.py) which prefix positions to skip on each layer, in decode and in any later extend.
 
 Counters: `sglang_tiered:importance_sparse_requests_total`, `..._importance_gate_passes_total`,
-`..._importance_gate_fails_total` (layers), `..._importance_tokens_skipped_total` (token-layers of S not loaded),
-`..._importance_bytes_skipped_total` (their K and V), `..._importance_bytes_read_total` (probe + chunks),
-`..._importance_bytes_needed_total` (K and V of the tokens used: read amplification = read / needed),
-`..._importance_fallbacks_total`; one log line per sparse request.
+`..._importance_gate_fails_total` (layers), `..._importance_probes_skipped_total` (layers loaded whole without a
+probe: their gate kept failing, `--tiered-importance-probe-skip`), `..._importance_tokens_skipped_total`
+(token-layers of S not loaded), `..._importance_bytes_skipped_total` (their K and V),
+`..._importance_bytes_read_total` (probe + chunks), `..._importance_bytes_needed_total` (K and V of the tokens
+used: read amplification = read / needed), `..._importance_fallbacks_total`; one log line per sparse request.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from sglang_tiered.engine.sparse import sparse_prefill
 from sglang_tiered.integration import importance, metrics, model_forward, settings
 from sglang_tiered.integration.requests import IMPORTANCE_MODES, IMPORTANCE_PARAM
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
+from sglang_tiered.policy.importance import GateHistory
 from sglang_tiered.storage.group_file import GroupMeta
 
 logger = logging.getLogger("sglang_tiered")
@@ -172,10 +174,14 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     s = span.tokens
     ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
     mode = request_mode(req)
+    history = _gate_history(cfg.importance_probe_skip)
+    skip = history.skip() if mode != "full" else frozenset()
     res = sparse_prefill(engine, ids, prefix_len=prefix, span=span,
                          prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
                          heads=cfg.importance_heads, window=cfg.importance_window, ratio=cfg.importance_ratio,
-                         alpha=cfg.importance_alpha, force="fail" if mode == "full" else None)
+                         alpha=cfg.importance_alpha, force="fail" if mode == "full" else None, skip=skip)
+    if mode != "full":
+        history.record({g.layer: g.passed for g in res.gates if g.layer not in skip})
     new_kv = engine.empty_kv(ext).zero_()
     new_kv[:, s:] = res.kv
     for layer, (idx, kv) in enumerate(zip(res.kept, res.kept_kv)):
@@ -192,21 +198,34 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     metrics.count("importance_sparse_requests")
     metrics.count("importance_gate_passes", passes)
     metrics.count("importance_gate_fails", len(res.gates) - passes)
+    metrics.count("importance_probes_skipped", len(skip))
     metrics.count("importance_tokens_skipped", skipped)
     metrics.count("importance_bytes_skipped", skipped * token_layer_bytes)
     metrics.count("importance_bytes_read", span.bytes_read)
     metrics.count("importance_bytes_needed", needed)
     importance.tier().stats.add(sparse_bytes_read=span.bytes_read, sparse_bytes_needed=needed)
-    logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, passes, len(res.gates), res.loaded_fraction,
+    logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, passes, len(res.gates), len(skip), res.loaded_fraction,
                 span.bytes_read / 2**20, span.bytes_read / max(1, needed), time.perf_counter() - t0)
     return hidden
 
 
 LOG_LINE = ("tiered importance: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s gate passed %d/%d "
-            "layers, loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), total=%.3fs")
+            "layers (%d unprobed), loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), "
+            "total=%.3fs")
 # what `LOG_LINE` says, for readers of the server log (benchmarks): rid, stored tokens, MiB read, read amplification
 LOG_PATTERN = re.compile(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0-9.]+) MiB read \(read amplification "
                          r"([0-9.]+)")
+
+
+_history: Optional[GateHistory] = None
+
+
+def _gate_history(streak: int) -> GateHistory:
+    """This scheduler's record of gate outcomes per layer (one model per process)."""
+    global _history
+    if _history is None:
+        _history = GateHistory(streak)
+    return _history
 
 
 def register_hooks() -> bool:

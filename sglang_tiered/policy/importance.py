@@ -9,13 +9,16 @@ heads agree enough to load only the tokens they select.
   similarity J reaches t = j^alpha with j = (k/n) / (2 - k/n) (the expected Jaccard of two random k-subsets of n is
   about j), the heads agree more than chance and only a selection of about k tokens is loaded (engine/sparse.py);
   otherwise everything is.
+* Probe skipping (`GateHistory`): a layer whose gate failed on each of its last `streak` measured loads loads all
+  of the stored span at once, without reading its probe first -- the outcome a failed gate has anyway (exact for
+  that layer), less the probe's bytes. Every `explore`-th load measures every layer again.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def important_mask(scores: Sequence[float], ratio: float) -> list[bool]:
@@ -48,3 +51,27 @@ def gate_threshold(k: int, n: int, alpha: float = 0.6) -> float:
         raise ValueError(f"need 0 < k <= n, got k={k}, n={n}")
     f = k / n
     return (f / (2 - f)) ** alpha
+
+
+class GateHistory:
+    """Which layers a sparse load reads without a probe (see the module docstring). Not thread-safe: one per
+    scheduler process, used from its thread. `streak` 0: never skip."""
+
+    def __init__(self, streak: int, explore: int = 8) -> None:
+        if streak < 0 or explore < 1:
+            raise ValueError(f"need streak >= 0 and explore >= 1, got {streak} and {explore}")
+        self.streak, self.explore = streak, explore
+        self._fails: dict[int, int] = {}  # layer -> consecutive failed gates on the loads that measured it
+        self._loads = 0
+
+    def skip(self) -> frozenset[int]:
+        """The layers the next load reads without a probe (call once per load)."""
+        self._loads += 1
+        if self.streak == 0 or self._loads % self.explore == 0:
+            return frozenset()
+        return frozenset(layer for layer, n in self._fails.items() if n >= self.streak)
+
+    def record(self, passed: Mapping[int, bool]) -> None:
+        """The gate outcomes of one load, for the layers it measured (skipped layers are not in `passed`)."""
+        for layer, ok in passed.items():
+            self._fails[layer] = 0 if ok else self._fails.get(layer, 0) + 1

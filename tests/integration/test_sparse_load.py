@@ -7,7 +7,9 @@ compare token for token).
      cold run (reordering is exact);
    * `full` -- the sparse path with every token loaded (the gate forced to fail): identical too;
    * `gated` -- the gate decides per layer: answered, fewer bytes read than `full`, token-layers skipped,
-     counted; and kept out of the radix tree (the same request again is a sparse load again, not a device hit).
+     counted; and kept out of the radix tree (the same request again is a sparse load again, not a device hit),
+     which then skips the probe of the layers whose gate failed the first time (same output, their probes' bytes
+     saved).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def server(tmp: Path, name: str) -> ServerProcess:
-    args = tiered_args(tmp / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32", "--enable-metrics")
+    args = tiered_args(tmp / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32", "--enable-metrics",
+                       "--tiered-importance-probe-skip", "1")  # a layer that failed once is loaded unprobed next
     return ServerProcess(args, log_path=tmp / f"{name}.log")
 
 
@@ -63,6 +66,7 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         before = s.get("/metrics")
         s.flush_cache()
         gated = ask(s, prompt)
+        mid = s.get("/metrics")
         gated_again = ask(s, prompt)
         after = s.get("/metrics")
         lines = s.log_lines("tiered importance: rid")
@@ -85,6 +89,21 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert delta("bytes_skipped") == delta("tokens_skipped") * 2 * 3 * 64 * 4
     assert delta("bytes_read") / 2 < full_bytes  # each gated load read less than the full one
     assert cached_details(gated_again)["device"] == 0  # approximate KV never entered the radix tree
+
+    # probe skipping (--tiered-importance-probe-skip 1): the layers whose gate failed on the first gated load are
+    # loaded whole without their probe on the second -- what their failed gate loaded anyway, so the same output --
+    # and each saves exactly its probe: int8 keys + fp16 scales of the 3 KV heads for every stored token
+    def between(a: str, b: str, name: str) -> float:
+        return metric_total(b, f"sglang_tiered:importance_{name}_total") - \
+            metric_total(a, f"sglang_tiered:importance_{name}_total")
+
+    failed = between(before, mid, "gate_fails")
+    assert failed > 0 and between(before, mid, "probes_skipped") == 0
+    assert between(mid, after, "probes_skipped") == failed and f"({int(failed)} unprobed)" in lines[2], lines
+    assert gated_again["output_ids"] == gated["output_ids"]
+    stored = int(parsed[2].group(2))
+    saved = between(before, mid, "bytes_read") - between(mid, after, "bytes_read")
+    assert saved == failed * stored * 3 * (64 + 2)
 
 
 def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):

@@ -10,6 +10,7 @@ import torch
 
 from sglang_tiered.kernels.importance import sampled_heads, topk_sets, window_scores
 from sglang_tiered.policy.importance import (
+    GateHistory,
     ema,
     gate_threshold,
     important_mask,
@@ -70,6 +71,24 @@ def test_jaccard_gate_arithmetic():
 
 
 KEYS = [f"{i:064x}" for i in range(1, 4)]
+
+
+def test_gate_history_skips_a_layer_after_a_streak_of_failures_and_explores_again():
+    h = GateHistory(streak=2, explore=4)
+    assert h.skip() == frozenset()  # load 1: nothing known
+    h.record({0: False, 1: True, 2: False})
+    assert h.skip() == frozenset()  # load 2: one failure is not a streak
+    h.record({0: False, 1: False, 2: True})  # layer 2 passed: its streak starts over
+    assert h.skip() == {0}  # load 3
+    h.record({1: False, 2: False})  # layer 0 skipped: unmeasured, stays skipped
+    assert h.skip() == frozenset()  # load 4: every 4th load measures every layer
+    h.record({0: True, 1: False, 2: False})  # layer 0 passes again
+    assert h.skip() == {1, 2}  # load 5
+    never = GateHistory(streak=0)
+    never.record({0: False})
+    assert [never.skip() for _ in range(3)] == [frozenset()] * 3
+    with pytest.raises(ValueError):
+        GateHistory(streak=-1)
 
 
 def test_importance_table_moving_average_reuses_and_persistence(tmp_path):

@@ -3,6 +3,8 @@ loads fewer tokens when the sampled heads agree, and what it loads is what the s
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -100,6 +102,21 @@ def test_the_gate_compares_jaccard_with_the_threshold(setup):
     # alpha -> 0 makes the threshold 1: only identical picks pass, so (almost) every layer loads everything
     strict = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.2, alpha=1e-9)
     assert all(g.threshold > 0.99 for g in strict.gates)
+
+
+def test_skipped_layers_load_everything_unprobed_and_the_rest_is_unchanged(setup):
+    """A skipped layer does what a failed gate does (all of S) without reading the probe: skipping every layer is
+    the exact path; skipping layer 1 leaves layer 0's gate and picks as they were."""
+    model, ids, full = setup
+    every = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.2,
+                           skip=range(GQA.layers))
+    assert (every.logits - full.logits).abs().max().item() <= TOL and every.loaded_fraction == 1.0
+    free = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.2, force="pass")
+    span = Span(full.kv[:, :100])
+    one = sparse_prefill(model, ids[100:], prefix_len=0, span=span, ratio=0.2, force="pass", skip={1})
+    assert span.probed == [0, 2, 3] and sorted(span.loaded) == [20, 20, 20, 100]  # (the loader runs ahead)
+    assert one.gates[0] == free.gates[0] and torch.equal(one.kept[0], free.kept[0])
+    assert math.isnan(one.gates[1].jaccard) and not one.gates[1].passed and one.gates[1].loaded == 100
 
 
 def test_ratio_one_loads_everything_exactly(setup):
