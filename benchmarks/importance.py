@@ -24,7 +24,8 @@ every request instead, which made every configuration re-read its code pages too
 
 Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-tokens` tokens, each with a planted
 fact ("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores
-the tokens and gets the pages repacked), then -- device and host flushed, page cache dropped -- asked for the code
+the tokens and gets the pages repacked; then 4 gated loads of that question give the server's gate history its
+steady state), then -- device and host flushed, page cache dropped -- asked for the code
 three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
 everything (`full`) and the gated load; the gated load on a second server whose groups keep prompt order
 (`--tiered-importance-order position`: the reordering ablation); and the gated load on one more server per
@@ -279,13 +280,16 @@ def answer(text: str) -> str:
 
 QUESTION = "\n\nQuestion: What is the access code for the archive room?\nAnswer: The access code is"
 WARMUP = "\n\nQuestion: What is the text above about?\nAnswer:"
+HISTORY_LOADS = 4  # = the default --tiered-importance-probe-skip: the failing layers' probes are skipped from here on
 
 
 def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: list[str], codes: list[str],
                    modes: dict[str, str]) -> tuple[dict, list[str]]:
     """One gated server on a fresh SSD directory: each document asked the warm-up question (its pages get scored and
-    repacked), then per document and per mode (label -> `tiered_importance`), device and host flushed and the SSD
-    files evicted from the page cache, the code question. Rows per label, and the sparse-load log lines."""
+    repacked); then `HISTORY_LOADS` gated loads of the warm-up question (other requests a running server has
+    served: they give the gate history its steady state, `--tiered-importance-probe-skip`); then per document and
+    per mode (label -> `tiered_importance`), device and host flushed and the SSD files evicted from the page cache,
+    the code question. Rows per label, and the sparse-load log lines."""
     store = tmp / name
     rows: dict = {label: [] for label in modes}
     with ServerProcess([*args, "--tiered-ssd-dir", str(store)], log_path=tmp / f"{name}.log", wrapper=wrapper) as s:
@@ -294,6 +298,9 @@ def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], te
             deadline = time.monotonic() + 60
             while len(s.log_lines("tiered repack:")) <= i and time.monotonic() < deadline:
                 time.sleep(0.2)
+        for i in range(HISTORY_LOADS):
+            s.flush_cache()
+            s.generate(texts[i % len(texts)] + WARMUP, max_new_tokens=1)
         for text, code in zip(texts, codes):
             for label, mode in modes.items():
                 s.flush_cache()
