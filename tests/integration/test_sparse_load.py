@@ -77,9 +77,12 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     parsed = [LOG_PATTERN.search(line) for line in lines]  # what the benchmark reads from these lines
     assert all(parsed) and parsed[1].group(1) == gated["meta_info"]["id"], lines
 
-    def delta(name: str) -> float:
-        return metric_total(after, f"sglang_tiered:importance_{name}_total") - \
-            metric_total(before, f"sglang_tiered:importance_{name}_total")
+    def between(a: str, b: str, name: str) -> float:
+        return metric_total(b, f"sglang_tiered:importance_{name}_total") - \
+            metric_total(a, f"sglang_tiered:importance_{name}_total")
+
+    def delta(name: str) -> float:  # over both gated loads
+        return between(before, after, name)
 
     full_bytes = metric_total(before, "sglang_tiered:importance_bytes_read_total")  # the `full` load alone
     assert delta("sparse_requests") == 2
@@ -93,10 +96,6 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     # probe skipping (--tiered-importance-probe-skip 1): the layers whose gate failed on the first gated load are
     # loaded whole without their probe on the second -- what their failed gate loaded anyway, so the same output --
     # and each saves exactly its probe: int8 keys + fp16 scales of the 3 KV heads for every stored token
-    def between(a: str, b: str, name: str) -> float:
-        return metric_total(b, f"sglang_tiered:importance_{name}_total") - \
-            metric_total(a, f"sglang_tiered:importance_{name}_total")
-
     failed = between(before, mid, "gate_fails")
     assert failed > 0 and between(before, mid, "probes_skipped") == 0
     assert between(mid, after, "probes_skipped") == failed and f"({int(failed)} unprobed)" in lines[2], lines
