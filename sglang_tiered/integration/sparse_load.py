@@ -174,14 +174,13 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     s = span.tokens
     ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
     mode = request_mode(req)
-    history = _gate_history(cfg.importance_probe_skip)
-    skip = history.skip() if mode != "full" else frozenset()
+    skip = _history.skip() if mode != "full" else frozenset()
     res = sparse_prefill(engine, ids, prefix_len=prefix, span=span,
                          prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
                          heads=cfg.importance_heads, window=cfg.importance_window, ratio=cfg.importance_ratio,
                          alpha=cfg.importance_alpha, force="fail" if mode == "full" else None, skip=skip)
     if mode != "full":
-        history.record({g.layer: g.passed for g in res.gates if g.layer not in skip})
+        _history.record({g.layer: g.passed for g in res.gates if g.layer not in skip})
     new_kv = engine.empty_kv(ext).zero_()
     new_kv[:, s:] = res.kv
     for layer, (idx, kv) in enumerate(zip(res.kept, res.kept_kv)):
@@ -217,24 +216,19 @@ LOG_PATTERN = re.compile(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0
                          r"([0-9.]+)")
 
 
-_history: Optional[GateHistory] = None
-
-
-def _gate_history(streak: int) -> GateHistory:
-    """This scheduler's record of gate outcomes per layer (one model per process)."""
-    global _history
-    if _history is None:
-        _history = GateHistory(streak)
-    return _history
+# this scheduler's gate outcomes per layer (one model per process); set up by `register_hooks`
+_history = GateHistory(streak=0)
 
 
 def register_hooks() -> bool:
     """In scheduler processes of a CPU server with importance capture on (gated loading is per request too)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    global _history
     current = settings.current()
     if current is None or current.config.importance_load != "gated":
         return False
+    _history = GateHistory(current.config.importance_probe_skip)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", _around_prefetch,
                           HookType.AROUND)
     model_forward.prefill_alone(is_sparse)
