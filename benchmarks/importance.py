@@ -228,6 +228,19 @@ def weighted_hits(rows: list[dict], weights: dict[int, list[float]]) -> dict:
     return {k: v / total for k, v in served.items()}
 
 
+IOPS_LIMIT = Path(__file__).parent / "iops-limit"
+
+
+def disks(tmp: str, slow_mbps: int, slow_iops: int) -> dict[str, list[str]]:
+    """Disk label -> the wrapper that runs a server on it: the disk's own speed, reads throttled to `slow_mbps`, and
+    (`slow_iops` > 0) to `slow_mbps` and `slow_iops` read I/Os per second as well."""
+    slow = [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
+    out = {"native": [], f"{slow_mbps} MB/s": slow}
+    if slow_iops:
+        out[f"{slow_mbps} MB/s, {slow_iops} IOPS"] = [*slow, str(IOPS_LIMIT), str(slow_iops), tmp, "--"]
+    return out
+
+
 def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int], requests: int, clients: int,
               slow_mbps: int) -> dict:
     texts = [source.take(doc_tokens[i % len(doc_tokens)]) for i in range(docs)]
@@ -236,8 +249,7 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
     doc_ids = [source.tok(t)["input_ids"] for t in texts]
     out: dict = {}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:  # on the disk, not tmpfs: slow-disk throttles it
-        for disk in ("native", f"{slow_mbps} MB/s"):
-            wrapper = [] if disk == "native" else [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
+        for disk, wrapper in disks(tmp, slow_mbps, slow_iops=0).items():
             runs = {}
             for config in ABLATION:
                 name = f"{config}, disk {disk}"
@@ -280,7 +292,7 @@ def answer(text: str) -> str:
 
 QUESTION = "\n\nQuestion: What is the access code for the archive room?\nAnswer: The access code is"
 WARMUP = "\n\nQuestion: What is the text above about?\nAnswer:"
-HISTORY_LOADS = 4  # = the default --tiered-importance-probe-skip: the failing layers' probes are skipped from here on
+HISTORY_LOADS = TieredConfig().importance_probe_skip  # from here on the failing layers' probes are skipped
 
 
 def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: list[str], codes: list[str],
@@ -317,19 +329,6 @@ def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], te
 
 def alpha_label(alpha: float) -> str:
     return f"gated, alpha {alpha:g}"
-
-
-IOPS_LIMIT = Path(__file__).parent / "iops-limit"
-
-
-def disks(tmp: str, slow_mbps: int, slow_iops: int) -> dict[str, list[str]]:
-    """Disk label -> the wrapper that runs a server on it: the disk's own speed, reads throttled to `slow_mbps`, and
-    (`slow_iops` > 0) to `slow_mbps` and `slow_iops` read I/Os per second as well."""
-    slow = [str(SLOW_DISK), "--dir", tmp, str(slow_mbps), "--"]
-    out = {"native": [], f"{slow_mbps} MB/s": slow}
-    if slow_iops:
-        out[f"{slow_mbps} MB/s, {slow_iops} IOPS"] = [*slow, str(IOPS_LIMIT), str(slow_iops), tmp, "--"]
-    return out
 
 
 def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int, alphas: list[float],
