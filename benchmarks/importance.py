@@ -29,7 +29,8 @@ steady state), then -- device and host flushed, page cache dropped -- asked for 
 three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
 everything (`full`) and the gated load; the gated load on a second server whose groups keep prompt order
 (`--tiered-importance-order position`: the reordering ablation); and the gated load on one more server per
-`--alphas` value (`--tiered-importance-alpha`: the gate's trade of bytes against agreement). The SSD tier's files
+`--alphas` value (`--tiered-importance-alpha`: the gate's trade of bytes against agreement) and per `--sparse-ratios`
+value (`--tiered-importance-ratio`). The SSD tier's files
 are evicted from the page cache before each request (only those: `posix_fadvise`). TTFT (the first streamed token,
 client side), bytes the server read from storage (/proc/<pid>/io: what reached the block device, readahead
 included), whether the answer holds the code, and agreement with the full load: the answer (the first sentence of
@@ -41,7 +42,8 @@ a group in importance order serves a sparse load in a few long reads and one in 
 Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
 other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
 `--ratios`, by 16-token chunks of consecutive tokens (as the server loads a repacked group) and by single tokens,
-and at the default ratio by chunks with each `--alphas` gate exponent; the probe int8 as stored; accuracy,
+and at the default ratio by chunks with each `--alphas` gate exponent; the probe quantized as stored (4 bits,
+rotated), and for comparison the 8-bit probe of the first group format at the default and the lowest ratio; accuracy,
 agreement with the full load (answer, all 8 tokens, first token), first-token KL(full || gated), fraction loaded,
 gate pass rate.
 
@@ -331,12 +333,17 @@ def alpha_label(alpha: float) -> str:
     return f"gated, alpha {alpha:g}"
 
 
+def ratio_label(ratio: float) -> str:
+    return f"gated, ratio {ratio:g}"
+
+
 def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int, alphas: list[float],
-           slow_iops: int = 0) -> dict:
+           slow_iops: int = 0, ratios: tuple[float, ...] = ()) -> dict:
     """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
     the sparse path loading everything (full) and the gated load, same server; the gated load from groups kept in
     prompt order (`--tiered-importance-order position`, a second server: the reordering ablation); the gated load
-    with each gate exponent of `alphas` (one server each). On every disk of `disks`."""
+    with each gate exponent of `alphas` and each `--tiered-importance-ratio` of `ratios` (one server each). On every
+    disk of `disks`."""
     rng = random.Random(1)
     texts, codes = [], []
     for _ in range(docs):
@@ -355,10 +362,10 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
                 Path(tmp), f"prompt-order-{n}", wrapper, [*args, "--tiered-importance-order", "position"], texts,
                 codes, {"gated, prompt order": "gated"})
             rows.update(prompt_order)
-            for alpha in alphas:
-                label = alpha_label(alpha)
-                more, _ = _sparse_server(Path(tmp), f"alpha-{alpha}-{n}", wrapper,
-                                         [*args, "--tiered-importance-alpha", str(alpha)], texts, codes,
+            variants = [(alpha_label(x), f"alpha-{x}", "--tiered-importance-alpha", x) for x in alphas]
+            variants += [(ratio_label(x), f"ratio-{x}", "--tiered-importance-ratio", x) for x in ratios]
+            for label, name, flag, value in variants:
+                more, _ = _sparse_server(Path(tmp), f"{name}-{n}", wrapper, [*args, flag, str(value)], texts, codes,
                                          {label: "gated"})
                 rows.update(more)
             res = {}
@@ -385,17 +392,18 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
 
 class _MemorySpan:
     """A stored span held in memory as a repacked group serves it: 16-token units of consecutive tokens (`units`,
-    None: single tokens) and an int8 probe (quantized like the group file's)."""
+    None: single tokens) and a probe quantized like the group file's, with `bits` bits."""
 
-    def __init__(self, kv, units) -> None:
-        self.kv, self.tokens, self.units = kv, kv.shape[1], units
+    def __init__(self, kv, units, bits: int) -> None:
+        self.kv, self.tokens, self.units, self.bits = kv, kv.shape[1], units, bits
 
     def probe(self, layer, heads):
         import torch
 
         from sglang_tiered.storage.group_file import dequantize_probe, quantize_probe
 
-        return torch.from_numpy(dequantize_probe(*quantize_probe(self.kv[layer, :, 0, heads].numpy())))
+        keys = self.kv[layer, :, 0, heads].numpy()
+        return torch.from_numpy(dequantize_probe(*quantize_probe(keys, self.bits), self.bits))
 
     def load(self, layer, idx):
         return self.kv[layer, idx]
@@ -414,7 +422,7 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
     from sglang_tiered.kernels.extend_attention import causal_attention
     from sglang_tiered.kernels.importance import probed_kv_heads
     from sglang_tiered.models import default_model_path
-    from sglang_tiered.storage.group_file import GroupMeta
+    from sglang_tiered.storage.group_file import PROBE_BITS, GroupMeta
 
     model = load_model(("pretrained", str(default_model_path())), torch.float32)
     tok = source.tok
@@ -436,14 +444,20 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
     default = TieredConfig()
     # bytes a server reads per token-layer, as a fraction of a full load: the probe of every layer plus the loaded
     # tokens' K and V, as a repacked group of bf16 KV lays them out
-    layout = GroupMeta(ns="", gid="", keys=(), page_size=64, tokens=1, layers=1, heads=c.kv_heads, dim=c.head_dim,
-                       itemsize=2, perm=(0,), chunk=16, probe_crc=(), data_crc=(),
-                       probe_heads=tuple(probed_kv_heads(c.heads, c.kv_heads, default.importance_heads)))
-    probe_share = layout.probe_layer_bytes / layout.data_layer_bytes
-    settings = [(f"gated {ratio:.2f}, {unit}", ratio, unit, default.importance_alpha)
+    def probe_share(bits: int) -> float:
+        layout = GroupMeta(ns="", gid="", keys=(), page_size=64, tokens=1, layers=1, heads=c.kv_heads,
+                           dim=c.head_dim, itemsize=2, perm=(0,), chunk=16, probe_crc=(), data_crc=(),
+                           probe_heads=tuple(probed_kv_heads(c.heads, c.kv_heads, default.importance_heads)),
+                           probe_bits=bits)
+        return layout.probe_layer_bytes / layout.data_layer_bytes
+
+    # (name, ratio, unit, alpha, probe bits)
+    settings = [(f"gated {ratio:.2f}, {unit}", ratio, unit, default.importance_alpha, PROBE_BITS)
                 for ratio in ratios for unit in ("chunks", "tokens")]
     settings += [(f"gated {default.importance_ratio:.2f}, chunks, alpha {alpha:g}", default.importance_ratio,
-                  "chunks", alpha) for alpha in alphas]
+                  "chunks", alpha, PROBE_BITS) for alpha in alphas]
+    settings += [(f"gated {ratio:.2f}, chunks, 8-bit probe", ratio, "chunks", default.importance_alpha, 8)
+                 for ratio in sorted({default.importance_ratio, min(ratios)})]
     rng = random.Random(2)
     rows: dict = {"full": []}
     for _ in range(docs):
@@ -457,8 +471,8 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
         ref = greedy_continue(model, full.kv, full.logits, 8)
         rows["full"].append({"correct": code in tok.decode(ref), "agreement": 1.0, "answer": 1.0, "identical": 1.0,
                              "first_token": 1.0, "kl": 0.0, "loaded": 1.0, "read": 1.0, "passes": 0})
-        for name, ratio, unit, alpha in settings:
-            span = _MemorySpan(full.kv[:, :s], torch.arange(s) // 16 if unit == "chunks" else None)
+        for name, ratio, unit, alpha, bits in settings:
+            span = _MemorySpan(full.kv[:, :s], torch.arange(s) // 16 if unit == "chunks" else None, bits)
             r = sparse_prefill(model, ids[s:], prefix_len=0, span=span, ratio=ratio, alpha=alpha)
             out = decode([torch.cat([r.kept_kv[layer], r.kv[layer]]) for layer in range(c.layers)], r.logits,
                          ids.shape[0])
@@ -469,7 +483,7 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
                 "answer": answer(tok.decode(out, skip_special_tokens=True)) == answer(
                     tok.decode(ref, skip_special_tokens=True)), "identical": out == ref,
                 "first_token": out[0] == ref[0], "kl": float(kl), "loaded": r.loaded_fraction,
-                "read": probe_share + r.loaded_fraction,
+                "read": probe_share(bits) + r.loaded_fraction,
                 "passes": sum(g.passed for g in r.gates) / c.layers})
         print(f"[quality] document {len(rows['full'])}: code {code}, full load says {tok.decode(ref)!r}", flush=True)
     summary = {name: {k: statistics.mean(float(x[k]) for x in rs) for k in rs[0]} for name, rs in rows.items()}
@@ -532,7 +546,9 @@ def main() -> int:
     p.add_argument("--parts", nargs="+", default=["capture", "placement", "sparse", "quality"],
                    choices=["capture", "placement", "sparse", "quality"])
     p.add_argument("--quality-docs", type=int, default=24)
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.2, 0.3, 0.5, 0.7])
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.2, 0.3, 0.5, 0.7])
+    p.add_argument("--sparse-ratios", type=float, nargs="*", default=[0.15],
+                   help="--tiered-importance-ratio values measured besides the default in part sparse (a server each)")
     p.add_argument("--alphas", type=float, nargs="*", default=[1.0],
                    help="gate exponents measured besides the default (sparse: one server each; quality: at the "
                         "default ratio)")
@@ -583,7 +599,8 @@ def main() -> int:
         verdicts.append(f"ablation at {slow} (median / p90 TTFT, MiB read): " + " -> ".join(
             f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))
     if "sparse" in a.parts:
-        data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas, a.slow_iops)
+        data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas, a.slow_iops,
+                                a.sparse_ratios)
         data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps,
                                    "slow_iops": a.slow_iops}
         r = data["sparse"][f"{a.slow_mbps} MB/s"]
@@ -603,9 +620,11 @@ def main() -> int:
                 verdicts.append(f"reordering at {disk}: gated from groups in importance order {ordered:.3f} s vs "
                                 f"prompt order {prompt:.3f} s ({prompt / ordered:.2f}x); SGLang's full load "
                                 f"{d['off']['median_s']:.3f} s")
-        for alpha in a.alphas:
-            m = r[alpha_label(alpha)]
-            verdicts.append(f"gated sparse load with --tiered-importance-alpha {alpha:g} at {a.slow_mbps} MB/s: "
+        for flag, label in [("alpha", alpha_label(x)) for x in a.alphas] + [
+                ("ratio", ratio_label(x)) for x in a.sparse_ratios]:
+            m = r[label]
+            verdicts.append(f"gated sparse load with --tiered-importance-{flag} {label.split()[-1]} at "
+                            f"{a.slow_mbps} MB/s: "
                             f"{off['read_mib'] / max(m['read_mib'], 1e-9):.2f}x fewer bytes, TTFT "
                             f"{off['median_s'] / m['median_s']:.2f}x, answer agreement {m['answer_agreement']:.2f}, "
                             f"accuracy {m['accuracy']:.2f}")

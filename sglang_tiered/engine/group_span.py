@@ -1,7 +1,7 @@
 """A stored span served from a repacked group on the SSD tier: the `StoredSpan` that `sparse_prefill` reads.
 
 The span is the logical tokens [first * page_size, (first + pages) * page_size) of the group (its member pages
-first .. first + pages - 1). `probe` dequantizes the group's int8 probe into logical order; `load` maps the wanted
+first .. first + pages - 1). `probe` dequantizes the group's probe into logical order; `load` maps the wanted
 logical tokens to storage slots, reads only the chunks that hold them (importance order puts the usual picks in the
 first chunks) and returns their K and V. Every read is checksummed by the tier; a miss raises `SpanMiss`. Bytes read
 are counted in `bytes_read` (what was asked of the file system; the tier reads groups without readahead, so the
@@ -47,7 +47,7 @@ class GroupSpan:
         q, scale = got
         self.bytes_read += q.nbytes + scale.nbytes
         cols = [self.meta.probe_heads.index(h) for h in kv_heads]
-        keys = torch.from_numpy(dequantize_probe(q, scale))[self.slots]
+        keys = torch.from_numpy(dequantize_probe(q, scale, self.meta.probe_bits))[self.slots]
         return keys[:, cols]
 
     def load(self, layer: int, idx: torch.Tensor) -> torch.Tensor:

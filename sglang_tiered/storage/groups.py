@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sglang_tiered.storage.group_file import GroupMeta, quantize_probe
+from sglang_tiered.storage.group_file import PROBE_BITS, GroupMeta, quantize_probe
 from sglang_tiered.storage.namespace import Namespace
 
 ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
@@ -51,14 +51,15 @@ def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], orde
     raw = np.stack([np.frombuffer(p, dtype=_RAW[size]).reshape(layers, 2, ps, h, d) for p in payloads])
     raw = raw.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, tokens, h, d)  # [layer, k/v, logical token, h, d]
     perm = np.asarray(order, dtype=np.int64)
+    bits = PROBE_BITS if d % 2 == 0 else 8  # 4-bit probes pack two values per byte
     probes, data = [], []
     for layer in range(layers):
         k, v = raw[layer, 0, perm], raw[layer, 1, perm]
-        probes.append(quantize_probe(as_float(k[:, list(probe_heads)], ns.dtype)))
+        probes.append(quantize_probe(as_float(k[:, list(probe_heads)], ns.dtype), bits))
         data.append((k, v))
     meta = {"ns": ns.id, "gid": group_id(keys), "keys": list(keys), "page_size": ps, "tokens": tokens,
             "layers": layers, "heads": h, "dim": d, "itemsize": size, "perm": [int(i) for i in order],
-            "probe_heads": [int(x) for x in probe_heads], "chunk": chunk}
+            "probe_heads": [int(x) for x in probe_heads], "chunk": chunk, "probe_bits": bits}
     return meta, probes, data
 
 

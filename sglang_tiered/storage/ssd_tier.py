@@ -349,7 +349,7 @@ class SSDTier:
         return True
 
     def read_group_probe(self, gid: str, layer: int):
-        """The group's probe of one layer (int8 keys [T, h, D], fp16 scales [T, h]) or None on a miss."""
+        """The group's probe of one layer (`group_file.read_probe`'s keys and scales) or None on a miss."""
         return self._group_io(gid, lambda fd, meta: group_file.read_probe(fd, meta, layer))
 
     def read_group_chunks(self, gid: str, layer: int, chunks: Sequence[int]):

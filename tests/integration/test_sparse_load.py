@@ -95,14 +95,15 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
 
     # probe skipping (--tiered-importance-probe-skip 1): the layers whose gate failed on the first gated load are
     # loaded whole without their probe on the second -- what their failed gate loaded anyway, so the same output --
-    # and each saves exactly its probe: int8 keys + fp16 scales of the 3 KV heads for every stored token
+    # and each saves exactly its probe: 4-bit keys (64 dims in 32 bytes) + fp16 scales of the 3 KV heads for every
+    # stored token
     failed = between(before, mid, "gate_fails")
     assert failed > 0 and between(before, mid, "probes_skipped") == 0
     assert between(mid, after, "probes_skipped") == failed and f"({int(failed)} unprobed)" in lines[2], lines
     assert gated_again["output_ids"] == gated["output_ids"]
     stored = int(parsed[2].group(2))
     saved = between(before, mid, "bytes_read") - between(mid, after, "bytes_read")
-    assert saved == failed * stored * 3 * (64 + 2)
+    assert saved == failed * stored * 3 * (32 + 2)
 
 
 def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):

@@ -93,18 +93,66 @@ def test_slots_follow_the_order_and_the_probe_ranks_like_the_keys(tmp_path):
     meta = tier.group_of(key(0))
     assert list(meta.perm) == o and meta.chunks == 2 * PS // meta.chunk
     q, scale = tier.read_group_probe(meta.gid, 2)
-    approx = group_file.dequantize_probe(q, scale)  # [tokens, 1, DIM] in slot order
+    assert meta.probe_bits == group_file.PROBE_BITS == 4 and q.shape == (2 * PS, 1, DIM // 2)
+    approx = group_file.dequantize_probe(q, scale, meta.probe_bits)  # [tokens, 1, DIM] in slot order
     raw = np.frombuffer(joined(bf16_page(0)) + joined(bf16_page(1)), dtype=np.uint16)
     pages = raw.reshape(2, LAYERS, 2, PS, HEADS, DIM)
     k2 = as_float(pages[:, 2, 0].reshape(2 * PS, HEADS, DIM), "torch.bfloat16")[:, 1:2]  # layer 2, head 1
     exact = k2[o]
-    assert np.abs(approx - exact).max() <= np.abs(exact).max() / 127 + 1e-6
+    # rounding moves each rotated value by at most half a step (max |rotated key| / 7), and the rotation back keeps
+    # the error's length
+    step = np.abs(exact[:, 0] @ group_file.rotation(DIM)).max(-1) / 7
+    assert (np.linalg.norm(approx - exact, axis=-1)[:, 0] <= np.sqrt(DIM) * step / 2 * 1.01).all()
     query = np.random.default_rng(0).standard_normal(DIM).astype(np.float32)
     top_exact = set(np.argsort(-(exact[:, 0] @ query))[:8].tolist())
     top_probe = set(np.argsort(-(approx[:, 0] @ query))[:8].tolist())
     assert len(top_exact & top_probe) >= 7
     chunks = tier.read_group_chunks(meta.gid, 0, [1])
     assert list(chunks) == [1] and len(chunks[1][0]) == meta.chunk * HEADS * DIM * 2
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_probe_quantization_round_trip(bits):
+    rng = np.random.default_rng(bits)
+    keys = rng.standard_normal((50, 3, 64)).astype(np.float32)
+    keys[:, :, 5] *= 20  # an outlier channel, as RoPE keys have
+    q, scale = group_file.quantize_probe(keys, bits)
+    assert q.dtype == np.uint8 and q.shape == (50, 3, 64 * bits // 8) and scale.shape == (50, 3)
+    back = group_file.dequantize_probe(q, scale, bits)
+    err = np.linalg.norm(back - keys, axis=-1) / np.linalg.norm(keys, axis=-1)
+    assert err.max() < (0.03 if bits == 8 else 0.15)
+    r = group_file.rotation(64)
+    assert np.allclose(r @ r, np.eye(64)) and np.allclose(r, r.T)
+    assert np.allclose(group_file.rotation(48) @ group_file.rotation(48), np.eye(48))  # blocks of 16
+    with pytest.raises(ValueError):
+        group_file.quantize_probe(keys[..., :63], 4)
+
+
+def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read(tmp_path):
+    tier = filled(tmp_path, 2)
+    assert tier.repack([key(0), key(1)], order(2 * PS, seed=1), probe_heads=[0])
+    new = tier.group_of(key(0))
+    (path,) = tmp_path.rglob(f"*{group_file.GROUP_SUFFIX}")
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        probes = [group_file.dequantize_probe(*group_file.read_probe(fd, new, layer), 4) for layer in range(LAYERS)]
+        data = [[group_file.read_chunks(fd, new, layer, range(new.chunks))[c] for c in range(new.chunks)]
+                for layer in range(LAYERS)]
+    dt = np.uint16
+    kv = [(np.frombuffer(b"".join(bytes(c[0]) for c in layer), dt).reshape(-1, HEADS, DIM),
+           np.frombuffer(b"".join(bytes(c[1]) for c in layer), dt).reshape(-1, HEADS, DIM)) for layer in data]
+    meta = {"ns": new.ns, "gid": new.gid, "keys": list(new.keys), "page_size": PS, "tokens": new.tokens,
+            "layers": LAYERS, "heads": HEADS, "dim": DIM, "itemsize": 2, "perm": list(new.perm),
+            "probe_heads": [0], "chunk": new.chunk}  # no "probe_bits": the first format
+    group_file.write_group(str(path), meta, [group_file.quantize_probe(p, 8) for p in probes], kv)
+    again = SSDTier(tmp_path, ns(), 1 << 24)  # a restart reads the rewritten group
+    old = again.group_of(key(0))
+    assert old.probe_bits == 8 and old.probe_layer_bytes == new.tokens * (DIM + 2)
+    q, scale = again.read_group_probe(old.gid, 1)
+    assert np.allclose(group_file.dequantize_probe(q, scale, 8), probes[1], atol=np.abs(probes[1]).max() / 100)
+    outs = [empty(), empty()]
+    assert again.read_pages([(key(0), outs[0]), (key(1), outs[1])]) == [True, True]
+    assert joined(outs[0]) == joined(bf16_page(0)) and joined(outs[1]) == joined(bf16_page(1))
 
 
 def test_a_corrupt_chunk_is_a_counted_miss_never_data(tmp_path):
