@@ -18,10 +18,11 @@ BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiere
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
 IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-order (see storage/repacker.py)
+PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/kvpr.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
-           "kvpr": KVPR_CHOICES}
+           "importance_probe_bits": PROBE_BITS_CHOICES, "kvpr": KVPR_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -81,6 +82,7 @@ class TieredConfig:
     importance_min_tokens: int = 256  # shortest stored span worth a sparse load
     importance_probe_skip: int = 4  # a layer whose gate failed on its last N measured loads skips the probe; 0 = off
     importance_order: str = "importance"  # chunk order in a repacked group; IMPORTANCE_ORDER_CHOICES
+    importance_probe_bits: int = 4  # bits per value of a repacked group's probe; PROBE_BITS_CHOICES
     kvpr: str = "auto"  # partial-recompute loading of SSD prefixes; KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a partial-recompute load
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
@@ -283,6 +285,9 @@ FLAG_HELP: dict[str, str] = {
     "importance_order": "Order of the 16-token chunks in a prefix repacked for gated loading: 'importance' (the "
     "chunk with the most important tokens first, so a sparse load's picks are a few dense reads) or 'position' "
     "(prompt order, the same chunks; for comparison). Default: importance.",
+    "importance_probe_bits": "Bits per value of the probe a repacked prefix stores for gated loading (the sampled "
+    "heads' keys): 4 (rotated by a Hadamard matrix first; half the bytes of 8) or 8. Fewer probe bytes per sparse "
+    "load; the gate and the picks see slightly noisier keys. Default: 4.",
     "kvpr": "Partial-recompute loading (KVPR, exact): pages written through to SSD also store their per-layer "
     "attention inputs, and a prefix loaded from SSD reads those of its first l tokens and recomputes their K, V while "
     "the KV of the rest streams in, l chosen per load from the measured read bandwidth and compute "

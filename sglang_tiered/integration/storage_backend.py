@@ -104,7 +104,8 @@ class TieredSSDStorage(HiCacheStorage):
             kv = int(mem_pool_host.head_num)
             probe = probed_kv_heads(heads, kv, min(self.config.importance_heads, heads))
             self.repacker = Repacker(self.tier, self.importance, probe, before_repack=FOREGROUND.wait_idle,
-                                     by_importance=self.config.importance_order == "importance")
+                                     by_importance=self.config.importance_order == "importance",
+                                     probe_bits=self.config.importance_probe_bits)
             importance.attach_repacker(self.repacker, self.tier)
         remote = self.config.remote_settings()
         if remote is not None:

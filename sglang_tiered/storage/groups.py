@@ -40,7 +40,7 @@ def group_id(keys: Sequence[str]) -> str:
 
 
 def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], order: Sequence[int],
-             probe_heads: Sequence[int], chunk: int = 16) -> tuple[dict, list, list]:
+             probe_heads: Sequence[int], chunk: int = 16, probe_bits: int = PROBE_BITS) -> tuple[dict, list, list]:
     """(meta, probes, data) for `group_file.write_group` from the member pages' payloads (logical order).
     `order[i]` = the logical token stored in slot i (a permutation; repacker.importance_order)."""
     size, layers, ps = itemsize(ns), ns.layer_num, ns.page_size
@@ -51,7 +51,7 @@ def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], orde
     raw = np.stack([np.frombuffer(p, dtype=_RAW[size]).reshape(layers, 2, ps, h, d) for p in payloads])
     raw = raw.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, tokens, h, d)  # [layer, k/v, logical token, h, d]
     perm = np.asarray(order, dtype=np.int64)
-    bits = PROBE_BITS if d % 2 == 0 else 8  # 4-bit probes pack two values per byte
+    bits = probe_bits if d % 2 == 0 else 8  # 4-bit probes pack two values per byte
     probes, data = [], []
     for layer in range(layers):
         k, v = raw[layer, 0, perm], raw[layer, 1, perm]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+from sglang_tiered.storage.group_file import PROBE_BITS
 from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -43,9 +44,10 @@ def importance_order(table: ImportanceTable, keys: Sequence[str], page_size: int
 class Repacker:
     def __init__(self, tier: SSDTier, table: ImportanceTable, probe_heads: Sequence[int], *, min_pages: int = 4,
                  chunk: int = 16, wait_s: float = 30.0, before_repack: Optional[Callable[[], object]] = None,
-                 by_importance: bool = True) -> None:
-        """`by_importance` False: groups keep prompt order (`--tiered-importance-order position`, for comparison)."""
-        self.tier, self.table, self.probe_heads = tier, table, list(probe_heads)
+                 by_importance: bool = True, probe_bits: int = PROBE_BITS) -> None:
+        """`by_importance` False: groups keep prompt order (`--tiered-importance-order position`, for comparison).
+        `probe_bits`: the groups' probe (`group_file.quantize_probe`)."""
+        self.tier, self.table, self.probe_heads, self.probe_bits = tier, table, list(probe_heads), probe_bits
         self.by_importance = by_importance
         self.min_pages, self.chunk, self.wait_s, self.before_repack = min_pages, chunk, wait_s, before_repack
         self._queue: queue.Queue = queue.Queue(maxsize=256)
@@ -101,7 +103,7 @@ class Repacker:
                 ps = self.tier.namespace.page_size
                 order = importance_order(self.table, run, ps, self.chunk) if self.by_importance else \
                     list(range(len(run) * ps))
-                if self.tier.repack(run, order, self.probe_heads, self.chunk):
+                if self.tier.repack(run, order, self.probe_heads, self.chunk, self.probe_bits):
                     logger.info("tiered repack: %d pages in %s order", len(run),
                                 "importance" if self.by_importance else "prompt")
             run = []

@@ -284,7 +284,8 @@ class SSDTier:
         return actual
 
     # ----------------------------------------------------------------- groups
-    def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16) -> bool:
+    def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16,
+               probe_bits: int = group_file.PROBE_BITS) -> bool:
         """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, logical order) as one group whose
         slot i holds logical token order[i]. True when committed; False (nothing changed) if a page is missing,
         unreadable or already grouped, or the space is not there. Blocking; call from a background thread."""
@@ -300,7 +301,7 @@ class SSDTier:
             if not self._read_one((key, bufs)):
                 return False
             payloads.append(b"".join(bytes(b) for b in bufs))
-        meta, probes, data = assemble(self.namespace, keys, payloads, order, probe_heads, chunk)
+        meta, probes, data = assemble(self.namespace, keys, payloads, order, probe_heads, chunk, probe_bits)
         gid, entry = meta["gid"], "g." + meta["gid"]
         path = self._path(entry)
         tokens, chunks = meta["tokens"], -(-meta["tokens"] // chunk)  # + a bound of the metadata's size:

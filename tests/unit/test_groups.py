@@ -128,6 +128,16 @@ def test_probe_quantization_round_trip(bits):
         group_file.quantize_probe(keys[..., :63], 4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_repack_writes_the_probe_with_the_bits_asked_for(tmp_path, bits):
+    tier = filled(tmp_path, 2)
+    assert tier.repack([key(0), key(1)], order(2 * PS, seed=2), probe_heads=[0, 1], probe_bits=bits)
+    meta = tier.group_of(key(0))
+    q, scale = tier.read_group_probe(meta.gid, 0)
+    assert meta.probe_bits == bits and q.nbytes + scale.nbytes == meta.probe_layer_bytes == 2 * PS * 2 * (
+        DIM * bits // 8 + 2)
+
+
 def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read(tmp_path):
     tier = filled(tmp_path, 2)
     assert tier.repack([key(0), key(1)], order(2 * PS, seed=1), probe_heads=[0])
