@@ -26,6 +26,7 @@ meta: {"ns", "gid", "keys": [page keys, logical order], "page_size", "tokens" T,
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import threading
@@ -100,14 +101,17 @@ class GroupMeta:
         return self.offset + self.layers * (self.probe_layer_bytes + self.data_layer_bytes)
 
 
+@functools.lru_cache(maxsize=8)
 def rotation(dim: int) -> np.ndarray:
-    """Orthonormal, symmetric [dim, dim]: block-diagonal Sylvester Hadamard matrices of the largest power of two that
-    divides `dim` (its own inverse)."""
+    """Orthonormal, symmetric float32 [dim, dim] (read-only): block-diagonal Sylvester Hadamard matrices of the
+    largest power of two that divides `dim` (its own inverse)."""
     block = dim & -dim
     h = np.ones((1, 1))
     while h.shape[0] < block:
         h = np.block([[h, h], [h, -h]])
-    return np.kron(np.eye(dim // block), h / np.sqrt(block))
+    r = np.kron(np.eye(dim // block), h / np.sqrt(block)).astype(np.float32)
+    r.setflags(write=False)
+    return r
 
 
 def quantize_probe(keys: np.ndarray, bits: int = PROBE_BITS) -> tuple[np.ndarray, np.ndarray]:
@@ -116,7 +120,7 @@ def quantize_probe(keys: np.ndarray, bits: int = PROBE_BITS) -> tuple[np.ndarray
         raise ValueError(f"a probe has 8 bits, or 4 with an even head dim; got {bits} bits, dim {keys.shape[-1]}")
     k = keys.astype(np.float32)
     if bits == 4:
-        k = k @ rotation(k.shape[-1]).astype(np.float32)
+        k = k @ rotation(k.shape[-1])
     top = 2 ** (bits - 1) - 1
     scale = (np.abs(k).max(-1) / top).astype(np.float16)
     scale[scale == 0] = 1.0
@@ -133,7 +137,7 @@ def dequantize_probe(q: np.ndarray, scale: np.ndarray, bits: int = PROBE_BITS) -
         return q.view(np.int8).astype(np.float32) * scale.astype(np.float32)[..., None]
     vals = np.stack([q & 15, q >> 4], -1).reshape(*q.shape[:-1], -1).astype(np.float32) - 8
     k = vals * scale.astype(np.float32)[..., None]
-    return k @ rotation(k.shape[-1]).astype(np.float32)
+    return k @ rotation(k.shape[-1])
 
 
 def write_group(path: str, meta: dict, probes: Sequence[tuple[np.ndarray, np.ndarray]],
