@@ -59,7 +59,6 @@ def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
         (["--tiered-runahead-ranks", "4", "--tiered-runahead-min-tokens", "3"], "--tiered-runahead-min-tokens"),
         (["--tiered-runahead-timeout", "0"], "--tiered-runahead-timeout"),
         (["--tiered-importance-probe-skip", "-1"], "--tiered-importance-probe-skip"),
-        (["--tiered-importance-probe-bits", "5"], "--tiered-importance-probe-bits"),
         (["--tiered-runahead-partitions", "/nonexistent/table.json"], "--tiered-runahead-partitions"),
         (["--tiered-remote", "http://127.0.0.1:50051"], "--tiered-remote"),
         (["--tiered-remote", "mooncake://127.0.0.1"], "--tiered-remote"),

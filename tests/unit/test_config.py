@@ -41,6 +41,7 @@ def test_validate_names_the_flag(tmp_path):
         "--tiered-io-threads": TieredConfig(ssd_dir=str(tmp_path), io_threads=0),
         "--tiered-prefetch-threshold": TieredConfig(ssd_dir=str(tmp_path), prefetch_threshold=-1),
         "--tiered-cpu-attention": TieredConfig(ssd_dir=str(tmp_path), cpu_attention="fast"),
+        "--tiered-importance-probe-bits": TieredConfig(ssd_dir=str(tmp_path), importance_probe_bits=5),
     }
     for flag, cfg in cases.items():
         with pytest.raises(ConfigError, match=f"^{flag}"):
