@@ -620,11 +620,10 @@ def main() -> int:
                 verdicts.append(f"reordering at {disk}: gated from groups in importance order {ordered:.3f} s vs "
                                 f"prompt order {prompt:.3f} s ({prompt / ordered:.2f}x); SGLang's full load "
                                 f"{d['off']['median_s']:.3f} s")
-        for flag, label in [("alpha", alpha_label(x)) for x in a.alphas] + [
-                ("ratio", ratio_label(x)) for x in a.sparse_ratios]:
+        for flag, value, label in [("alpha", x, alpha_label(x)) for x in a.alphas] + [
+                ("ratio", x, ratio_label(x)) for x in a.sparse_ratios]:
             m = r[label]
-            verdicts.append(f"gated sparse load with --tiered-importance-{flag} {label.split()[-1]} at "
-                            f"{a.slow_mbps} MB/s: "
+            verdicts.append(f"gated sparse load with --tiered-importance-{flag} {value:g} at {a.slow_mbps} MB/s: "
                             f"{off['read_mib'] / max(m['read_mib'], 1e-9):.2f}x fewer bytes, TTFT "
                             f"{off['median_s'] / m['median_s']:.2f}x, answer agreement {m['answer_agreement']:.2f}, "
                             f"accuracy {m['accuracy']:.2f}")

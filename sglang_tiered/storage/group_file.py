@@ -18,8 +18,9 @@ meta: {"ns", "gid", "keys": [page keys, logical order], "page_size", "tokens" T,
   [T, h, D * bits / 8] bytes followed by fp16 scales [T, h]. 4 bits (written now): each key is first rotated by
   `rotation(D)`, an orthonormal (block) Hadamard matrix that spreads RoPE's outlier channels over all channels, then
   two values per byte (low nibble first, offset by 8); dequantizing rotates back. Scoring needs only a ranking: on
-  SmolLM2 the rotated 4-bit probe passes the gate on nearly as many layers as the 8-bit one (0.70 vs 0.72 of them;
-  unrotated 4 bits: 0.61) at half its bytes (benchmarks/importance.py part quality). 8 bits: plain int8.
+  SmolLM2 the rotated 4-bit probe passes the gate on nearly as many layers as the 8-bit one (0.70 vs 0.72 of them,
+  benchmarks/importance.py part quality) at half its bytes; unrotated 4 bits passed on 0.61 (a one-off engine
+  experiment on the same 24 documents, not part of the benchmark). 8 bits: plain int8.
 * Data section, per layer, per chunk of C slots: K [C, H, D] then V [C, H, D] (the last chunk may be shorter).
 * Every probe layer and every data chunk has its own crc32: a sparse load reads and verifies only what it uses.
 """
@@ -40,7 +41,8 @@ import numpy as np
 from sglang_tiered.storage.page_file import read_meta_block
 
 MAGIC = b"SGTKG\x00\x01\x00"
-PROBE_BITS = 4  # what new groups are written with
+PROBE_BITS = 4  # what new groups are written with (config.TieredConfig.importance_probe_bits)
+PROBE_BITS_CHOICES = (4, 8)  # the widths this format reads and writes (config.PROBE_BITS_CHOICES)
 _FIXED = struct.Struct("<8sII")
 GROUP_SUFFIX = ".kvg"
 
@@ -116,7 +118,7 @@ def rotation(dim: int) -> np.ndarray:
 
 def quantize_probe(keys: np.ndarray, bits: int = PROBE_BITS) -> tuple[np.ndarray, np.ndarray]:
     """float keys [T, h, D] -> (uint8 [T, h, D * bits / 8], fp16 scales [T, h]); see the module docstring."""
-    if bits not in (4, 8) or (bits == 4 and keys.shape[-1] % 2):
+    if bits not in PROBE_BITS_CHOICES or (bits == 4 and keys.shape[-1] % 2):
         raise ValueError(f"a probe has 8 bits, or 4 with an even head dim; got {bits} bits, dim {keys.shape[-1]}")
     k = keys.astype(np.float32)
     if bits == 4:
@@ -131,8 +133,9 @@ def quantize_probe(keys: np.ndarray, bits: int = PROBE_BITS) -> tuple[np.ndarray
     return u[..., 0::2] | (u[..., 1::2] << 4), scale
 
 
-def dequantize_probe(q: np.ndarray, scale: np.ndarray, bits: int = PROBE_BITS) -> np.ndarray:
-    """The inverse of `quantize_probe` (up to rounding): float32 keys [T, h, D]."""
+def dequantize_probe(q: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
+    """The inverse of `quantize_probe` (up to rounding): float32 keys [T, h, D]. `bits` must be what the probe was
+    written with (a group's meta.probe_bits): no default, a wrong width would decode garbage."""
     if bits == 8:
         return q.view(np.int8).astype(np.float32) * scale.astype(np.float32)[..., None]
     vals = np.stack([q & 15, q >> 4], -1).reshape(*q.shape[:-1], -1).astype(np.float32) - 8

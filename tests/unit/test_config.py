@@ -33,6 +33,14 @@ def test_host_pool_settings():
             TieredConfig(host_size=bad).host_pool_settings()
 
 
+def test_the_probe_flag_offers_what_the_group_format_writes():
+    from sglang_tiered.config import PROBE_BITS_CHOICES
+    from sglang_tiered.storage import group_file
+
+    assert PROBE_BITS_CHOICES == group_file.PROBE_BITS_CHOICES
+    assert TieredConfig().importance_probe_bits == group_file.PROBE_BITS
+
+
 def test_validate_names_the_flag(tmp_path):
     TieredConfig(ssd_dir=str(tmp_path / "new" / "dir")).validate(page_bytes_estimate=1000)
     assert (tmp_path / "new" / "dir").is_dir()

@@ -145,7 +145,8 @@ def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read
     (path,) = tmp_path.rglob(f"*{group_file.GROUP_SUFFIX}")
     with open(path, "rb") as f:
         fd = f.fileno()
-        probes = [group_file.dequantize_probe(*group_file.read_probe(fd, new, layer), 4) for layer in range(LAYERS)]
+        probes = [group_file.dequantize_probe(*group_file.read_probe(fd, new, layer), new.probe_bits)
+                  for layer in range(LAYERS)]
         data = [[group_file.read_chunks(fd, new, layer, range(new.chunks))[c] for c in range(new.chunks)]
                 for layer in range(LAYERS)]
     dt = np.uint16
