@@ -138,6 +138,17 @@ def test_a_repack_writes_the_probe_with_the_bits_asked_for(tmp_path, bits):
         DIM * bits // 8 + 2)
 
 
+def test_an_odd_head_dim_gets_the_8_bit_probe():
+    from sglang_tiered.storage.groups import assemble
+
+    odd = Namespace(model="m:1", dtype="torch.bfloat16", page_size=PS, layout="layer_first", layer_num=LAYERS,
+                    kv_heads=HEADS, head_dim=7)
+    payloads = [np.random.default_rng(i).integers(0, 1 << 14, LAYERS * 2 * PS * HEADS * 7, dtype=np.uint16).tobytes()
+                for i in range(2)]
+    meta, probes, _ = assemble(odd, [key(0), key(1)], payloads, list(range(2 * PS)), [0], probe_bits=4)
+    assert meta["probe_bits"] == 8 and probes[0][0].shape == (2 * PS, 1, 7)
+
+
 def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read(tmp_path):
     tier = filled(tmp_path, 2)
     assert tier.repack([key(0), key(1)], order(2 * PS, seed=1), probe_heads=[0])
