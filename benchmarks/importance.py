@@ -79,7 +79,7 @@ from _harness import (  # noqa: E402
 
 from sglang_tiered.config import TieredConfig  # noqa: E402
 from sglang_tiered.integration.sparse_load import LOG_PATTERN as SPARSE_LOAD_LINE  # noqa: E402
-from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total  # noqa: E402
 
 
 def capture_cost(source: PromptSource, dtype: str, tokens: int, repeats: int) -> dict:
@@ -263,17 +263,21 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
                     rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients, store)
                     read_mib = (server_read_bytes(s) - before) / 2**20
                     sparse_loads = count_sparse_loads(rows, s.log_lines("tiered importance: rid"))
-                    lost = unfulfilled_prefetch(s.get("/metrics"))
+                    metrics = s.get("/metrics")
+                    lost = unfulfilled_prefetch(metrics)
+                    repack = {name: int(metric_total(metrics, f"sglang_tiered:ssd_{name}_total"))
+                              for name in ("repacked_pages", "repack_pages_kept", "repack_pages_read")}
+                    repack["read_mib"] = metric_total(metrics, "sglang_tiered:ssd_repack_read_bytes_total") / 2**20
                 ttft = sorted(r["ttft_s"] for r in rows)
                 tiers = {k: sum(r[k] for r in rows) for k in ("device", "host", "storage")}
                 tiers["computed"] = sum(r["prompt"] for r in rows) - sum(tiers.values())
                 out[name] = {"median_s": statistics.median(ttft), "p90_s": ttft[int(0.9 * (len(ttft) - 1))],
                              "tokens": tiers, "read_mib": read_mib, "sparse": sparse_loads,
-                             "prefetch_unfulfilled": lost, "rows": rows}
+                             "prefetch_unfulfilled": lost, "repack": repack, "rows": rows}
                 runs[config] = (name, store, rows)
                 print(f"[placement] {name}: median {out[name]['median_s']:.3f} s, p90 {out[name]['p90_s']:.3f} s, "
                       f"tokens {tiers}, {read_mib:.1f} MiB read, sparse loads {sparse_loads}, SGLang's L3 prefetch "
-                      f"tokens not used, by reason {lost}", flush=True)
+                      f"tokens not used, by reason {lost}, repack {repack}", flush=True)
             # one set of weights for every configuration of this disk: what the importance server learned
             weights = {d: token_importance(runs["importance"][1], doc_ids[d]) for d in set(order)}
             for name, _, rows in runs.values():

@@ -81,8 +81,9 @@ def main() -> int:
                     f"{w.get('cache_note', 'whole OS page cache dropped before every request')}.", "",
                     "| configuration | TTFT median (s) | p90 (s) | read (MiB) | sparse loads: count, MiB, read "
                     "amplification | device tokens | host tokens | SSD tokens | computed tokens | important tokens "
-                    "from device / host / SSD / computed | SGLang's L3 loads not used (tokens, reason) |",
-                    "| --- |" + " ---: |" * 10]
+                    "from device / host / SSD / computed | SGLang's L3 loads not used (tokens, reason) | repacked "
+                    "pages: from memory / read back (MiB) |",
+                    "| --- |" + " ---: |" * 11]
             for name, r in d["placement"].items():
                 t, share = r["tokens"], r.get("important_share")
                 imp = " / ".join(f"{share[k]:.2f}" for k in ("device", "host", "storage", "computed")) if share else ""
@@ -93,8 +94,11 @@ def main() -> int:
                 lost = "-"  # not recorded (runs before 2026-11-23 20:00)
                 if "prefetch_unfulfilled" in r:
                     lost = ", ".join(f"{n} {k}" for k, n in r["prefetch_unfulfilled"].items()) or "0"
+                rp = r.get("repack")  # not recorded before 2026-11-24
+                repack = (f"{rp['repack_pages_kept']} / {rp['repack_pages_read']} ({rp['read_mib']:.0f})"
+                          if rp and rp["repacked_pages"] else "-")
                 out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {read} | {loads} | {t['device']} | "
-                           f"{t['host']} | {t['storage']} | {t['computed']} | {imp} | {lost} |")
+                           f"{t['host']} | {t['storage']} | {t['computed']} | {imp} | {lost} | {repack} |")
             out += ["", "(The paper's ablation: lru -> importance placement -> + gated sparse loading from groups in "
                     "prompt order -> + reordering (groups in importance order). A sparse load's span counts as SSD "
                     "tokens. read = everything the server read from storage, the repacker's reads included. "

@@ -83,6 +83,7 @@ class TieredConfig:
     importance_probe_skip: int = 4  # a layer whose gate failed on its last N measured loads skips the probe; 0 = off
     importance_order: str = "importance"  # chunk order in a repacked group; IMPORTANCE_ORDER_CHOICES
     importance_probe_bits: int = 4  # bits per value of a repacked group's probe; PROBE_BITS_CHOICES
+    importance_repack_memory: str = "512M"  # bytes of written pages kept for the repacker (0 = read them back)
     kvpr: str = "auto"  # partial-recompute loading of SSD prefixes; KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a partial-recompute load
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
@@ -195,6 +196,10 @@ class TieredConfig:
             raise ConfigError(f"--tiered-importance-min-tokens: must be >= 1, got {self.importance_min_tokens}")
         if self.importance_probe_skip < 0:
             raise ConfigError(f"--tiered-importance-probe-skip: must be >= 0, got {self.importance_probe_skip}")
+        try:
+            parse_size(self.importance_repack_memory)
+        except ValueError as exc:
+            raise ConfigError(f"--tiered-importance-repack-memory: {exc}") from None
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
         if self.importance_load == "gated" and self.importance_heads == 0:
@@ -288,6 +293,9 @@ FLAG_HELP: dict[str, str] = {
     "importance_probe_bits": "Bits per value of the probe a repacked prefix stores for gated loading (the sampled "
     "heads' keys): 4 (rotated by a Hadamard matrix first; half the bytes of 8) or 8. Fewer probe bytes per sparse "
     "load; the gate and the picks see slightly noisier keys. Default: 4.",
+    "importance_repack_memory": "Host memory (suffixes K/M/G) that keeps a copy of the pages written to SSD for a "
+    "prompt about to be repacked for gated loading, so the repack does not read them back from the SSD; pages "
+    "beyond it are read back. 0: always read back. Default: 512M.",
     "kvpr": "Partial-recompute loading (KVPR, exact): pages written through to SSD also store their per-layer "
     "attention inputs, and a prefix loaded from SSD reads those of its first l tokens and recomputes their K, V while "
     "the KV of the rest streams in, l chosen per load from the measured read bandwidth and compute "

@@ -4,8 +4,9 @@ JSON file per rank at `<ssd dir>/stats/<namespace id>.json` (read by `sglang-tie
 Prometheus metrics (label `tp_rank`), all prefixed `sglang_tiered:ssd_`:
 hit_pages_total, hit_tokens_total, miss_pages_total, read_bytes_total, written_pages_total, written_bytes_total,
 evicted_pages_total, corrupt_pages_total, foreign_pages_total, lost_pages_total, io_errors_total,
-rejected_pages_total, repacked_groups_total, repacked_pages_total,
-group_reads_total, imported_pages_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
+rejected_pages_total, repacked_groups_total, repacked_pages_total, repack_pages_kept_total (taken from the copy
+kept at write), repack_pages_read_total and repack_read_bytes_total (read back from SSD), group_reads_total,
+imported_pages_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
 With `--tiered-remote`, the shared tier's, prefixed `sglang_tiered:remote_`: hit_pages_total, miss_pages_total,
 read_bytes_total, read_seconds_total, published_pages_total, written_bytes_total, corrupt_pages_total,
 foreign_pages_total, dropped_pages_total, errors_total (counters); up (gauge: 1 while the store answers).
@@ -46,6 +47,9 @@ _COUNTERS = {
     "rejected_pages": "rejected_pages_total",
     "repacked_groups": "repacked_groups_total",
     "repacked_pages": "repacked_pages_total",
+    "repack_pages_kept": "repack_pages_kept_total",
+    "repack_pages_read": "repack_pages_read_total",
+    "repack_bytes_read": "repack_read_bytes_total",
     "group_reads": "group_reads_total",
     "imported_pages": "imported_pages_total",
 }
@@ -69,8 +73,9 @@ def format_stats(s: dict, page_size: int) -> str:
     learned = (f" importance: {imp['observed_pages']} of {imp['pages']} pages scored, {imp['reuses']} page reuses"
                if imp else "")
     if s.get("repacked_groups"):
-        learned += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages), "
-                    f"group reads={s.get('group_reads', 0)}")
+        learned += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages: "
+                    f"{s.get('repack_pages_kept', 0)} from memory, {s.get('repack_pages_read', 0)} read back, "
+                    f"{s.get('repack_bytes_read', 0) / mib:.1f} MiB), group reads={s.get('group_reads', 0)}")
     if s.get("sparse_bytes_needed"):
         read, needed = s["sparse_bytes_read"], s["sparse_bytes_needed"]
         learned += (f" sparse loads read {read / mib:.1f} MiB for {needed / mib:.1f} MiB used (read amplification "

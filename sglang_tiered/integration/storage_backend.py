@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from sglang_tiered.config import parse_size
 from sglang_tiered.integration import importance, kvpr
 from sglang_tiered.integration.metrics import StatsReporter, prometheus_enabled
 from sglang_tiered.integration.settings import current as current_settings
@@ -32,6 +33,7 @@ from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.remote_tier import RemoteTier
 from sglang_tiered.storage.repacker import Repacker
 from sglang_tiered.storage.ssd_tier import SSDTier
+from sglang_tiered.storage.stash import PayloadStash
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -103,9 +105,11 @@ class TieredSSDStorage(HiCacheStorage):
             heads = current_settings().attention_heads or int(mem_pool_host.head_num)
             kv = int(mem_pool_host.head_num)
             probe = probed_kv_heads(heads, kv, min(self.config.importance_heads, heads))
+            stash = PayloadStash(parse_size(self.config.importance_repack_memory))
+            self.tier.attach_stash(stash)
             self.repacker = Repacker(self.tier, self.importance, probe, before_repack=FOREGROUND.wait_idle,
                                      by_importance=self.config.importance_order == "importance",
-                                     probe_bits=self.config.importance_probe_bits)
+                                     probe_bits=self.config.importance_probe_bits, stash=stash)
             importance.attach_repacker(self.repacker, self.tier)
         remote = self.config.remote_settings()
         if remote is not None:

@@ -11,6 +11,9 @@ Contracts
   tokens answer about as a single-token selection of the same size does (benchmarks/importance.py part quality);
   bundles of 16 importance-ranked tokens, the layout before, agreed less with a full load in an engine experiment.
 * `before_repack()` runs first (e.g. `ForegroundGate.wait_idle`: on CPU, repacking yields to the model forward).
+* With a `stash` (the one attached to the tier, `stash.py`), an accepted offer asks the tier to keep the pages'
+  payloads as they are written, and the repack takes them from there instead of reading the files back; the
+  stash forgets the offer's pages when its repack is over, whatever the outcome.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Optional
 from sglang_tiered.storage.group_file import PROBE_BITS
 from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.ssd_tier import SSDTier
+from sglang_tiered.storage.stash import PayloadStash
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +48,12 @@ def importance_order(table: ImportanceTable, keys: Sequence[str], page_size: int
 class Repacker:
     def __init__(self, tier: SSDTier, table: ImportanceTable, probe_heads: Sequence[int], *, min_pages: int = 4,
                  chunk: int = 16, wait_s: float = 30.0, before_repack: Optional[Callable[[], object]] = None,
-                 by_importance: bool = True, probe_bits: int = PROBE_BITS) -> None:
+                 by_importance: bool = True, probe_bits: int = PROBE_BITS,
+                 stash: Optional[PayloadStash] = None) -> None:
         """`by_importance` False: groups keep prompt order (`--tiered-importance-order position`, for comparison).
-        `probe_bits`: the groups' probe (`group_file.quantize_probe`)."""
+        `probe_bits`: the groups' probe (`group_file.quantize_probe`). `stash`: see the module docstring."""
         self.tier, self.table, self.probe_heads, self.probe_bits = tier, table, list(probe_heads), probe_bits
-        self.by_importance = by_importance
+        self.by_importance, self.stash = by_importance, stash
         self.min_pages, self.chunk, self.wait_s, self.before_repack = min_pages, chunk, wait_s, before_repack
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._busy = threading.Event()
@@ -58,10 +63,13 @@ class Repacker:
 
     def offer(self, keys: Sequence[str]) -> None:
         if len(keys) >= self.min_pages:
+            if self.stash is not None:  # before the queue: the worker may take the offer at once
+                self.stash.expect(keys)
             try:
                 self._queue.put_nowait(list(keys))
             except queue.Full:
-                pass
+                if self.stash is not None:
+                    self.stash.forget(keys)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every offer so far was handled (for tests)."""
@@ -85,6 +93,8 @@ class Repacker:
             except Exception:  # a failed repack leaves the plain pages: correct, just not reordered
                 logger.exception("tiered repack: failed")
             finally:
+                if self.stash is not None:
+                    self.stash.forget(keys)
                 self._busy.clear()
 
     def _repack(self, keys: list[str]) -> None:

@@ -15,7 +15,9 @@ Contracts
   (`group_file.py`). A group is committed by its rename; only then are its member pages' files removed, so a crash
   at any point leaves either the old pages or the group (on start, member pages of a committed group are deleted
   and orphaned temporary files swept). Members stay addressable by their page keys (`contains`, `read_pages`:
-  token-identical through the group's map); a group is accounted, touched and evicted as one unit.
+  token-identical through the group's map); a group is accounted, touched and evicted as one unit. With a stash
+  attached (`attach_stash`, `stash.py`), a repack takes its pages' payloads from the copies kept at their write and
+  reads only the others back (counted apart from request reads: `repack_pages_kept`, `repack_pages_read`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from sglang_tiered.storage.page_file import (
     write_file,
     write_page,
 )
+from sglang_tiered.storage.stash import PayloadStash
 from sglang_tiered.storage.stats import TierStats
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class SSDTier:
         self.stats = TierStats()
         self._policy: EvictionPolicy = policy or LRUPolicy()
         self._before_write = before_write
+        self.stash: Optional[PayloadStash] = None  # payloads kept for the repacker (`attach_stash`)
         self._index: dict[str, int] = {}  # key (or "g.<gid>" for a group) -> file size in bytes
         self._groups: dict[str, group_file.GroupMeta] = {}  # gid -> meta of a committed group
         self._member: dict[str, str] = {}  # page key -> gid of the group holding it
@@ -235,7 +239,14 @@ class SSDTier:
             self._before_write()
         size = header_bound(self.ns_id, key, [s.nbytes for s in segments]) + sum(s.nbytes for s in segments)
         t0 = time.perf_counter()
-        written = self._store_file(key, size, lambda path: write_page(str(path), self.ns_id, key, segments))
+
+        def write(path: Path) -> int:
+            n = write_page(str(path), self.ns_id, key, segments)
+            if self.stash is not None:  # the payload just written, kept before the page is indexed (and a repack
+                self.stash.keep(key, segments)  # may start); never a dedup's, which may differ in its low bits
+            return n
+
+        written = self._store_file(key, size, write)
         if written:
             self.stats.add(written_pages=1, bytes_written=written, write_seconds=time.perf_counter() - t0)
         return written is not None
@@ -284,6 +295,11 @@ class SSDTier:
         return actual
 
     # ----------------------------------------------------------------- groups
+    def attach_stash(self, stash: PayloadStash) -> None:
+        """From now on, pages written keep a copy of their payload in `stash` if it expects them, and `repack`
+        takes a member page's payload from there before reading its file back (`stash.py`)."""
+        self.stash = stash
+
     def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16,
                probe_bits: int = group_file.PROBE_BITS) -> bool:
         """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, logical order) as one group whose
@@ -294,13 +310,20 @@ class SSDTier:
                 return False
         seg = self.namespace.page_size * self.namespace.kv_heads * self.namespace.head_dim
         n_seg = 2 * self.namespace.layer_num
+        size = seg * ITEMSIZE.get(self.namespace.dtype, 2)
         payloads = []
         for key in keys:
-            size = seg * ITEMSIZE.get(self.namespace.dtype, 2)
+            payload = self.stash.take(key) if self.stash is not None else None
+            if payload is not None and len(payload) == n_seg * size:
+                self.stats.add(repack_pages_kept=1)
+                payloads.append(payload)
+                continue
             bufs = [memoryview(bytearray(size)) for _ in range(n_seg)]
-            if not self._read_one((key, bufs)):
+            n = self._serve(key, lambda path, key=key, bufs=bufs: read_page(str(path), self.ns_id, key, bufs))
+            if n is None:
                 return False
-            payloads.append(b"".join(bytes(b) for b in bufs))
+            self.stats.add(repack_pages_read=1, repack_bytes_read=n)
+            payloads.append(b"".join(bufs))
         meta, probes, data = assemble(self.namespace, keys, payloads, order, probe_heads, chunk, probe_bits)
         gid, entry = meta["gid"], "g." + meta["gid"]
         path = self._path(entry)

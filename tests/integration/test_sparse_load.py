@@ -53,6 +53,15 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     with server(tmp_path, "first") as s:
         cold = ask(s, prompt)
         wait_for_repack(s)
+        deadline = time.monotonic() + 10  # counters reach /metrics within a second or so
+        while metric_total(s.get("/metrics"), "sglang_tiered:ssd_repacked_pages_total") == 0 and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        metrics = s.get("/metrics")
+    # the repack took every page from the copy kept at its write: nothing was read back from the SSD
+    repacked = metric_total(metrics, "sglang_tiered:ssd_repacked_pages_total")
+    assert repacked >= 10 and metric_total(metrics, "sglang_tiered:ssd_repack_pages_kept_total") == repacked
+    assert metric_total(metrics, "sglang_tiered:ssd_repack_pages_read_total") == 0
     assert list((tmp_path / "ssd").glob("*/groups/*.kvg"))
 
     with server(tmp_path, "restart") as s:

@@ -50,6 +50,7 @@ def test_validate_names_the_flag(tmp_path):
         "--tiered-prefetch-threshold": TieredConfig(ssd_dir=str(tmp_path), prefetch_threshold=-1),
         "--tiered-cpu-attention": TieredConfig(ssd_dir=str(tmp_path), cpu_attention="fast"),
         "--tiered-importance-probe-bits": TieredConfig(ssd_dir=str(tmp_path), importance_probe_bits=5),
+        "--tiered-importance-repack-memory": TieredConfig(ssd_dir=str(tmp_path), importance_repack_memory="lots"),
     }
     for flag, cfg in cases.items():
         with pytest.raises(ConfigError, match=f"^{flag}"):
@@ -83,8 +84,8 @@ def test_stats_reporter_writes_json(tmp_path):
     rep = StatsReporter(stats, json_path=tmp_path / "stats" / "ns.json", page_size=64, capacity_bytes=10,
                         tp_rank=0, describe=lambda: {"id": "ns", "tp_rank": 0}, prometheus=False, log_interval=0,
                         tick=0.05, extras=lambda: {"importance": dict(coverage)})
-    stats.add(hit_pages=3, bytes_read=300, repacked_groups=2, repacked_pages=9, sparse_bytes_read=3 << 20,
-              sparse_bytes_needed=2 << 20)
+    stats.add(hit_pages=3, bytes_read=300, repacked_groups=2, repacked_pages=9, repack_pages_kept=6,
+              repack_pages_read=3, repack_bytes_read=3 << 20, sparse_bytes_read=3 << 20, sparse_bytes_needed=2 << 20)
     coverage.update(pages=5, observed_pages=4, reuses=7)
     rep.stop()
     rows = read_stats_files(str(tmp_path))
@@ -92,5 +93,6 @@ def test_stats_reporter_writes_json(tmp_path):
     assert rows[0]["importance"] == {"pages": 5, "observed_pages": 4, "reuses": 7}
     assert "hits=3 pages (192 tokens" in format_stats(rows[0], 64)
     line = format_stats(rows[0], 64)
-    assert "importance: 4 of 5 pages scored, 7 page reuses" in line and "repacked=2 groups (9 pages)" in line
+    assert "importance: 4 of 5 pages scored, 7 page reuses" in line \
+        and "repacked=2 groups (9 pages: 6 from memory, 3 read back, 3.0 MiB)" in line
     assert "read 3.0 MiB for 2.0 MiB used (read amplification 1.50)" in line

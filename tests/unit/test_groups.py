@@ -285,6 +285,56 @@ def test_the_repacker_writes_groups_in_importance_or_prompt_order(tmp_path, by_i
     assert list(meta.perm[:8]) == (list(range(48, 56)) if by_importance else list(range(8)))
 
 
+def test_a_repack_takes_the_pages_kept_at_their_write_and_reads_none_back(tmp_path):
+    from sglang_tiered.storage.stash import PayloadStash
+
+    keys = [key(i) for i in range(4)]
+    plain = filled(tmp_path / "plain")  # the same pages, repacked from their files
+    assert plain.repack(keys, order(4 * PS), probe_heads=[0, 1])
+    tier = SSDTier(tmp_path / "kept", ns(), 1 << 24)
+    stash = PayloadStash(1 << 20)
+    tier.attach_stash(stash)
+    stash.expect(keys[:3])  # the fourth page was written before its offer: read back
+    assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4)]))
+    for k in keys[:3]:  # damage the kept pages' files: a repack that read them would find them corrupt
+        (path,) = (tmp_path / "kept").glob(f"*/*/{k}{PAGE_SUFFIX}")
+        path.write_bytes(path.read_bytes()[:-1] + b"?")
+    assert tier.repack(keys, order(4 * PS), probe_heads=[0, 1])
+    s = tier.stats.snapshot()
+    assert (s["repack_pages_kept"], s["repack_pages_read"], s["corrupt_pages"]) == (3, 1, 0)
+    assert s["repack_bytes_read"] == 2 * LAYERS * SEG and s["bytes_read"] == 0  # a repack read is no request's hit
+    for i in range(4):
+        out, ref = empty(), empty()
+        assert tier.read_pages([(keys[i], out)]) == [True] and plain.read_pages([(keys[i], ref)]) == [True]
+        assert joined(out) == joined(ref) == joined(bf16_page(i)), i
+    stash.forget(keys[:3])
+    assert stash.used_bytes == 0
+
+
+def test_the_repacker_keeps_an_offers_pages_and_leaves_nothing_behind(tmp_path):
+    from sglang_tiered.storage.importance_table import ImportanceTable
+    from sglang_tiered.storage.repacker import Repacker
+    from sglang_tiered.storage.stash import PayloadStash
+
+    tier = SSDTier(tmp_path, ns(), 1 << 24)
+    stash = PayloadStash(2 * 2 * LAYERS * SEG)  # room for two of the four pages
+    tier.attach_stash(stash)
+    keys = [key(i) for i in range(4)]
+    repacker = Repacker(tier, ImportanceTable(PS), probe_heads=[0], chunk=8, stash=stash)
+    try:
+        repacker.offer(keys)  # before the write-through, as capture offers a prompt's pages
+        assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4)]))
+        repacker.flush()
+    finally:
+        repacker.close()
+    s = tier.stats.snapshot()
+    assert (s["repacked_pages"], s["repack_pages_kept"], s["repack_pages_read"]) == (4, 2, 2)
+    assert stash.used_bytes == 0 and not stash.keep(keys[0], bf16_page(0))  # forgotten once repacked
+    for i in range(4):
+        out = empty()
+        assert tier.read_pages([(keys[i], out)]) == [True] and joined(out) == joined(bf16_page(i))
+
+
 def _read_bytes() -> int:
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
