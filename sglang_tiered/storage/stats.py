@@ -14,8 +14,8 @@ class TierStats:
     group_reads: int = 0  # reads from repacked groups (a probe layer, or chunks of one layer)
     repacked_groups: int = 0  # groups committed (importance-ordered rewrites of a run of pages)
     repacked_pages: int = 0  # pages rewritten into groups
-    repack_pages_kept: int = 0  # of those, taken from the copy kept at their write (stash.py): no read
-    repack_pages_read: int = 0  # of those, read back from their files
+    repack_pages_kept: int = 0  # pages a repack took from the copy kept at their write (stash.py): no read
+    repack_pages_read: int = 0  # pages a repack read back from their files
     repack_bytes_read: int = 0  # bytes of those reads (not in bytes_read: no request waited for them)
     miss_pages: int = 0  # asked for and not in the index
     bytes_read: int = 0
