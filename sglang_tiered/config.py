@@ -13,16 +13,20 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from sglang_tiered.policy.importance import GATES
+
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
 IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-order (see storage/repacker.py)
+IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/kvpr.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
-           "importance_probe_bits": PROBE_BITS_CHOICES, "kvpr": KVPR_CHOICES}
+           "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
+           "kvpr": KVPR_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -45,6 +49,14 @@ def parse_size(text: str | int) -> int:
     if value < 0:
         raise ValueError(f"size must be non-negative: {text!r}")
     return value
+
+
+def flag_size(field: str, text: str | int) -> int:
+    """`parse_size` of the value of flag `--tiered-<field>`; raises ConfigError naming the flag."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ConfigError(f"--tiered-{field.replace('_', '-')}: {exc}") from None
 
 
 def default_cache_root() -> Path:
@@ -79,6 +91,8 @@ class TieredConfig:
     importance_ratio: float = 0.2  # the fraction of a prompt's tokens that count as important
     importance_load: str = "off"  # "gated": SSD prefixes repacked by importance and loaded sparsely (approximate)
     importance_alpha: float = 0.6  # gate exponent: the heads' Jaccard must reach ((k/n) / (2 - k/n)) ** alpha
+    importance_gate: str = "jaccard"  # "mass": pass when the picks leave out <= max_drop of the window's attention
+    importance_max_drop: float = 0.15  # the mass gate's bound, a share of the window's attention
     importance_min_tokens: int = 256  # shortest stored span worth a sparse load
     importance_probe_skip: int = 4  # a layer whose gate failed on its last N measured loads skips the probe; 0 = off
     importance_order: str = "importance"  # chunk order in a repacked group; IMPORTANCE_ORDER_CHOICES
@@ -117,10 +131,7 @@ class TieredConfig:
                     f"--tiered-host-size: the host tier must be larger than the device pool, got {ratio}x"
                 )
             return {"hicache_ratio": ratio}
-        try:
-            size = parse_size(text)
-        except ValueError as exc:
-            raise ConfigError(f"--tiered-host-size: {exc}") from None
+        size = flag_size("host_size", text)
         if size == 0 or size % 1024**3:
             raise ConfigError(
                 f"--tiered-host-size: SGLang sizes the host pool in whole GiB; got {self.host_size!r} "
@@ -138,10 +149,7 @@ class TieredConfig:
             address = MooncakeAddress.parse(self.remote, self.remote_metadata)
         except ValueError as exc:
             raise ConfigError(f"--tiered-remote: {exc}") from None
-        try:
-            segment = parse_size(self.remote_segment)
-        except ValueError as exc:
-            raise ConfigError(f"--tiered-remote-segment: {exc}") from None
+        segment = flag_size("remote_segment", self.remote_segment)
         if segment < 16 * 1024**2:
             raise ConfigError(f"--tiered-remote-segment: at least 16M, got {self.remote_segment!r}")
         return address, segment
@@ -169,10 +177,7 @@ class TieredConfig:
             raise ConfigError("--tiered-blend-separator: must contain a visible character")
         if not 0.0 < self.blend_ratio <= 1.0:
             raise ConfigError(f"--tiered-blend-ratio: must be in (0, 1], got {self.blend_ratio}")
-        try:
-            parse_size(self.blend_memory)
-        except ValueError as exc:
-            raise ConfigError(f"--tiered-blend-memory: {exc}") from None
+        flag_size("blend_memory", self.blend_memory)
         if self.runahead_ranks < 1:
             raise ConfigError(f"--tiered-runahead-ranks: must be >= 1, got {self.runahead_ranks}")
         if self.runahead_min_tokens < max(2, self.runahead_ranks):
@@ -192,14 +197,13 @@ class TieredConfig:
             raise ConfigError(f"--tiered-importance-ratio: must be in (0, 1], got {self.importance_ratio}")
         if not 0.0 < self.importance_alpha <= 10.0:
             raise ConfigError(f"--tiered-importance-alpha: must be in (0, 10], got {self.importance_alpha}")
+        if not 0.0 <= self.importance_max_drop <= 1.0:
+            raise ConfigError(f"--tiered-importance-max-drop: must be in [0, 1], got {self.importance_max_drop}")
         if self.importance_min_tokens < 1:
             raise ConfigError(f"--tiered-importance-min-tokens: must be >= 1, got {self.importance_min_tokens}")
         if self.importance_probe_skip < 0:
             raise ConfigError(f"--tiered-importance-probe-skip: must be >= 0, got {self.importance_probe_skip}")
-        try:
-            parse_size(self.importance_repack_memory)
-        except ValueError as exc:
-            raise ConfigError(f"--tiered-importance-repack-memory: {exc}") from None
+        flag_size("importance_repack_memory", self.importance_repack_memory)
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
         if self.importance_load == "gated" and self.importance_heads == 0:
@@ -283,6 +287,12 @@ FLAG_HELP: dict[str, str] = {
     "importance_alpha": "Gate exponent alpha: the sampled heads' mean Jaccard must reach ((k/n)/(2-k/n))**alpha. "
     "Higher passes more layers (fewer bytes read, answers further from a full load); 1.0 passes whenever the heads "
     "agree more than chance. Default: 0.6.",
+    "importance_gate": "Which gate decides per layer whether a gated load takes only the picked tokens: 'jaccard' "
+    "(IMPRESS: the sampled heads' top-k sets agree, see --tiered-importance-alpha) or 'mass' (the picks leave out at "
+    "most --tiered-importance-max-drop of the attention the prompt's last tokens give, estimated from the probe; on "
+    "SmolLM2 closer to a full load at fewer bytes, see the README). Default: jaccard.",
+    "importance_max_drop": "The 'mass' gate's bound: the largest share of the attention of the prompt's last tokens "
+    "(over the probed heads) that may fall on stored tokens a layer leaves out. Lower loads more. Default: 0.15.",
     "importance_min_tokens": "Shortest stored span (tokens) that a gated request loads sparsely. Default: 256.",
     "importance_probe_skip": "A layer whose gate failed on each of its last N measured sparse loads loads the whole "
     "stored span without reading its probe first (what a failed gate loads anyway, less the probe's bytes); every "

@@ -7,9 +7,12 @@ Per layer, instead of loading all of S's KV:
   2. the *probe* is read -- the keys of S in the KV heads the sampled query heads read -- and the window (C's last
      `window` queries) is scored against [P, S, C] in every query head that reads a probed KV head (the sampled
      heads and their GQA group mates: same keys, no extra bytes);
-  3. each sampled head picks its top k = ceil(ratio * |S|) tokens of S; the gate (`policy.importance`) compares
-     their mean pairwise Jaccard J with t = j^alpha: J >= t -> only a selection is loaded (its K and V, all heads),
-     else all of S (exact for that layer). The selection is by I/O unit (a 16-token chunk of a repacked group;
+  3. each sampled head picks its top k = ceil(ratio * |S|) tokens of S and a selection of about k tokens is made
+     (below); the gate (`policy.importance`) decides whether only the selection is loaded (its K and V, all heads)
+     or all of S (exact for that layer). `gate="jaccard"` (IMPRESS): the sampled heads' top-k sets' mean pairwise
+     Jaccard J reaches t = j^alpha. `gate="mass"`: the share of the window's attention (every scored head) that
+     falls on the tokens of S left out is at most `max_drop` -- the attention the sparse layer takes away,
+     estimated from the probe. The selection is by I/O unit (a 16-token chunk of a repacked group;
      single tokens for a span without units): the units with the most attention -- summed over every scored head
      and the window -- best first, until they hold k tokens (ContiguousKV's chunk-as-I/O-unit selection). Scoring
      the selection with all probed heads rather than the union of the three sampled heads' picks raised, on
@@ -37,7 +40,7 @@ from sglang_tiered.engine.layer_loader import LayerLoader
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.kernels.importance import head_scores, probed_kv_heads, sampled_heads, topk_sets
-from sglang_tiered.policy.importance import gate_threshold, mean_pairwise_jaccard
+from sglang_tiered.policy.importance import GATES, gate_threshold, mean_pairwise_jaccard
 
 
 class StoredSpan(Protocol):
@@ -60,10 +63,11 @@ class StoredSpan(Protocol):
 @dataclass(frozen=True)
 class Gate:
     layer: int
-    jaccard: float  # nan where not measured (force="fail")
-    threshold: float
+    jaccard: float  # nan where not measured (force="fail", skipped layers)
+    threshold: float  # the Jaccard's threshold t
     passed: bool
     loaded: int  # tokens of S loaded on this layer
+    drop: float  # share of the window's attention on the tokens of S the selection leaves out; nan where unmeasured
 
 
 @dataclass
@@ -103,11 +107,13 @@ def _selection(span: StoredSpan, mass: torch.Tensor, k: int) -> torch.Tensor:
 @torch.inference_mode()
 def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, span: StoredSpan,
                    prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, heads: int = 3,
-                   window: int = 32, ratio: float = 0.2, alpha: float = 0.6, force: Optional[str] = None,
-                   skip: Collection[int] = (), overlap: bool = True) -> SparseResult:
+                   window: int = 32, ratio: float = 0.2, alpha: float = 0.6, gate: str = "jaccard",
+                   max_drop: float = 0.15, force: Optional[str] = None, skip: Collection[int] = (),
+                   overlap: bool = True) -> SparseResult:
     """Prefill the new tokens `ids` (positions prefix_len + span.tokens ..) over the exact prefix
     (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the stored span, loading the span sparsely
     (see the module docstring).
+    `gate`: "jaccard" (t = j^alpha) or "mass" (dropped attention share <= max_drop), see the module docstring.
     `force`: None (the gate decides), "fail" (load everything: exact), "pass" (always load only the picks).
     `skip`: layers that load everything without a probe (as if their gate failed, unmeasured)."""
     c = model.cfg
@@ -118,6 +124,8 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
         raise ValueError("prefix_len > 0 needs a prefix_loader")
     if force not in (None, "fail", "pass"):
         raise ValueError(f"force must be None, 'fail' or 'pass', got {force!r}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     group = c.heads // c.kv_heads
     q_heads = sampled_heads(c.heads, c.kv_heads, min(heads, c.heads))
     probe_heads = probed_kv_heads(c.heads, c.kv_heads, min(heads, c.heads))
@@ -146,14 +154,19 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
             q, k, v = model.qkv(layer, x, positions)
             prefix = prefix_loader(layer) if p else model.empty_kv(0)[0]
             if whole(layer):
-                jac, passed, idx, loaded = math.nan, False, everything, loads.get(layer).to(model.dtype)
+                jac = drop = math.nan
+                passed, idx, loaded = False, everything, loads.get(layer).to(model.dtype)
             else:
                 probe = loads.get(layer)  # [s, len(probe_heads), D]
                 keys = torch.cat([prefix[:, 0, probe_heads], probe, k[:, probe_heads]])
                 scores = head_scores(q[-w:], keys, positions[-w:], scored, kv_cols=cols)[:, p : p + s]
                 jac = mean_pairwise_jaccard(topk_sets(scores[rows], k_top))
-                passed = force == "pass" or (force is None and jac >= threshold)
-                idx = _selection(span, scores.sum(0), k_top) if passed else everything
+                mass = scores.sum(0)  # every row of head_scores hands out w units over [P, S, C]
+                picks = _selection(span, mass, k_top)
+                drop = float(mass.sum() - mass[picks].sum()) / (len(scored) * w)
+                agree = jac >= threshold if gate == "jaccard" else drop <= max_drop
+                passed = force == "pass" or (force is None and agree)
+                idx = picks if passed else everything
                 loaded = span.load(layer, idx).to(model.dtype)
             kk = torch.cat([prefix[:, 0], loaded[:, 0], k])
             vv = torch.cat([prefix[:, 1], loaded[:, 1], v])
@@ -161,5 +174,5 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
             new_kv[layer, :, 0], new_kv[layer, :, 1] = k, v
             kept.append(idx)
             kept_kv.append(loaded)
-            gates.append(Gate(layer, jac, threshold, passed, int(idx.shape[0])))
+            gates.append(Gate(layer, jac, threshold, passed, int(idx.shape[0]), drop))
     return SparseResult(model.logits(x[-1:])[0], x[-1], new_kv, kept, kept_kv, gates, s, loads.wait_s)

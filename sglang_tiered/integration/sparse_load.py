@@ -178,7 +178,8 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     res = sparse_prefill(engine, ids, prefix_len=prefix, span=span,
                          prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
                          heads=cfg.importance_heads, window=cfg.importance_window, ratio=cfg.importance_ratio,
-                         alpha=cfg.importance_alpha, force="fail" if mode == "full" else None, skip=skip)
+                         alpha=cfg.importance_alpha, gate=cfg.importance_gate, max_drop=cfg.importance_max_drop,
+                         force="fail" if mode == "full" else None, skip=skip)
     if mode != "full":
         _history.record({g.layer: g.passed for g in res.gates if g.layer not in skip})
     new_kv = engine.empty_kv(ext).zero_()
@@ -203,12 +204,13 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     metrics.count("importance_bytes_read", span.bytes_read)
     metrics.count("importance_bytes_needed", needed)
     importance.tier().stats.add(sparse_bytes_read=span.bytes_read, sparse_bytes_needed=needed)
-    logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, passes, len(res.gates), len(skip), res.loaded_fraction,
-                span.bytes_read / 2**20, span.bytes_read / max(1, needed), time.perf_counter() - t0)
+    logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, cfg.importance_gate, passes, len(res.gates), len(skip),
+                res.loaded_fraction, span.bytes_read / 2**20, span.bytes_read / max(1, needed),
+                time.perf_counter() - t0)
     return hidden
 
 
-LOG_LINE = ("tiered importance: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s gate passed %d/%d "
+LOG_LINE = ("tiered importance: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s %s gate passed %d/%d "
             "layers (%d unprobed), loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), "
             "total=%.3fs")
 # what `LOG_LINE` says, for readers of the server log (benchmarks): rid, stored tokens, MiB read, read amplification

@@ -8,7 +8,8 @@ heads agree enough to load only the tokens they select.
 * Gate: the sampled heads each pick their top-k of the n stored tokens; if their sets' mean pairwise Jaccard
   similarity J reaches t = j^alpha with j = (k/n) / (2 - k/n) (the expected Jaccard of two random k-subsets of n is
   about j), the heads agree more than chance and only a selection of about k tokens is loaded (engine/sparse.py);
-  otherwise everything is.
+  otherwise everything is. The alternative `mass` gate (engine/sparse.py) passes a layer when the selection leaves
+  out at most a set share of the window's attention instead.
 * Probe skipping (`GateHistory`): a layer whose gate failed on each of its last `streak` measured loads loads all
   of the stored span at once, without reading its probe first -- the outcome a failed gate has anyway (exact for
   that layer), less the probe's bytes. Every `explore`-th load measures every layer again.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+
+GATES = ("jaccard", "mass")  # --tiered-importance-gate; jaccard is IMPRESS's
 
 
 def important_mask(scores: Sequence[float], ratio: float) -> list[bool]:

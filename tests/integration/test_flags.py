@@ -24,7 +24,8 @@ def test_help_lists_our_flags():
                  "--tiered-blend-ratio", "--tiered-blend-memory", "--tiered-runahead-ranks",
                  "--tiered-runahead-min-tokens", "--tiered-runahead-timeout", "--tiered-runahead-threads",
                  "--tiered-runahead-partitions", "--tiered-remote", "--tiered-remote-metadata",
-                 "--tiered-remote-segment", "--tiered-remote-host", "--tiered-importance-repack-memory"):
+                 "--tiered-remote-segment", "--tiered-remote-host", "--tiered-importance-repack-memory",
+                 "--tiered-importance-gate {jaccard,mass}", "--tiered-importance-max-drop"):
         assert flag in out, flag
 
 
@@ -60,6 +61,7 @@ def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
         (["--tiered-runahead-timeout", "0"], "--tiered-runahead-timeout"),
         (["--tiered-importance-probe-skip", "-1"], "--tiered-importance-probe-skip"),
         (["--tiered-importance-repack-memory", "5 bytes"], "--tiered-importance-repack-memory"),
+        (["--tiered-importance-max-drop", "-0.1"], "--tiered-importance-max-drop"),
         (["--tiered-runahead-partitions", "/nonexistent/table.json"], "--tiered-runahead-partitions"),
         (["--tiered-remote", "http://127.0.0.1:50051"], "--tiered-remote"),
         (["--tiered-remote", "mooncake://127.0.0.1"], "--tiered-remote"),

@@ -10,6 +10,8 @@ compare token for token).
      counted; and kept out of the radix tree (the same request again is a sparse load again, not a device hit),
      which then skips the probe of the layers whose gate failed the first time (same output, their probes' bytes
      saved).
+3. After another restart with `--tiered-importance-gate mass`: the mass gate decides (logged), passes some layers,
+   reads less than `full`, and answers.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from tests.integration.helpers import tiered_args
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
-def server(tmp: Path, name: str) -> ServerProcess:
+def server(tmp: Path, name: str, *extra: str) -> ServerProcess:
     args = tiered_args(tmp / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32", "--enable-metrics",
-                       "--tiered-importance-probe-skip", "1")  # a layer that failed once is loaded unprobed next
+                       "--tiered-importance-probe-skip", "1", *extra)  # a layer failed once is loaded unprobed next
     return ServerProcess(args, log_path=tmp / f"{name}.log")
 
 
@@ -113,6 +115,15 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     stored = int(parsed[2].group(2))
     saved = between(before, mid, "bytes_read") - between(mid, after, "bytes_read")
     assert saved == failed * stored * 3 * (32 + 2)
+
+    with server(tmp_path, "mass", "--tiered-importance-gate", "mass") as s:
+        mass = ask(s, prompt)
+        mass_lines = s.log_lines("tiered importance: rid")
+        metrics = s.get("/metrics")
+    assert mass["meta_info"]["completion_tokens"] >= 1
+    assert len(mass_lines) == 1 and "mode=gated mass gate passed" in mass_lines[0], mass_lines
+    assert 0 < metric_total(metrics, "sglang_tiered:importance_gate_passes_total") < 30  # SmolLM2: 30 layers
+    assert metric_total(metrics, "sglang_tiered:importance_bytes_read_total") < full_bytes
 
 
 def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):

@@ -104,6 +104,36 @@ def test_the_gate_compares_jaccard_with_the_threshold(setup):
     assert all(g.threshold > 0.99 for g in strict.gates)
 
 
+def test_the_mass_gate_compares_the_dropped_attention_with_its_bound(setup):
+    """drop = the window's attention (every scored head, over [P, S, C]) on the tokens of S the picks leave out,
+    recomputed here from the scores; the gate passes iff drop <= max_drop, and its picks are the Jaccard gate's."""
+    from sglang_tiered.kernels.importance import head_scores
+
+    model, ids, full = setup
+    r = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.1, gate="mass",
+                       max_drop=1.0, window=8)
+    assert all(g.passed and g.loaded == 10 for g in r.gates)  # nothing exceeds a bound of all the attention
+    pos = torch.arange(100, 120)
+    q, k, _ = model.qkv(0, model.embed(ids[100:]), pos)
+    scores = head_scores(q[-8:], torch.cat([full.kv[0, :100, 0], k]), pos[-8:], list(range(GQA.heads)))
+    left_out = torch.ones(100, dtype=torch.bool)
+    left_out[r.kept[0]] = False
+    assert r.gates[0].drop == pytest.approx(float(scores[:, :100][:, left_out].sum() / scores.sum()), rel=1e-5)
+    jaccard = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.1,
+                             force="pass", window=8)
+    assert all(torch.equal(a, b) for a, b in zip(r.kept, jaccard.kept))
+    bound = sorted(g.drop for g in r.gates)[1]
+    split = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.1, gate="mass",
+                           max_drop=bound, window=8)
+    # (a layer's drop depends on what the layers before it loaded, so compare each run with its own)
+    assert split.gates[0].drop == r.gates[0].drop
+    assert all(g.passed == (g.drop <= bound) and g.loaded == (10 if g.passed else 100) for g in split.gates)
+    assert 0 < sum(g.passed for g in split.gates) < GQA.layers
+    exact = sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), ratio=0.1, gate="mass",
+                           max_drop=0.0)
+    assert exact.loaded_fraction == 1.0 and (exact.logits - full.logits).abs().max().item() <= TOL
+
+
 def test_skipped_layers_load_everything_unprobed_and_the_rest_is_unchanged(setup):
     """A skipped layer does what a failed gate does (all of S) without reading the probe: skipping every layer is
     the exact path; skipping layer 1 leaves layer 0's gate and picks as they were."""
@@ -131,6 +161,8 @@ def test_bad_arguments(setup):
         sparse_prefill(model, ids[100:], prefix_len=4, span=Span(full.kv[:, 4:100]))
     with pytest.raises(ValueError, match="force"):
         sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), force="maybe")
+    with pytest.raises(ValueError, match="gate"):
+        sparse_prefill(model, ids[100:], prefix_len=0, span=Span(full.kv[:, :100]), gate="vote")
 
 
 # ---------------------------------------------------------------------------------------------- from a repacked group
