@@ -30,11 +30,12 @@ three ways on the same `--tiered-importance-load gated` server: SGLang's full lo
 everything (`full`) and the gated load; the gated load on a second server whose groups keep prompt order
 (`--tiered-importance-order position`: the reordering ablation); and the gated load on one more server per
 `--alphas` value (`--tiered-importance-alpha`: the gate's trade of bytes against agreement) and per `--sparse-ratios`
-value (`--tiered-importance-ratio`). The SSD tier's files
-are evicted from the page cache before each request (only those: `posix_fadvise`). TTFT (the first streamed token,
-client side), bytes the server read from storage (/proc/<pid>/io: what reached the block device, readahead
-included), whether the answer holds the code, and agreement with the full load: the answer (the first sentence of
-the 8-token greedy continuation, see `answer`) and all 8 tokens; natively, at `--slow-mbps`, and at `--slow-mbps`
+value (`--tiered-importance-ratio`), and one with the mass gate (`--tiered-importance-gate mass`) at the last
+`--mass-ratios` value. The SSD tier's files are evicted from the page cache before each request (only those:
+`posix_fadvise`). TTFT (the first streamed token, client side), bytes the server read from storage
+(/proc/<pid>/io: what reached the block device, readahead included), whether the answer holds the code, and
+agreement with the full load: the answer (the first sentence of the 8-token greedy continuation, see `answer`) and
+all 8 tokens; natively, at `--slow-mbps`, and at `--slow-mbps`
 with at most `--slow-iops` read I/Os per second (`benchmarks/iops-limit`, the kernel's blkio IOPS throttle: network
 block storage limits both; a gp3-class volume gives 125 MB/s and 3000 IOPS) -- where reordering should show, since
 a group in importance order serves a sparse load in a few long reads and one in prompt order in many short ones.
@@ -42,7 +43,8 @@ a group in importance order serves a sparse load in a few long reads and one in 
 Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
 other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
 `--ratios`, by 16-token chunks of consecutive tokens (as the server loads a repacked group) and by single tokens,
-and at the default ratio by chunks with each `--alphas` gate exponent; the probe quantized as stored (4 bits,
+and at the default ratio by chunks with each `--alphas` gate exponent; the mass gate (`--tiered-importance-gate
+mass`) at each `--mass-ratios` with each `--max-drops` bound; the probe quantized as stored (4 bits,
 rotated), and for comparison the 8-bit probe of the first group format at the default and the lowest ratio; accuracy,
 agreement with the full load (answer, all 8 tokens, first token), first-token KL(full || gated), fraction loaded,
 gate pass rate.
@@ -341,13 +343,22 @@ def ratio_label(ratio: float) -> str:
     return f"gated, ratio {ratio:g}"
 
 
+def mass_label(ratio: float, max_drop: float) -> str:
+    return f"gated {ratio:.2f}, chunks, mass gate {max_drop:g}"
+
+
+def mass_server_label(ratio: float) -> str:
+    return f"gated, mass gate, ratio {ratio:g}"
+
+
 def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int, alphas: list[float],
-           slow_iops: int = 0, ratios: tuple[float, ...] = ()) -> dict:
+           slow_iops: int = 0, ratios: tuple[float, ...] = (), mass_ratios: tuple[float, ...] = ()) -> dict:
     """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
     the sparse path loading everything (full) and the gated load, same server; the gated load from groups kept in
     prompt order (`--tiered-importance-order position`, a second server: the reordering ablation); the gated load
-    with each gate exponent of `alphas` and each `--tiered-importance-ratio` of `ratios` (one server each). On every
-    disk of `disks`."""
+    with each gate exponent of `alphas`, each `--tiered-importance-ratio` of `ratios`, and the mass gate
+    (`--tiered-importance-gate mass`, default bound) at each ratio of `mass_ratios` (one server each). On every disk
+    of `disks`."""
     rng = random.Random(1)
     texts, codes = [], []
     for _ in range(docs):
@@ -366,10 +377,13 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
                 Path(tmp), f"prompt-order-{n}", wrapper, [*args, "--tiered-importance-order", "position"], texts,
                 codes, {"gated, prompt order": "gated"})
             rows.update(prompt_order)
-            variants = [(alpha_label(x), f"alpha-{x}", "--tiered-importance-alpha", x) for x in alphas]
-            variants += [(ratio_label(x), f"ratio-{x}", "--tiered-importance-ratio", x) for x in ratios]
-            for label, name, flag, value in variants:
-                more, _ = _sparse_server(Path(tmp), f"{name}-{n}", wrapper, [*args, flag, str(value)], texts, codes,
+            variants = [(alpha_label(x), f"alpha-{x}", ["--tiered-importance-alpha", str(x)]) for x in alphas]
+            variants += [(ratio_label(x), f"ratio-{x}", ["--tiered-importance-ratio", str(x)]) for x in ratios]
+            variants += [(mass_server_label(x), f"mass-{x}", ["--tiered-importance-gate", "mass",
+                                                               "--tiered-importance-ratio", str(x)])
+                         for x in mass_ratios]
+            for label, name, flags in variants:
+                more, _ = _sparse_server(Path(tmp), f"{name}-{n}", wrapper, [*args, *flags], texts, codes,
                                          {label: "gated"})
                 rows.update(more)
             res = {}
@@ -413,7 +427,8 @@ class _MemorySpan:
         return self.kv[layer, idx]
 
 
-def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], alphas: list[float]) -> dict:
+def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], alphas: list[float],
+            mass_ratios: list[float] = (), max_drops: list[float] = ()) -> dict:
     """Engine-level quality of gated loading on SmolLM2 (fp32, no server): the planted-fact documents, the code
     question answered after a full prefill vs a gated sparse load (greedy, 8 tokens; decoding attends to the loaded
     tokens only, as in the server). Which tokens a load picks does not depend on the file order of a repacked group
@@ -455,13 +470,16 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
                            probe_bits=bits)
         return layout.probe_layer_bytes / layout.data_layer_bytes
 
-    # (name, ratio, unit, alpha, probe bits)
-    settings = [(f"gated {ratio:.2f}, {unit}", ratio, unit, default.importance_alpha, PROBE_BITS)
-                for ratio in ratios for unit in ("chunks", "tokens")]
+    # (name, ratio, unit, alpha, probe bits, gate, max drop)
+    jaccard = (default.importance_alpha, PROBE_BITS, "jaccard", default.importance_max_drop)
+    settings = [(f"gated {ratio:.2f}, {unit}", ratio, unit, *jaccard) for ratio in ratios
+                for unit in ("chunks", "tokens")]
     settings += [(f"gated {default.importance_ratio:.2f}, chunks, alpha {alpha:g}", default.importance_ratio,
-                  "chunks", alpha, PROBE_BITS) for alpha in alphas]
-    settings += [(f"gated {ratio:.2f}, chunks, 8-bit probe", ratio, "chunks", default.importance_alpha, 8)
-                 for ratio in sorted({default.importance_ratio, min(ratios)})]
+                  "chunks", alpha, PROBE_BITS, "jaccard", default.importance_max_drop) for alpha in alphas]
+    settings += [(f"gated {ratio:.2f}, chunks, 8-bit probe", ratio, "chunks", default.importance_alpha, 8, "jaccard",
+                  default.importance_max_drop) for ratio in sorted({default.importance_ratio, min(ratios)})]
+    settings += [(mass_label(ratio, drop), ratio, "chunks", default.importance_alpha, PROBE_BITS, "mass", drop)
+                 for ratio in mass_ratios for drop in max_drops]
     rng = random.Random(2)
     rows: dict = {"full": []}
     for _ in range(docs):
@@ -475,9 +493,10 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
         ref = greedy_continue(model, full.kv, full.logits, 8)
         rows["full"].append({"correct": code in tok.decode(ref), "agreement": 1.0, "answer": 1.0, "identical": 1.0,
                              "first_token": 1.0, "kl": 0.0, "loaded": 1.0, "read": 1.0, "passes": 0})
-        for name, ratio, unit, alpha, bits in settings:
+        for name, ratio, unit, alpha, bits, gate, max_drop in settings:
             span = _MemorySpan(full.kv[:, :s], torch.arange(s) // 16 if unit == "chunks" else None, bits)
-            r = sparse_prefill(model, ids[s:], prefix_len=0, span=span, ratio=ratio, alpha=alpha)
+            r = sparse_prefill(model, ids[s:], prefix_len=0, span=span, ratio=ratio, alpha=alpha, gate=gate,
+                               max_drop=max_drop)
             out = decode([torch.cat([r.kept_kv[layer], r.kv[layer]]) for layer in range(c.layers)], r.logits,
                          ids.shape[0])
             kl = torch.nn.functional.kl_div(r.logits.log_softmax(-1), full.logits.log_softmax(-1),
@@ -556,6 +575,11 @@ def main() -> int:
     p.add_argument("--alphas", type=float, nargs="*", default=[1.0],
                    help="gate exponents measured besides the default (sparse: one server each; quality: at the "
                         "default ratio)")
+    p.add_argument("--mass-ratios", type=float, nargs="*", default=[0.2, 0.3],
+                   help="ratios at which the mass gate (--tiered-importance-gate mass) is measured (sparse: the "
+                        "last one, a server; quality: each with every --max-drops)")
+    p.add_argument("--max-drops", type=float, nargs="*", default=[0.1, 0.15, 0.2],
+                   help="quality: the mass gate's bounds measured (--tiered-importance-max-drop)")
     p.add_argument("--sparse-docs", type=int, default=6)
     p.add_argument("--sparse-tokens", type=int, default=2048)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
@@ -604,7 +628,7 @@ def main() -> int:
             f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))
     if "sparse" in a.parts:
         data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas, a.slow_iops,
-                                a.sparse_ratios)
+                                a.sparse_ratios, a.mass_ratios[-1:])
         data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps,
                                    "slow_iops": a.slow_iops}
         r = data["sparse"][f"{a.slow_mbps} MB/s"]
@@ -624,15 +648,18 @@ def main() -> int:
                 verdicts.append(f"reordering at {disk}: gated from groups in importance order {ordered:.3f} s vs "
                                 f"prompt order {prompt:.3f} s ({prompt / ordered:.2f}x); SGLang's full load "
                                 f"{d['off']['median_s']:.3f} s")
-        for flag, value, label in [("alpha", x, alpha_label(x)) for x in a.alphas] + [
-                ("ratio", x, ratio_label(x)) for x in a.sparse_ratios]:
+        for flags, label in [(f"--tiered-importance-alpha {x:g}", alpha_label(x)) for x in a.alphas] + [
+                (f"--tiered-importance-ratio {x:g}", ratio_label(x)) for x in a.sparse_ratios] + [
+                (f"--tiered-importance-gate mass --tiered-importance-ratio {x:g}", mass_server_label(x))
+                for x in a.mass_ratios[-1:]]:
             m = r[label]
-            verdicts.append(f"gated sparse load with --tiered-importance-{flag} {value:g} at {a.slow_mbps} MB/s: "
+            verdicts.append(f"gated sparse load with {flags} at {a.slow_mbps} MB/s: "
                             f"{off['read_mib'] / max(m['read_mib'], 1e-9):.2f}x fewer bytes, TTFT "
                             f"{off['median_s'] / m['median_s']:.2f}x, answer agreement {m['answer_agreement']:.2f}, "
                             f"accuracy {m['accuracy']:.2f}")
     if "quality" in a.parts:
-        data["quality"] = quality(PromptSource(), a.quality_docs, a.sparse_tokens, a.ratios, a.alphas)
+        data["quality"] = quality(PromptSource(), a.quality_docs, a.sparse_tokens, a.ratios, a.alphas,
+                                  a.mass_ratios, a.max_drops)
         q = data["quality"]["summary"]
         default = f"gated {TieredConfig().importance_ratio:.2f}, chunks"
         d = q.get(default, {})
