@@ -290,7 +290,8 @@ FLAG_HELP: dict[str, str] = {
     "importance_gate": "Which gate decides per layer whether a gated load takes only the picked tokens: 'jaccard' "
     "(IMPRESS: the sampled heads' top-k sets agree, see --tiered-importance-alpha) or 'mass' (the picks leave out at "
     "most --tiered-importance-max-drop of the attention the prompt's last tokens give, estimated from the probe; on "
-    "SmolLM2 closer to a full load at fewer bytes, see the README). Default: jaccard.",
+    "SmolLM2 closer to a full load at fewer bytes, see the README); per request custom_params.tiered_importance_gate. "
+    "Default: jaccard.",
     "importance_max_drop": "The 'mass' gate's bound: the largest share of the attention of the prompt's last tokens "
     "(over the probed heads) that may fall on stored tokens a layer leaves out. Lower loads more. Default: 0.15.",
     "importance_min_tokens": "Shortest stored span (tokens) that a gated request loads sparsely. Default: 256.",

@@ -12,6 +12,7 @@ message. Checked, only for servers started with `--kv-backend tiered`:
   client that splits its own `input_ids`) are positive integers that add up to the prompt's length, at most
   `MAX_PARTS` of them;
 * `custom_params["tiered_importance"]`, if given, is one of "gated", "off", "full";
+* `custom_params["tiered_importance_gate"]`, if given, is "jaccard" or "mass";
 * `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force" or a number of tokens >= 0.
 """
 
@@ -21,10 +22,12 @@ from typing import Any
 
 from sglang_tiered.engine.blend_plan import MAX_PARTS, PromptError, check_parts
 from sglang_tiered.integration import settings
+from sglang_tiered.policy.importance import GATES
 
 PARAM = "tiered_chunks"  # custom_params key of a marked prompt's part lengths
 IMPORTANCE_PARAM = "tiered_importance"  # custom_params key of a request's sparse-loading mode (sparse_load.py)
 IMPORTANCE_MODES = ("gated", "off", "full")
+GATE_PARAM = "tiered_importance_gate"  # custom_params key of a request's gate, overriding --tiered-importance-gate
 KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
 KVPR_MODES = ("off", "auto", "force")  # or a number of tokens to recompute
 
@@ -83,6 +86,9 @@ def _before_validate(self, obj, input_ids, *args, **kwargs):
     mode = custom.get(IMPORTANCE_PARAM) if isinstance(custom, dict) else None
     if mode is not None and mode not in IMPORTANCE_MODES:
         raise ValueError(f"custom_params.{IMPORTANCE_PARAM} must be one of {IMPORTANCE_MODES}, got {mode!r}")
+    gate = custom.get(GATE_PARAM) if isinstance(custom, dict) else None
+    if gate is not None and gate not in GATES:
+        raise ValueError(f"custom_params.{GATE_PARAM} must be one of {GATES}, got {gate!r}")
     if isinstance(custom, dict) and KVPR_PARAM in custom:
         check_kvpr_mode(custom[KVPR_PARAM])
     return None

@@ -39,9 +39,9 @@ import torch
 from sglang_tiered.engine.group_span import GroupSpan, SpanMiss
 from sglang_tiered.engine.sparse import sparse_prefill
 from sglang_tiered.integration import importance, metrics, model_forward, settings
-from sglang_tiered.integration.requests import IMPORTANCE_MODES, IMPORTANCE_PARAM
+from sglang_tiered.integration.requests import GATE_PARAM, IMPORTANCE_MODES, IMPORTANCE_PARAM
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
-from sglang_tiered.policy.importance import GateHistory
+from sglang_tiered.policy.importance import GATES, GateHistory
 from sglang_tiered.storage.group_file import GroupMeta
 
 logger = logging.getLogger("sglang_tiered")
@@ -77,6 +77,13 @@ def request_mode(req) -> str:
         return mode
     current = settings.current()
     return "gated" if current is not None and current.config.importance_load == "gated" else "off"
+
+
+def request_gate(req) -> str:
+    """The request's gate: custom_params.tiered_importance_gate, else `--tiered-importance-gate`."""
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+    gate = custom.get(GATE_PARAM)
+    return gate if gate in GATES else settings.current().config.importance_gate
 
 
 def stored_run(req, start: int) -> Optional[tuple[GroupMeta, int, int]]:
@@ -173,15 +180,15 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     span = GroupSpan(importance.tier(), meta, first, pages)
     s = span.tokens
     ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
-    mode = request_mode(req)
-    skip = _history.skip() if mode != "full" else frozenset()
+    mode, gate = request_mode(req), request_gate(req)
+    skip = _histories[gate].skip() if mode != "full" else frozenset()
     res = sparse_prefill(engine, ids, prefix_len=prefix, span=span,
                          prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
                          heads=cfg.importance_heads, window=cfg.importance_window, ratio=cfg.importance_ratio,
-                         alpha=cfg.importance_alpha, gate=cfg.importance_gate, max_drop=cfg.importance_max_drop,
+                         alpha=cfg.importance_alpha, gate=gate, max_drop=cfg.importance_max_drop,
                          force="fail" if mode == "full" else None, skip=skip)
     if mode != "full":
-        _history.record({g.layer: g.passed for g in res.gates if g.layer not in skip})
+        _histories[gate].record({g.layer: g.passed for g in res.gates if g.layer not in skip})
     new_kv = engine.empty_kv(ext).zero_()
     new_kv[:, s:] = res.kv
     for layer, (idx, kv) in enumerate(zip(res.kept, res.kept_kv)):
@@ -204,7 +211,7 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     metrics.count("importance_bytes_read", span.bytes_read)
     metrics.count("importance_bytes_needed", needed)
     importance.tier().stats.add(sparse_bytes_read=span.bytes_read, sparse_bytes_needed=needed)
-    logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, cfg.importance_gate, passes, len(res.gates), len(skip),
+    logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, gate, passes, len(res.gates), len(skip),
                 res.loaded_fraction, span.bytes_read / 2**20, span.bytes_read / max(1, needed),
                 time.perf_counter() - t0)
     return hidden
@@ -218,19 +225,20 @@ LOG_PATTERN = re.compile(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0
                          r"([0-9.]+)")
 
 
-# this scheduler's gate outcomes per layer (one model per process); set up by `register_hooks`
-_history = GateHistory(streak=0)
+# this scheduler's gate outcomes per layer, per gate (a layer one gate fails may pass the other); one model per
+# process; set up by `register_hooks`
+_histories = {gate: GateHistory(streak=0) for gate in GATES}
 
 
 def register_hooks() -> bool:
     """In scheduler processes of a CPU server with importance capture on (gated loading is per request too)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    global _history
+    global _histories
     current = settings.current()
     if current is None or current.config.importance_load != "gated":
         return False
-    _history = GateHistory(current.config.importance_probe_skip)
+    _histories = {gate: GateHistory(current.config.importance_probe_skip) for gate in GATES}
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", _around_prefetch,
                           HookType.AROUND)
     model_forward.prefill_alone(is_sparse)

@@ -11,7 +11,8 @@ compare token for token).
      which then skips the probe of the layers whose gate failed the first time (same output, their probes' bytes
      saved).
 3. After another restart with `--tiered-importance-gate mass`: the mass gate decides (logged), passes some layers,
-   reads less than `full`, and answers.
+   reads less than `full`, and answers; a request naming the Jaccard gate (`tiered_importance_gate`) on that server
+   gets exactly the Jaccard server's gated load.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ def server(tmp: Path, name: str, *extra: str) -> ServerProcess:
     return ServerProcess(args, log_path=tmp / f"{name}.log")
 
 
-def ask(s: ServerProcess, text: str, mode: str | None = None) -> dict:
-    params: dict = {"max_new_tokens": 12, "temperature": 0}
+def ask(s: ServerProcess, text: str, mode: str | None = None, gate: str | None = None) -> dict:
+    params: dict = {"max_new_tokens": 12, "temperature": 0, "custom_params": {}}
     if mode:
-        params["custom_params"] = {"tiered_importance": mode}
+        params["custom_params"]["tiered_importance"] = mode
+    if gate:
+        params["custom_params"]["tiered_importance_gate"] = gate
     status, body = s.request("/generate", {"text": text, "sampling_params": params})
     assert status == 200, body
     return body
@@ -118,12 +121,19 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
 
     with server(tmp_path, "mass", "--tiered-importance-gate", "mass") as s:
         mass = ask(s, prompt)
-        mass_lines = s.log_lines("tiered importance: rid")
         metrics = s.get("/metrics")
+        s.flush_cache()
+        per_request = ask(s, prompt, gate="jaccard")
+        mass_lines = s.log_lines("tiered importance: rid")
     assert mass["meta_info"]["completion_tokens"] >= 1
-    assert len(mass_lines) == 1 and "mode=gated mass gate passed" in mass_lines[0], mass_lines
+    assert len(mass_lines) == 2 and "mode=gated mass gate passed" in mass_lines[0], mass_lines
     assert 0 < metric_total(metrics, "sglang_tiered:importance_gate_passes_total") < 30  # SmolLM2: 30 layers
     assert metric_total(metrics, "sglang_tiered:importance_bytes_read_total") < full_bytes
+    # the first load under the Jaccard gate on this server (its own gate history: nothing skipped) = the Jaccard
+    # server's first gated load, token for token and layer for layer
+    assert "mode=gated jaccard gate passed" in mass_lines[1], mass_lines
+    assert per_request["output_ids"] == gated["output_ids"]
+    assert mass_lines[1].split("gate passed")[1].split(",")[0] == lines[1].split("gate passed")[1].split(",")[0]
 
 
 def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
