@@ -134,6 +134,17 @@ def test_the_mass_gate_compares_the_dropped_attention_with_its_bound(setup):
     assert exact.loaded_fraction == 1.0 and (exact.logits - full.logits).abs().max().item() <= TOL
 
 
+def test_the_mass_gate_over_a_device_prefix(setup):
+    """With an exact prefix P in memory the window's attention is shared over [P, S, C]: bound 0 still loads all of
+    S (exact), bound 1 only the picks, and each share lies in [0, 1)."""
+    model, ids, full = setup
+    kw = dict(prefix_len=16, prefix_loader=lambda layer: full.kv[layer, :16], ratio=0.1, gate="mass")
+    exact = sparse_prefill(model, ids[100:], span=Span(full.kv[:, 16:100]), max_drop=0.0, **kw)
+    assert exact.loaded_fraction == 1.0 and (exact.logits - full.logits).abs().max().item() <= TOL
+    loose = sparse_prefill(model, ids[100:], span=Span(full.kv[:, 16:100]), max_drop=1.0, **kw)
+    assert all(g.passed and g.loaded == 9 and 0.0 <= g.drop < 1.0 for g in loose.gates)  # k = ceil(0.1 * 84)
+
+
 def test_skipped_layers_load_everything_unprobed_and_the_rest_is_unchanged(setup):
     """A skipped layer does what a failed gate does (all of S) without reading the probe: skipping every layer is
     the exact path; skipping layer 1 leaves layer 0's gate and picks as they were."""
