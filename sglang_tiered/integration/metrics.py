@@ -232,9 +232,12 @@ EVENTS = {
     "importance_prompts": "Prompts whose tokens were scored for importance",
     "importance_pages": "KV pages whose token importance was updated",
     "importance_sparse_requests": "Requests whose stored prefix was loaded sparsely (gated)",
-    "importance_gate_passes": "Layers of sparse loads whose sampled heads agreed (only their picks loaded)",
-    "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the heads disagreed, or "
-    "the probe was skipped)",
+    "importance_gate_passes": "Layers of sparse loads whose gate passed (only their picks loaded): the sampled "
+    "heads agreed (jaccard), or the picks left out at most --tiered-importance-max-drop of the attention (mass)",
+    "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the gate failed, or the "
+    "probe was skipped)",
+    "importance_attention_dropped": "Share of the window's attention on stored tokens left out, summed over the "
+    "passed layers of sparse loads (divided by importance_gate_passes: the mean per passed layer)",
     "importance_probes_skipped": "Layers of sparse loads that loaded the whole stored span without reading their "
     "probe (the layer's gate failed on its last --tiered-importance-probe-skip measured loads)",
     "importance_tokens_skipped": "Token-layers of stored prefixes not loaded by sparse loads",

@@ -205,6 +205,7 @@ def _sparse_forward(engine, req: Any, fb, meta: GroupMeta, first: int, pages: in
     metrics.count("importance_sparse_requests")
     metrics.count("importance_gate_passes", passes)
     metrics.count("importance_gate_fails", len(res.gates) - passes)
+    metrics.count("importance_attention_dropped", sum(g.drop for g in res.gates if g.passed))
     metrics.count("importance_probes_skipped", len(skip))
     metrics.count("importance_tokens_skipped", skipped)
     metrics.count("importance_bytes_skipped", skipped * token_layer_bytes)
