@@ -22,23 +22,23 @@ every request instead, which made every configuration re-read its code pages too
 
     .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
 
-Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-tokens` tokens, each with a planted
-fact ("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores
-the tokens and gets the pages repacked; then 4 gated loads of that question give the server's gate history its
-steady state), then -- device and host flushed, page cache dropped -- asked for the code
-three ways on the same `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading
-everything (`full`) and the gated load; the gated load on a second server whose groups keep prompt order
-(`--tiered-importance-order position`: the reordering ablation); and the gated load on one more server per
-`--alphas` value (`--tiered-importance-alpha`: the gate's trade of bytes against agreement) and per `--sparse-ratios`
-value (`--tiered-importance-ratio`), and one with the mass gate (`--tiered-importance-gate mass`) at the last
-`--mass-ratios` value. The SSD tier's files are evicted from the page cache before each request (only those:
-`posix_fadvise`). TTFT (the first streamed token, client side), bytes the server read from storage
-(/proc/<pid>/io: what reached the block device, readahead included), whether the answer holds the code, and
+Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-tokens` tokens, each with a planted fact
+("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores the
+tokens and gets the pages repacked; then 4 gated loads of that question give the server's gate history its steady
+state), then -- device and host flushed, page cache dropped -- asked for the code three ways on the same
+`--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading everything (`full`) and
+the gated load; the gated load on a second server whose groups keep prompt order (`--tiered-importance-order
+position`: the reordering ablation); and the gated load on one more server per `--alphas` value
+(`--tiered-importance-alpha`: the gate's trade of bytes against agreement) and per `--sparse-ratios` value
+(`--tiered-importance-ratio`), and one with the mass gate (`--tiered-importance-gate mass`) at the last
+`--mass-ratios` value per `--sparse-max-drops` bound. The SSD tier's files are evicted from the page cache before
+each request (only those: `posix_fadvise`). TTFT (the first streamed token, client side), bytes the server read from
+storage (/proc/<pid>/io: what reached the block device, readahead included), whether the answer holds the code, and
 agreement with the full load: the answer (the first sentence of the 8-token greedy continuation, see `answer`) and
-all 8 tokens; natively, at `--slow-mbps`, and at `--slow-mbps`
-with at most `--slow-iops` read I/Os per second (`benchmarks/iops-limit`, the kernel's blkio IOPS throttle: network
-block storage limits both; a gp3-class volume gives 125 MB/s and 3000 IOPS) -- where reordering should show, since
-a group in importance order serves a sparse load in a few long reads and one in prompt order in many short ones.
+all 8 tokens; natively, at `--slow-mbps`, and at `--slow-mbps` with at most `--slow-iops` read I/Os per second
+(`benchmarks/iops-limit`, the kernel's blkio IOPS throttle: network block storage limits both; a gp3-class volume
+gives 125 MB/s and 3000 IOPS) -- where reordering should show, since a group in importance order serves a sparse
+load in a few long reads and one in prompt order in many short ones.
 
 Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
 other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
@@ -347,18 +347,19 @@ def mass_label(ratio: float, max_drop: float) -> str:
     return f"gated {ratio:.2f}, chunks, mass gate {max_drop:g}"
 
 
-def mass_server_label(ratio: float) -> str:
-    return f"gated, mass gate, ratio {ratio:g}"
+def mass_server_label(ratio: float, max_drop: float) -> str:
+    return f"gated, mass gate {max_drop:g}, ratio {ratio:g}"
 
 
 def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: int, alphas: list[float],
-           slow_iops: int = 0, ratios: tuple[float, ...] = (), mass_ratios: tuple[float, ...] = ()) -> dict:
+           slow_iops: int = 0, ratios: tuple[float, ...] = (),
+           mass: tuple[tuple[float, float], ...] = ()) -> dict:
     """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
     the sparse path loading everything (full) and the gated load, same server; the gated load from groups kept in
     prompt order (`--tiered-importance-order position`, a second server: the reordering ablation); the gated load
     with each gate exponent of `alphas`, each `--tiered-importance-ratio` of `ratios`, and the mass gate
-    (`--tiered-importance-gate mass`, default bound) at each ratio of `mass_ratios` (one server each). On every disk
-    of `disks`."""
+    (`--tiered-importance-gate mass`) at each (ratio, bound) of `mass` (one server each). On every disk of
+    `disks`."""
     rng = random.Random(1)
     texts, codes = [], []
     for _ in range(docs):
@@ -379,9 +380,9 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
             rows.update(prompt_order)
             variants = [(alpha_label(x), f"alpha-{x}", ["--tiered-importance-alpha", str(x)]) for x in alphas]
             variants += [(ratio_label(x), f"ratio-{x}", ["--tiered-importance-ratio", str(x)]) for x in ratios]
-            variants += [(mass_server_label(x), f"mass-{x}", ["--tiered-importance-gate", "mass",
-                                                               "--tiered-importance-ratio", str(x)])
-                         for x in mass_ratios]
+            variants += [(mass_server_label(x, d), f"mass-{x}-{d}", [
+                "--tiered-importance-gate", "mass", "--tiered-importance-ratio", str(x),
+                "--tiered-importance-max-drop", str(d)]) for x, d in mass]
             for label, name, flags in variants:
                 more, _ = _sparse_server(Path(tmp), f"{name}-{n}", wrapper, [*args, *flags], texts, codes,
                                          {label: "gated"})
@@ -580,6 +581,8 @@ def main() -> int:
                         "last one, a server; quality: each with every --max-drops)")
     p.add_argument("--max-drops", type=float, nargs="*", default=[0.1, 0.15, 0.2],
                    help="quality: the mass gate's bounds measured (--tiered-importance-max-drop)")
+    p.add_argument("--sparse-max-drops", type=float, nargs="*", default=[0.15, 0.2],
+                   help="sparse: the mass gate's bounds measured at the last --mass-ratios value (a server each)")
     p.add_argument("--sparse-docs", type=int, default=6)
     p.add_argument("--sparse-tokens", type=int, default=2048)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
@@ -628,7 +631,7 @@ def main() -> int:
             f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))
     if "sparse" in a.parts:
         data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas, a.slow_iops,
-                                a.sparse_ratios, a.mass_ratios[-1:])
+                                a.sparse_ratios, [(a.mass_ratios[-1], d) for d in a.sparse_max_drops])
         data["sparse_workload"] = {"docs": a.sparse_docs, "tokens": a.sparse_tokens, "slow_mbps": a.slow_mbps,
                                    "slow_iops": a.slow_iops}
         r = data["sparse"][f"{a.slow_mbps} MB/s"]
@@ -650,8 +653,9 @@ def main() -> int:
                                 f"{d['off']['median_s']:.3f} s")
         for flags, label in [(f"--tiered-importance-alpha {x:g}", alpha_label(x)) for x in a.alphas] + [
                 (f"--tiered-importance-ratio {x:g}", ratio_label(x)) for x in a.sparse_ratios] + [
-                (f"--tiered-importance-gate mass --tiered-importance-ratio {x:g}", mass_server_label(x))
-                for x in a.mass_ratios[-1:]]:
+                (f"--tiered-importance-gate mass --tiered-importance-ratio {a.mass_ratios[-1]:g} "
+                 f"--tiered-importance-max-drop {d:g}", mass_server_label(a.mass_ratios[-1], d))
+                for d in a.sparse_max_drops]:
             m = r[label]
             verdicts.append(f"gated sparse load with {flags} at {a.slow_mbps} MB/s: "
                             f"{off['read_mib'] / max(m['read_mib'], 1e-9):.2f}x fewer bytes, TTFT "

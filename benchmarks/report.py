@@ -126,8 +126,8 @@ def main() -> int:
                     "path loading everything, exact; gated = the default; prompt order = the same gated load from "
                     "groups kept in prompt order, `--tiered-importance-order position`; alpha = the gated load on a "
                     "server with that `--tiered-importance-alpha` (default 0.6), ratio = with that "
-                    "`--tiered-importance-ratio` (default 0.2); mass gate = `--tiered-importance-gate mass` (its "
-                    "default bound, 0.15) at that ratio. A disk with IOPS: read I/Os per "
+                    "`--tiered-importance-ratio` (default 0.2); mass gate = `--tiered-importance-gate mass` with that "
+                    "`--tiered-importance-max-drop` (default 0.15) and ratio. A disk with IOPS: read I/Os per "
                     "second capped too, `benchmarks/iops-limit`.)"]
         if "quality" in d:
             q = d["quality"]
