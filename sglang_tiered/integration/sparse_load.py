@@ -9,7 +9,9 @@ served by `engine.sparse.sparse_prefill` instead of SGLang's load of every page:
   become extend tokens. The request is kept out of the radix tree (`skip_radix_cache_insert`: its KV is
   approximate) and prefills alone (`model_forward.prefill_alone`).
 * Forward -- `ImportanceHandler` on the Llama forward hook: the device/host prefix is read from the pool (exact),
-  the stored span S is loaded sparsely from the group (the gate decides per layer), the rest C is computed. C's KV
+  the stored span S is loaded sparsely from the group (the gate decides per layer: `--tiered-importance-gate`, or
+  the request's `custom_params.tiered_importance_gate`; each gate keeps its own probe-skipping history), the rest C
+  is computed. C's KV
   and, per layer, the loaded tokens of S go into the request's slots; the others are holes. Anything unexpected
   (a batch of several requests, a piece of a chunked prefill, the group gone or corrupt) leaves the batch to
   SGLang's forward, which then computes S exactly (correct, slower; logged and counted).
@@ -18,7 +20,8 @@ served by `engine.sparse.sparse_prefill` instead of SGLang's load of every page:
   (cpu_attention.py) which prefix positions to skip on each layer, in decode and in any later extend.
 
 Counters: `sglang_tiered:importance_sparse_requests_total`, `..._importance_gate_passes_total`,
-`..._importance_gate_fails_total` (layers), `..._importance_probes_skipped_total` (layers loaded whole without a
+`..._importance_gate_fails_total` (layers), `..._importance_attention_dropped_total` (the attention share the
+picks left out, summed over passed layers), `..._importance_probes_skipped_total` (layers loaded whole without a
 probe: their gate kept failing, `--tiered-importance-probe-skip`), `..._importance_tokens_skipped_total`
 (token-layers of S not loaded), `..._importance_bytes_skipped_total` (their K and V),
 `..._importance_bytes_read_total` (probe + chunks), `..._importance_bytes_needed_total` (K and V of the tokens
