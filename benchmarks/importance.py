@@ -639,8 +639,7 @@ def main() -> int:
         mass = r[f"importance + gated (mass gate) + reordering, disk {slow}"]
         verdicts.append(f"mass gate (ratio 0.3, bound 0.2) on the same workload at {slow}: median "
                         f"{mass['median_s']:.3f} s ({lru['median_s'] / mass['median_s']:.2f}x lower than LRU + full "
-                        f"load), "
-                        f"{mass['read_mib']:.0f} MiB read ({lru['read_mib'] / mass['read_mib']:.2f}x fewer)")
+                        f"load), {mass['read_mib']:.0f} MiB read ({lru['read_mib'] / mass['read_mib']:.2f}x fewer)")
     if "sparse" in a.parts:
         data["sparse"] = sparse(source, dtype, a.sparse_docs, a.sparse_tokens, a.slow_mbps, a.alphas, a.slow_iops,
                                 a.sparse_ratios, [(a.mass_ratios[-1], d) for d in a.sparse_max_drops])

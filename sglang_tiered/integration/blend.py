@@ -34,7 +34,7 @@ import torch
 from sglang_tiered.engine.blend import blend_prefill, observe
 from sglang_tiered.engine.blend_plan import plan_spans
 from sglang_tiered.integration import metrics, model_forward, settings
-from sglang_tiered.integration.requests import PARAM
+from sglang_tiered.integration.requests import PARAM, request_params
 from sglang_tiered.policy.loading import LoadingController
 from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore
 from sglang_tiered.storage.namespace import Namespace
@@ -44,8 +44,7 @@ logger = logging.getLogger("sglang_tiered")
 
 
 def is_marked(req) -> bool:
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    return PARAM in custom
+    return PARAM in request_params(req)
 
 
 class _Runtime:

@@ -55,7 +55,7 @@ from sglang_tiered.engine.kvpr_profile import (
 )
 from sglang_tiered.engine.page_span import PageSpan
 from sglang_tiered.integration import importance, metrics, model_forward, settings, sparse_load
-from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM
+from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
 from sglang_tiered.policy.kvpr import (
     Calibration,
@@ -280,8 +280,7 @@ def _profile(scheduler) -> Optional[Profile]:
 
 # ---------------------------------------------------------------------------------------------- admission
 def request_mode(req) -> Any:
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    mode = custom.get(KVPR_PARAM)
+    mode = request_params(req).get(KVPR_PARAM)
     if mode in KVPR_MODES or (isinstance(mode, int) and not isinstance(mode, bool)):
         return mode
     current = settings.current()
@@ -332,8 +331,7 @@ def _around_prefetch(original, self, req, *args, **kwargs):
         return original(self, req, *args, **kwargs)
     _start_measuring()
     mode = request_mode(req)
-    custom = getattr(req.sampling_params, "custom_params", None) or {}
-    if mode == "off" or REQUEST_CHUNKS in custom or sparse_load.request_mode(req) != "off":
+    if mode == "off" or REQUEST_CHUNKS in request_params(req) or sparse_load.request_mode(req) != "off":
         return original(self, req, *args, **kwargs)
     try:
         req.init_next_round_input(self.tree_cache, cow_mamba=False)

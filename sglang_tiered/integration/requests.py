@@ -32,6 +32,18 @@ KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute
 KVPR_MODES = ("off", "auto", "force")  # or a number of tokens to recompute
 
 
+def request_params(req) -> dict:
+    """A scheduler request's `sampling_params.custom_params` ({} when it has none)."""
+    return getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+
+
+def check_choice(custom: Any, param: str, choices: tuple) -> None:
+    """Raise ValueError if `custom` (a request's custom_params) gives `param` a value outside `choices`."""
+    value = custom.get(param) if isinstance(custom, dict) else None
+    if value is not None and value not in choices:
+        raise ValueError(f"custom_params.{param} must be one of {choices}, got {value!r}")
+
+
 def check_kvpr_mode(mode: Any) -> None:
     """Raise ValueError unless `mode` is one of KVPR_MODES or a non-negative integer (tokens)."""
     if mode in KVPR_MODES or (isinstance(mode, int) and not isinstance(mode, bool) and mode >= 0):
@@ -83,12 +95,8 @@ def _before_validate(self, obj, input_ids, *args, **kwargs):
         check_chunk_lengths(lengths, len(input_ids))
     params = getattr(obj, "sampling_params", None)
     custom = params.get("custom_params") if isinstance(params, dict) else None
-    mode = custom.get(IMPORTANCE_PARAM) if isinstance(custom, dict) else None
-    if mode is not None and mode not in IMPORTANCE_MODES:
-        raise ValueError(f"custom_params.{IMPORTANCE_PARAM} must be one of {IMPORTANCE_MODES}, got {mode!r}")
-    gate = custom.get(GATE_PARAM) if isinstance(custom, dict) else None
-    if gate is not None and gate not in GATES:
-        raise ValueError(f"custom_params.{GATE_PARAM} must be one of {GATES}, got {gate!r}")
+    check_choice(custom, IMPORTANCE_PARAM, IMPORTANCE_MODES)
+    check_choice(custom, GATE_PARAM, GATES)
     if isinstance(custom, dict) and KVPR_PARAM in custom:
         check_kvpr_mode(custom[KVPR_PARAM])
     return None

@@ -42,7 +42,7 @@ import torch
 from sglang_tiered.engine.group_span import GroupSpan, SpanMiss
 from sglang_tiered.engine.sparse import sparse_prefill
 from sglang_tiered.integration import importance, metrics, model_forward, settings
-from sglang_tiered.integration.requests import GATE_PARAM, IMPORTANCE_MODES, IMPORTANCE_PARAM
+from sglang_tiered.integration.requests import GATE_PARAM, IMPORTANCE_MODES, IMPORTANCE_PARAM, request_params
 from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
 from sglang_tiered.policy.importance import GATES, GateHistory
 from sglang_tiered.storage.group_file import GroupMeta
@@ -74,8 +74,7 @@ def holes(rid: str) -> Optional[Holes]:
 
 
 def request_mode(req) -> str:
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    mode = custom.get(PARAM)
+    mode = request_params(req).get(PARAM)
     if mode in MODES:
         return mode
     current = settings.current()
@@ -84,8 +83,7 @@ def request_mode(req) -> str:
 
 def request_gate(req) -> str:
     """The request's gate: custom_params.tiered_importance_gate, else `--tiered-importance-gate`."""
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    gate = custom.get(GATE_PARAM)
+    gate = request_params(req).get(GATE_PARAM)
     return gate if gate in GATES else settings.current().config.importance_gate
 
 
@@ -114,8 +112,8 @@ def _around_prefetch(original, self, req, *args, **kwargs):
     if getattr(req, "tiered_sparse", False):
         req.tiered_sparse = False  # re-admitted (e.g. retracted): decided afresh
     mode = request_mode(req)
-    custom = getattr(req.sampling_params, "custom_params", None) or {}
-    if mode == "off" or importance.tier() is None or REQUEST_CHUNKS in custom:  # blended requests: not here
+    blended = REQUEST_CHUNKS in request_params(req)  # blended requests: not here
+    if mode == "off" or importance.tier() is None or blended:
         return original(self, req, *args, **kwargs)
     try:
         req.init_next_round_input(self.tree_cache, cow_mamba=False)
