@@ -103,12 +103,14 @@ def main() -> int:
                           if rp and rp["repacked_pages"] else "-")
                 out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {read} | {loads} | {t['device']} | "
                            f"{t['host']} | {t['storage']} | {t['computed']} | {imp} | {lost} | {repack} |")
-            out += ["", "(The paper's ablation: lru -> importance placement -> + gated sparse loading from groups in "
-                    "prompt order -> + reordering (groups in importance order). A sparse load's span counts as SSD "
-                    "tokens. read = everything the server read from storage, the repacker's reads included. "
-                    "sglang-file: SGLang's own hierarchical cache with `--hicache-storage-backend file` and its "
-                    "torch_native CPU attention; important tokens weighted by what the importance server learned. "
-                    "L3 loads not used: SGLang's `storage_prefetch_unfulfilled_tokens_total` -- "
+            out += ["",
+                    "(The paper's ablation: lru -> importance placement -> + gated sparse loading from groups in "
+                    "prompt order -> + reordering (groups in importance order); outside it, the last step with the "
+                    "opt-in mass gate (`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). A sparse load's span "
+                    "counts as SSD tokens. read = everything the server read from storage, the repacker's reads "
+                    "included. sglang-file: SGLang's own hierarchical cache with `--hicache-storage-backend file` and"
+                    " its torch_native CPU attention; important tokens weighted by what the importance server "
+                    "learned. L3 loads not used: SGLang's `storage_prefetch_unfulfilled_tokens_total` -- "
                     "cache_admission_shortfall = loaded into host memory, evicted again before the request ran; "
                     "host_capacity = no host memory for the whole hit; deadline = the prefetch timed out.)"]
         if "sparse" in d:
