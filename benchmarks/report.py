@@ -83,15 +83,18 @@ def main() -> int:
                     f"{w['requests']} requests, {w['clients']} clients, s = {w['zipf_s']}; device pool "
                     f"{w['device_tokens']} tokens, host {w['host']}; "
                     f"{w.get('cache_note', 'whole OS page cache dropped before every request')}.", "",
-                    "| configuration | TTFT median (s) | p90 (s) | read (MiB) | sparse loads: count, MiB, read "
+                    "| configuration | TTFT median (s) | p90 (s) | SSD hits: count, TTFT median (s) | read (MiB) | "
+                    "sparse loads: count, MiB, read "
                     "amplification | device tokens | host tokens | SSD tokens | computed tokens | important tokens "
                     "from device / host / SSD / computed | SGLang's L3 loads not used (tokens, reason) | repacked "
                     "pages: from memory / read back (MiB) |",
-                    "| --- |" + " ---: |" * 11]
+                    "| --- |" + " ---: |" * 12]
             for name, r in d["placement"].items():
                 t, share = r["tokens"], r.get("important_share")
                 imp = " / ".join(f"{share[k]:.2f}" for k in ("device", "host", "storage", "computed")) if share else ""
                 read = f"{r['read_mib']:.0f}" if "read_mib" in r else "-"
+                hits = r.get("ssd_hits")
+                ssd = f"{hits['requests']}, {hits['median_s']:.3f}" if hits and hits["requests"] else "-"
                 sp = r.get("sparse") or {}
                 loads = (f"{sp['requests']}, {sp.get('read_mib', 0):.0f}, {sp['read_amplification']:.2f}"
                          if sp.get("read_amplification") else str(sp.get("requests", "-")))
@@ -101,13 +104,15 @@ def main() -> int:
                 rp = r.get("repack")  # not recorded before 2026-11-24
                 repack = (f"{rp['repack_pages_kept']} / {rp['repack_pages_read']} ({rp['read_mib']:.0f})"
                           if rp and rp["repacked_pages"] else "-")
-                out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {read} | {loads} | {t['device']} | "
-                           f"{t['host']} | {t['storage']} | {t['computed']} | {imp} | {lost} | {repack} |")
+                out.append(f"| {name} | {r['median_s']:.3f} | {r['p90_s']:.3f} | {ssd} | {read} | {loads} | "
+                           f"{t['device']} | {t['host']} | {t['storage']} | {t['computed']} | {imp} | {lost} | "
+                           f"{repack} |")
             out += ["",
                     "(The paper's ablation: lru -> importance placement -> + gated sparse loading from groups in "
                     "prompt order -> + reordering (groups in importance order); outside it, the last step with the "
                     "opt-in mass gate (`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). A sparse load's span "
-                    "counts as SSD tokens. read = everything the server read from storage, the repacker's reads "
+                    "counts as SSD tokens; SSD hits = the requests that took some of their prefix from the SSD tier. "
+                    "read = everything the server read from storage, the repacker's reads "
                     "included. sglang-file: SGLang's own hierarchical cache with `--hicache-storage-backend file` and"
                     " its torch_native CPU attention; important tokens weighted by what the importance server "
                     "learned. L3 loads not used: SGLang's `storage_prefetch_unfulfilled_tokens_total` -- "
