@@ -13,10 +13,15 @@ compare token for token).
 3. After another restart with `--tiered-importance-gate mass`: the mass gate decides (logged), passes some layers,
    reads less than `full`, and answers; a request naming the Jaccard gate (`tiered_importance_gate`) on that server
    gets exactly the Jaccard server's gated load.
+4. After another restart, with one layer's probe in the group file overwritten (size unchanged, so the group is
+   still listed; its checksum catches it when the load reads it): the gated request is answered by SGLang's
+   prefill -- output identical to the cold run --, the fallback and the corrupt group are counted, the group file is
+   gone, and the next request computes the prompt (nothing from storage) with the same output.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -24,7 +29,8 @@ import pytest
 
 from sglang_tiered.integration.sparse_load import LOG_PATTERN
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
-from tests.integration.helpers import tiered_args
+from sglang_tiered.storage.group_file import read_meta
+from tests.integration.helpers import tiered_args, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -157,3 +163,24 @@ def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
     assert again["output_ids"] == cold["output_ids"]
     assert len(too_long) == 1 and "exceed --chunked-prefill-size 256" in too_long[0], too_long
     assert not computed and counted == 1
+
+    # 4. a corrupt probe (layer 2; a fresh server probes every layer) turns the load into SGLang's prefill
+    (group,) = (tmp_path / "ssd").glob("*/groups/*.kvg")
+    fd = os.open(group, os.O_RDWR)
+    try:
+        at = read_meta(fd).probe_offset(2) + 7
+        os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 16, at)), at)
+    finally:
+        os.close(fd)
+    with server(tmp_path, "corrupt") as s:
+        recovered = ask(s, prompt)
+        metrics = wait_for_metric(s, "sglang_tiered:ssd_corrupt_pages_total", 10)  # the group's member pages
+        computed = ask(s, prompt, "off")
+        fallbacks = s.log_lines("tiered importance: rid")
+    assert recovered["output_ids"] == cold["output_ids"]
+    assert any("stored span unreadable" in line and "SGLang computes the span" in line for line in fallbacks), \
+        fallbacks
+    assert metric_total(metrics, "sglang_tiered:importance_fallbacks_total") == 1
+    assert metric_total(metrics, "sglang_tiered:importance_sparse_requests_total") == 0
+    assert not group.exists()
+    assert cached_details(computed)["storage"] == 0 and computed["output_ids"] == cold["output_ids"]
