@@ -13,10 +13,10 @@ compare token for token).
 3. After another restart with `--tiered-importance-gate mass`: the mass gate decides (logged), passes some layers,
    reads less than `full`, and answers; a request naming the Jaccard gate (`tiered_importance_gate`) on that server
    gets exactly the Jaccard server's gated load.
-4. After another restart, with one layer's probe in the group file overwritten (size unchanged, so the group is
-   still listed; its checksum catches it when the load reads it): the gated request is answered by SGLang's
-   prefill -- output identical to the cold run --, the fallback and the corrupt group are counted, the group file is
-   gone, and the next request computes the prompt (nothing from storage) with the same output.
+4. On that server, one chunk of the group file is overwritten under it (size unchanged; its checksum catches it
+   when a load reads it): a `full` request is answered by SGLang's prefill -- output identical to the cold run --,
+   the fallback and the corrupt group are counted, the group file is gone, and the next request computes the
+   prompt (nothing from storage) with the same output.
 """
 
 from __future__ import annotations
@@ -131,6 +131,22 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         s.flush_cache()
         per_request = ask(s, prompt, gate="jaccard")
         mass_lines = s.log_lines("tiered importance: rid")
+
+        # 4. a `full` load reads every chunk of every layer: one corrupt chunk (layer 2) ends it
+        (group,) = (tmp_path / "ssd").glob("*/groups/*.kvg")
+        fd = os.open(group, os.O_RDWR)
+        try:
+            at = read_meta(fd).chunk_offset(2, 3) + 7
+            os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 16, at)), at)
+        finally:
+            os.close(fd)
+        s.flush_cache()
+        mark = s.log_mark()
+        recovered = ask(s, prompt, "full")
+        after_corruption = wait_for_metric(s, "sglang_tiered:ssd_corrupt_pages_total", 10)  # the group's pages
+        s.flush_cache()
+        computed = ask(s, prompt, "off")
+        fallbacks = s.log_lines("tiered importance: rid", since=mark)
     assert mass["meta_info"]["completion_tokens"] >= 1
     assert len(mass_lines) == 2 and "mode=gated mass gate passed" in mass_lines[0], mass_lines
     passed = metric_total(metrics, "sglang_tiered:importance_gate_passes_total")
@@ -142,6 +158,15 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert "mode=gated jaccard gate passed" in mass_lines[1], mass_lines
     assert per_request["output_ids"] == gated["output_ids"]
     assert mass_lines[1].split("gate passed")[1].split(",")[0] == lines[1].split("gate passed")[1].split(",")[0]
+
+    assert recovered["output_ids"] == cold["output_ids"]
+    assert any("stored span unreadable" in line and "SGLang computes the span" in line for line in fallbacks), \
+        fallbacks
+    assert metric_total(after_corruption, "sglang_tiered:importance_fallbacks_total") == 1
+    # the mass and the Jaccard loads; the `full` one ended before it was counted
+    assert metric_total(after_corruption, "sglang_tiered:importance_sparse_requests_total") == 2
+    assert not group.exists()
+    assert cached_details(computed)["storage"] == 0 and computed["output_ids"] == cold["output_ids"]
 
 
 def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
@@ -163,24 +188,3 @@ def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
     assert again["output_ids"] == cold["output_ids"]
     assert len(too_long) == 1 and "exceed --chunked-prefill-size 256" in too_long[0], too_long
     assert not computed and counted == 1
-
-    # 4. a corrupt probe (layer 2; a fresh server probes every layer) turns the load into SGLang's prefill
-    (group,) = (tmp_path / "ssd").glob("*/groups/*.kvg")
-    fd = os.open(group, os.O_RDWR)
-    try:
-        at = read_meta(fd).probe_offset(2) + 7
-        os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 16, at)), at)
-    finally:
-        os.close(fd)
-    with server(tmp_path, "corrupt") as s:
-        recovered = ask(s, prompt)
-        metrics = wait_for_metric(s, "sglang_tiered:ssd_corrupt_pages_total", 10)  # the group's member pages
-        computed = ask(s, prompt, "off")
-        fallbacks = s.log_lines("tiered importance: rid")
-    assert recovered["output_ids"] == cold["output_ids"]
-    assert any("stored span unreadable" in line and "SGLang computes the span" in line for line in fallbacks), \
-        fallbacks
-    assert metric_total(metrics, "sglang_tiered:importance_fallbacks_total") == 1
-    assert metric_total(metrics, "sglang_tiered:importance_sparse_requests_total") == 0
-    assert not group.exists()
-    assert cached_details(computed)["storage"] == 0 and computed["output_ids"] == cold["output_ids"]
