@@ -615,7 +615,13 @@ def main() -> int:
     source = PromptSource()
     path = RESULTS / "importance.json"
     data: dict = json.loads(path.read_text()) if path.exists() else {}  # parts not run keep their last results
-    data.update({"machine": machine(), "dtype": dtype})
+    # where each part was measured: parts run on different days may come from different machines (`machine` and
+    # `dtype` at the top level: the parts measured before this record existed)
+    data.setdefault("machine", machine())
+    data.setdefault("dtype", dtype)
+    for part in a.parts:
+        data.setdefault("runs", {})[part] = {"machine": machine(), "dtype": dtype,
+                                             "date": time.strftime("%Y-%m-%d", time.gmtime())}
     verdicts = []
     if "capture" in a.parts:
         data["capture"] = capture_cost(source, dtype, 2048, a.repeats)

@@ -68,16 +68,24 @@ def main() -> int:
         out += ["", "![cpu dtype](benchmarks/results/cpu_dtype.png)", ""]
     d = _results("importance")
     if d is not None:
-        out += ["## Importance capture and placement (`benchmarks/importance.py`)", "",
-                f"Machine: {_machine(d['machine'])}; {_dtype(d)}.", ""]
+        out += ["## Importance capture and placement (`benchmarks/importance.py`)", ""]
+        runs = d.get("runs", {})
+
+        def measured_on(part: str) -> list[str]:  # a part's machine (the top level's where not recorded per part)
+            r = runs.get(part, d)
+            return [f"Machine: {_machine(r['machine'])}; {_dtype(r)}" + (f"; {r['date']}." if "date" in r else "."),
+                    ""]
+
         if "capture" in d:
             c = d["capture"]
+            out += measured_on("capture")
             out += [f"Cold TTFT at 2048 tokens, {len(c['capture on']['times_s'])} repeats: capture on "
                     f"{c['capture on']['median_s']:.3f} s, off {c['capture off']['median_s']:.3f} s "
                     f"({c['overhead']:+.1%}).", ""]
         if "placement" in d:
             w = d["workload"]
             lengths = w["doc_tokens"] if isinstance(w["doc_tokens"], list) else [w["doc_tokens"]]
+            out += measured_on("placement")
             out += [f"Zipf workload: {w['docs']} documents of {'/'.join(map(str, lengths))} tokens + a new question "
                     "each, "
                     f"{w['requests']} requests, {w['clients']} clients, s = {w['zipf_s']}; device pool "
@@ -120,7 +128,8 @@ def main() -> int:
                     "host_capacity = no host memory for the whole hit; deadline = the prefetch timed out.)"]
         if "sparse" in d:
             w = d.get("sparse_workload", {})
-            out += ["", f"Gated sparse loading through the server: {w.get('docs')} documents x {w.get('tokens')} "
+            out += [""] + measured_on("sparse")
+            out += [f"Gated sparse loading through the server: {w.get('docs')} documents x {w.get('tokens')} "
                     "tokens with a planted fact, SSD hits (the SSD tier's files evicted from the page cache), asked "
                     "for the fact after a different first question; bytes = what the server read from storage:", "",
                     "| disk | mode | TTFT median (s) | read (MiB, median) | answer has the fact | same answer as "
@@ -142,7 +151,8 @@ def main() -> int:
                     "second capped too, `benchmarks/iops-limit`.)"]
         if "quality" in d:
             q = d["quality"]
-            out += ["", f"Gated loading quality through the engine alone (fp32, {q['docs']} documents x "
+            out += [""] + measured_on("quality")
+            out += [f"Gated loading quality through the engine alone (fp32, {q['docs']} documents x "
                     f"{q['tokens']} tokens, decoding over the loaded tokens only):", "",
                     "| setting | answer has the fact | same answer as the full load (where it is right) | 8 tokens "
                     "identical | token agreement | first-token KL | token-layers loaded | bytes read (with the probe) "
