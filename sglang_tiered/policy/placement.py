@@ -3,8 +3,13 @@
 SGLang evicts whole *leaf nodes* of its radix tree, one tier at a time: device leaves while device slots are
 needed, then host leaves (nodes already evicted from device) while host slots are needed. It keeps one heap of
 candidates per tier and pops the lowest priority first; a policy only ranks the candidates it is shown, it cannot
-pin a node or evict an inner one. `integration/radix_cache.py` adapts a `Placement` onto SGLang's
-`EvictionStrategy.get_priority`, building a `NodeView` of each candidate.
+evict an inner one. `integration/radix_cache.py` adapts `rank` onto SGLang's `EvictionStrategy.get_priority`,
+building a `NodeView` of each candidate.
+
+The eviction order of a tier, one comparison: `rank(placement, node) = (node.pinned, *placement.priority(node))`. A
+node holding pages that a request asked to retain (`policy/retention.py`, unexpired) goes after every unpinned
+node, whatever the policy; among pinned nodes, and among unpinned ones, the policy decides. Pinned nodes are not
+locked: when nothing else is left, SGLang still evicts them (a pin must never stall the scheduler).
 
 Contract of `Placement.priority(node) -> tuple`:
 * lower is evicted first; tuples compare element by element, and every policy's last element is the node's
@@ -44,6 +49,7 @@ class NodeView:
     important_tokens: float = 0.0  # learned: sum over the node's tokens of their "important" average (0..tokens)
     reuses: int = 0  # learned: times requests reused the node's pages (every tier, unlike SGLang's hit_count)
     clock: float = math.inf  # SGLang's access clock when the candidates are ranked (inf: unknown, nothing is recent)
+    pinned: bool = False  # holds a page of an unexpired retention pin
 
 
 class Placement(Protocol):
@@ -90,6 +96,12 @@ class ImportancePlacement:
 
 
 PLACEMENTS: dict[str, type] = {"lru": LRUPlacement, "importance": ImportancePlacement}
+
+
+def rank(placement: Placement, node: NodeView) -> tuple:
+    """The eviction rank of `node` in its tier, lowest first: pinned nodes after every unpinned one, then the
+    policy's priority."""
+    return (node.pinned, *placement.priority(node))
 
 
 def make_placement(name: str) -> Placement:

@@ -17,6 +17,15 @@ def activation_key(key: str) -> str:
     return key + SUFFIX
 
 
+def is_activation(key: str) -> bool:
+    return key.endswith(SUFFIX)
+
+
+def page_of(key: str) -> str:
+    """The KV page key of activation page `key`."""
+    return key[: -len(SUFFIX)]
+
+
 def segment_bytes(layers: int, page_size: int, hidden: int, itemsize: int) -> list[int]:
     """Segment sizes of an activation page."""
     return [page_size * hidden * itemsize] * layers

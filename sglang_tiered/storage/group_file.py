@@ -164,7 +164,7 @@ def write_group(path: str, meta: dict, probes: Sequence[tuple[np.ndarray, np.nda
              *(b for layer in data_chunks for b in layer)]
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             for p in parts:
                 f.write(p)
         os.replace(tmp, path)

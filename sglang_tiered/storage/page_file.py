@@ -98,7 +98,7 @@ def write_file(path: str, parts: Sequence[memoryview]) -> int:
     """Write the concatenation of `parts` to `path` atomically (temp file + rename): a whole page file, or one
     obtained elsewhere (a shared store). Returns bytes written; raises OSError after removing the temporary file."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         total = sum(p.nbytes for p in parts)
         written = _vectored_all(os.pwritev, fd, list(parts), 0)

@@ -10,7 +10,14 @@ import random
 
 import pytest
 
-from sglang_tiered.policy.placement import PLACEMENTS, ImportancePlacement, LRUPlacement, NodeView, make_placement
+from sglang_tiered.policy.placement import (
+    PLACEMENTS,
+    ImportancePlacement,
+    LRUPlacement,
+    NodeView,
+    make_placement,
+    rank,
+)
 
 
 def view(node_id: int, **kw) -> NodeView:
@@ -31,7 +38,7 @@ def random_nodes(seed: int, n: int = 40) -> list[NodeView]:
                  created=float(rng.randint(0, 20)), hits=rng.randint(0, 5), on_host=rng.random() < 0.5,
                  page_keys=tuple(f"k{i}.{j}" for j in range(rng.randint(1, 3))),
                  important_tokens=rng.random() * 64, reuses=rng.randint(0, 4),
-                 clock=float(rng.choice([20, 100]))) for i in range(n)]
+                 clock=float(rng.choice([20, 100])), pinned=rng.random() < 0.2) for i in range(n)]
 
 
 @pytest.fixture(params=sorted(PLACEMENTS))
@@ -50,7 +57,7 @@ def test_priority_is_a_pure_function_of_the_view(policy):
     for a, b in itertools.product(random_nodes(1, 10), repeat=2):
         assert policy.priority(a) == policy.priority(view(a.node_id, **{k: getattr(a, k) for k in (
             "tokens", "last_access", "created", "hits", "on_host", "page_keys", "important_tokens", "reuses",
-            "clock")}))
+            "clock", "pinned")}))
         policy.priority(b)  # asking about another node changes nothing
     nodes = random_nodes(2, 10)
     assert [policy.priority(n) for n in nodes] == [policy.priority(n) for n in nodes]
@@ -122,3 +129,25 @@ def test_exact_order_on_a_scripted_set():
     for name, order in EXPECTED.items():
         assert eviction_order(make_placement(name), nodes) == order, name
     assert eviction_order(LRUPlacement(), nodes) == sorted(range(8), key=lambda i: nodes[i].last_access)
+
+
+def test_pinned_nodes_go_after_every_unpinned_node_of_their_tier(policy):
+    """Retention: whatever the policy ranks first, a node holding pinned pages is evicted only when no unpinned
+    candidate is left; among pinned nodes the policy's order holds."""
+    nodes = random_nodes(3)
+    heap = [(rank(policy, n), n.node_id) for n in nodes]
+    heapq.heapify(heap)
+    order = [heapq.heappop(heap)[1] for _ in range(len(heap))]
+    pinned = [n.node_id for n in nodes if n.pinned]
+    assert pinned and order[-len(pinned):] == sorted(pinned, key=lambda i: policy.priority(nodes[i]))
+    unpinned = [n for n in nodes if not n.pinned]
+    assert order[: len(unpinned)] == eviction_order(policy, unpinned)
+
+
+def test_a_pin_outranks_importance_and_recency_exactly():
+    nodes = [view(0, last_access=1.0, important_tokens=0.0, pinned=True),  # oldest, least important
+             view(1, last_access=9.0, important_tokens=64.0, reuses=9),
+             view(2, last_access=5.0, important_tokens=1.0)]
+    for name, expected in {"lru": [2, 1, 0], "importance": [2, 1, 0]}.items():
+        p = make_placement(name)
+        assert sorted(range(3), key=lambda i: rank(p, nodes[i])) == expected, name

@@ -17,9 +17,11 @@ from sglang_tiered.storage.page_file import (
     read_page,
     write_page,
 )
-from sglang_tiered.storage.ssd_tier import SSDTier
+from sglang_tiered.storage.ssd_tier import NAMESPACE_FILE, SSDTier
+from tests.dirsize import sample_bytes
 
 PAGE = 4096  # payload bytes per test page, split in segments like a layer_first host page
+NS_FILE = 1024  # a bound of the namespace description's size (NAMESPACE.json), which counts against the capacity
 
 
 def ns(**kw) -> Namespace:
@@ -212,7 +214,7 @@ def test_vanished_file_is_a_lost_miss(tmp_path):
 
 def test_capacity_is_never_exceeded_and_lru_is_evicted(tmp_path):
     per_file = PAGE + 200  # header included, upper bound
-    tier = SSDTier(tmp_path, ns(), capacity_bytes=3 * per_file)
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=3 * per_file + NS_FILE)
     for i in range(3):  # one at a time: a batch is written in parallel and finishes in any order
         tier.write_pages([(key(i), page(i))])
     assert tier.read_pages([(key(0), empty())]) == [True]  # 0 is now most recent; 1 is the LRU page
@@ -221,14 +223,14 @@ def test_capacity_is_never_exceeded_and_lru_is_evicted(tmp_path):
     for i in range(4, 40):
         assert tier.write_pages([(key(i), page(i))]) == [True]
         assert tier.used_bytes <= tier.capacity_bytes
-        disk = sum(f.stat().st_size for f in tier.dir.rglob(f"*{PAGE_SUFFIX}"))
+        disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())  # every file, not just pages
         assert disk == tier.used_bytes <= tier.capacity_bytes
     assert len(tier) == 3 and tier.stats.snapshot()["evicted_pages"] == 37
     tier.check_integrity()
 
 
 def test_page_larger_than_capacity_is_rejected_without_evicting(tmp_path):
-    tier = SSDTier(tmp_path, ns(), capacity_bytes=PAGE // 2)
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=PAGE // 2 + NS_FILE)
     small = [memoryview(bytearray(b"x" * 100))]
     assert tier.write_pages([(key(0), small)]) == [True]
     assert tier.write_pages([(key(1), page(1))]) == [False]
@@ -238,6 +240,7 @@ def test_page_larger_than_capacity_is_rejected_without_evicting(tmp_path):
 
 def test_disk_error_on_write_is_counted_not_raised(tmp_path, monkeypatch):
     tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    before = tier.used_bytes  # the namespace description
 
     def disk_full(fd, bufs, offset):
         raise OSError(28, "No space left on device")
@@ -245,7 +248,7 @@ def test_disk_error_on_write_is_counted_not_raised(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "pwritev", disk_full)
     assert tier.write_pages([(key(1), page(1))]) == [False]
     monkeypatch.undo()
-    assert tier.stats.snapshot()["io_errors"] == 1 and tier.used_bytes == 0 and not tier.contains(key(1))
+    assert tier.stats.snapshot()["io_errors"] == 1 and tier.used_bytes == before and not tier.contains(key(1))
     assert tier.write_pages([(key(1), page(1))]) == [True]  # space is back, writes resume
     tier.check_integrity()
 
@@ -267,13 +270,13 @@ def test_restart_with_smaller_capacity_keeps_most_recent(tmp_path):
     tier.write_pages([(key(i), page(i)) for i in range(5)])
     for i in range(5):
         os.utime(page_file(tier, key(i)), (2_000_000 + i, 2_000_000 + i))  # key(4) most recent
-    small = SSDTier(tmp_path, ns(), capacity_bytes=2 * (PAGE + 200))
+    small = SSDTier(tmp_path, ns(), capacity_bytes=2 * (PAGE + 200) + NS_FILE)
     assert [small.contains(key(i)) for i in range(5)] == [False, False, False, True, True]
     assert sum(1 for _ in small.dir.rglob(f"*{PAGE_SUFFIX}")) == 2
 
 
 def test_concurrent_readers_and_writers(tmp_path):
-    tier = SSDTier(tmp_path, ns(), capacity_bytes=20 * (PAGE + 200), io_threads=4)
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=20 * (PAGE + 200) + NS_FILE, io_threads=4)
     errors: list[str] = []
 
     def writer(base: int) -> None:
@@ -298,3 +301,111 @@ def test_concurrent_readers_and_writers(tmp_path):
     assert s["corrupt_pages"] == 0 and s["foreign_pages"] == 0
     tier.check_integrity()
     assert tier.used_bytes <= tier.capacity_bytes
+
+
+# ------------------------------------------------------------------ one budget for every file under the directory
+def disk_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def test_every_kind_of_file_shares_one_capacity_and_one_lru(tmp_path):
+    per_file = PAGE + 200
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=4 * per_file + NS_FILE)
+    tier.write_pages([(key(0), page(0))])
+    tier.write_pages([(key(0) + ".x", page(10, nseg=2))], kind="activation")
+    tier.write_pages([("c." + "ab" * 16, page(11, nseg=2))], kind="chunk")
+    tier.write_pages([(key(1), page(1))])
+    assert tier.bytes_by_kind()["chunk"] > 0 and tier.bytes_by_kind()["activation"] > 0
+    tier.write_pages([(key(2), page(2))])  # over: page 0 goes, and its activation with it
+    assert not tier.contains(key(0)) and not tier.contains(key(0) + ".x") and tier.contains("c." + "ab" * 16)
+    tier.write_pages([(key(3), page(3))])  # fits
+    tier.write_pages([(key(4), page(4))])  # the chunk is next in recency
+    assert not tier.contains("c." + "ab" * 16) and [tier.contains(key(i)) for i in (1, 2, 3, 4)] == [True] * 4
+    assert disk_bytes(tmp_path) == tier.used_bytes <= tier.capacity_bytes
+    tier.check_integrity()
+
+
+def test_files_of_other_namespaces_count_and_go_first(tmp_path):
+    other = SSDTier(tmp_path, ns(dtype="torch.float16"), capacity_bytes=100 * PAGE)
+    other.write_pages([(key(i), page(i)) for i in range(3)])
+    (tmp_path / "chunks").mkdir()  # an older layout's directory
+    (tmp_path / "chunks" / "stale.kvp").write_bytes(b"s" * PAGE)
+    for age, f in enumerate([other.dir / NAMESPACE_FILE, *(page_file(other, key(i)) for i in range(3))]):
+        os.utime(f, (2_000_000 + age, 2_000_000 + age))  # file system clocks tie within milliseconds
+    capacity = 4 * (PAGE + 200) + NS_FILE
+    mine = SSDTier(tmp_path, ns(), capacity_bytes=capacity, scan_foreign=True)
+    assert disk_bytes(tmp_path) == mine.used_bytes <= capacity
+    assert mine.bytes_by_kind()["foreign"] == disk_bytes(tmp_path) - disk_bytes(mine.dir) > 3 * PAGE
+    mine.write_pages([(key(0), page(0))])
+    assert not (other.dir / NAMESPACE_FILE).exists()  # the oldest foreign file went first
+    for i in range(1, 4):
+        mine.write_pages([(key(i), page(i))])
+        assert disk_bytes(tmp_path) == mine.used_bytes <= capacity
+    assert mine.bytes_by_kind()["foreign"] == 0 and all(mine.contains(key(i)) for i in range(4))
+    mine.check_integrity()
+
+
+def test_another_rank_of_the_same_server_is_not_foreign(tmp_path):
+    rank1 = SSDTier(tmp_path, ns(tp_rank=1, tp_size=2), capacity_bytes=10 * PAGE)
+    rank1.write_pages([(key(1), page(1))])
+    rank0 = SSDTier(tmp_path, ns(tp_rank=0, tp_size=2), capacity_bytes=10 * PAGE, scan_foreign=True)
+    assert rank0.bytes_by_kind()["foreign"] == 0 and rank1.contains(key(1))
+
+
+def test_meta_files_count_and_a_write_without_room_is_refused(tmp_path):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=2 * (PAGE + 200) + NS_FILE)
+    tier.write_pages([(key(0), page(0))])
+    assert tier.write_meta("stats/x.json", b"{}" * 100)
+    assert (tmp_path / "stats" / "x.json").read_bytes() == b"{}" * 100
+    assert tier.reserve_meta(f"{tier.ns_id}/importance.log", 2 * PAGE)  # evicts page 0 for the log's room
+    assert not tier.contains(key(0))
+    assert not tier.reserve_meta(f"{tier.ns_id}/importance.log", 10 * PAGE)
+    tier.settle_meta(f"{tier.ns_id}/importance.log", 0)
+    with tier.scratch("probe", PAGE) as path:
+        path.write_bytes(b"p" * PAGE)
+        assert disk_bytes(tmp_path) <= tier.used_bytes
+    assert not path.exists()
+    with tier.scratch("probe", 100 * PAGE) as path:
+        assert path is None
+    assert disk_bytes(tmp_path) <= tier.used_bytes <= tier.capacity_bytes
+    tier.check_integrity()
+
+
+def test_files_are_private_to_the_server(tmp_path):
+    tier = SSDTier(tmp_path / "ssd", ns(), capacity_bytes=10 * PAGE)
+    tier.write_pages([(key(1), page(1))])
+    tier.write_pages([("c." + "cd" * 16, page(2))], kind="chunk")
+    tier.write_meta("stats/s.json", b"{}")
+    for p in (tmp_path / "ssd").rglob("*"):
+        mode = p.stat().st_mode & 0o777
+        assert mode == (0o700 if p.is_dir() else 0o600), f"{p} has mode {oct(mode)}"
+
+
+def test_the_directory_never_exceeds_the_capacity_under_concurrent_writers(tmp_path):
+    """Sampled while 4 threads write pages, activations and chunks into a tier 6 pages large."""
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=6 * (PAGE + 200) + NS_FILE, io_threads=4)
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(sample_bytes(tmp_path))
+
+    def writer(base: int) -> None:
+        for i in range(base, base + 60):
+            kind = ("page", "activation", "chunk")[i % 3]
+            k = key(i) if kind == "page" else key(i - 1) + ".x" if kind == "activation" else f"c.{i:032x}"
+            tier.write_pages([(k, page(i, nseg=2 if kind != "page" else 4))], kind=kind)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    threads = [threading.Thread(target=writer, args=(b,)) for b in (0, 100, 200, 300)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    assert seen and max(seen) <= tier.capacity_bytes
+    assert tier.stats.snapshot()["evicted_pages"] > 0
+    tier.check_integrity()
