@@ -81,7 +81,7 @@ from _harness import (  # noqa: E402
 )
 
 from sglang_tiered.config import TieredConfig  # noqa: E402
-from sglang_tiered.integration.sparse_load import LOG_PATTERN as SPARSE_LOAD_LINE  # noqa: E402
+from sglang_tiered.integration.sparse import LOG_PATTERN as SPARSE_LOAD_LINE  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total  # noqa: E402
 
 
@@ -278,7 +278,7 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
                     before = server_read_bytes(s)
                     rows = run_workload(s, [texts[d] + q for d, q in zip(order, questions)], order, clients, store)
                     read_mib = (server_read_bytes(s) - before) / 2**20
-                    sparse_loads = count_sparse_loads(rows, s.log_lines("tiered importance: rid"))
+                    sparse_loads = count_sparse_loads(rows, s.log_lines("tiered sparse: rid"))
                     metrics = s.get("/metrics")
                     lost = unfulfilled_prefetch(metrics)
                     repack = {name: int(metric_total(metrics, f"sglang_tiered:ssd_{name}_total"))
@@ -346,7 +346,7 @@ def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], te
                                     "read_bytes": server_read_bytes(s) - before, "output_ids": r["output_ids"],
                                     "answer": answer(r["text"]), "correct": code in r["text"],
                                     "cached": cached_details(r)})
-        return rows, s.log_lines("tiered importance: rid")
+        return rows, s.log_lines("tiered sparse: rid")
 
 
 def alpha_label(alpha: float) -> str:

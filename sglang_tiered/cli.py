@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -104,7 +105,8 @@ def _kvpr_profile(args) -> int:
         c, item = model.cfg, model.dtype.itemsize
         Path(args.ssd_dir).mkdir(parents=True, exist_ok=True)
         recompute_s, layer_s, stored_s = kvpr_profile.measure_compute(model)
-        prof = Profile(kvpr_profile.measure_read(args.ssd_dir), recompute_s, layer_s, stored_s)
+        prof = Profile(kvpr_profile.measure_read(Path(args.ssd_dir) / f".kvpr-read-probe-{os.getpid()}"), recompute_s,
+                       layer_s, stored_s)
         shape = Shape(c.layers, c.hidden * item, 2 * c.kv_heads * c.head_dim * item)
         kvpr_profile.save_profile(args.ssd_dir, kvpr_profile.profile_key(model_fingerprint(path), str(model.dtype)),
                                   prof, shape=shape.__dict__)

@@ -104,6 +104,8 @@ class TieredConfig:
     remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
     remote_segment: str = "256M"  # bytes of this server's memory lent to the shared store
     remote_host: str = ""  # address other servers reach this one at for the store; "" = the route to the master
+    max_retain: float = 3600.0  # longest pin a request may ask for (custom_params.tiered_retain), seconds; 0 = off
+    retain_share: float = 0.5  # pinned pages may hold at most this share of the smallest tier (device, host, SSD)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -204,6 +206,10 @@ class TieredConfig:
         if self.importance_probe_skip < 0:
             raise ConfigError(f"--tiered-importance-probe-skip: must be >= 0, got {self.importance_probe_skip}")
         flag_size("importance_repack_memory", self.importance_repack_memory)
+        if self.max_retain < 0:
+            raise ConfigError(f"--tiered-max-retain: must be >= 0 seconds (0 = off), got {self.max_retain}")
+        if not 0.0 < self.retain_share < 1.0:
+            raise ConfigError(f"--tiered-retain-share: must be in (0, 1), got {self.retain_share}")
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
         if self.importance_load == "gated" and self.importance_heads == 0:
@@ -326,6 +332,12 @@ FLAG_HELP: dict[str, str] = {
     "capacity is the sum over its servers. Default: 256M.",
     "remote_host": "Address (HOST or HOST:PORT) other servers reach this one at for transfers. Default: this "
     "machine's address on the route to the master, and a free port.",
+    "max_retain": "Longest retention a request may ask for with custom_params.tiered_retain (seconds): its prompt's "
+    "pages are kept ahead of every unpinned page on device, host and SSD until then (evicted from device or host only "
+    "when nothing unpinned is left; never from the SSD before expiry). 0 turns retention off (and with "
+    "--tiered-placement lru keeps SGLang's Rust tree core, which cannot rank pinned nodes). Default: 3600.",
+    "retain_share": "Pinned pages may hold at most this share of the smallest tier (device pool, host pool, SSD "
+    "capacity, in pages); beyond it the oldest pins are released early (counted). Default: 0.5.",
     "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "
     "~/.cache/sglang-tiered/runahead-partitions.json if present; without one, a FLOP-balanced split).",
 }

@@ -89,19 +89,19 @@ def check_parts(lengths: Sequence[int], separator: Optional[str] = None) -> None
     raise PromptError(f"chunk {i + 1} of {len(lengths) - 1} is empty ({where})")
 
 
-def plan_spans(lengths: Sequence[int], prefix: int, end: int,
-               ids: Sequence[int]) -> tuple[list[Span], list[Optional[ChunkRef]]]:
+def plan_spans(lengths: Sequence[int], prefix: int, end: int, ids: Sequence[int],
+               seed: Optional[str] = None) -> tuple[list[Span], list[Optional[ChunkRef]]]:
     """Spans tiling [prefix, end) -- the tokens this forward prefills -- and each span's chunk (None for fresh
     spans). Every part but the last is a reusable chunk: its tokens inside [prefix, end) are a stored span (`offset` =
     its tokens before `prefix`). The last part (the question) is fresh, and so is the forward's last token (its hidden
-    state gives the logits)."""
+    state gives the logits). Chunk keys are seeded with the request's tenant `seed` (`chunk_store.chunk_key`)."""
     spans: list[Span] = []
     refs: list[Optional[ChunkRef]] = []
     pos = 0
     for i, n in enumerate(lengths):
         lo, hi = max(pos, prefix), min(pos + n, end)
         if hi > lo and i < len(lengths) - 1:
-            ref = ChunkRef(chunk_key(ids[pos : pos + n]), pos, n)
+            ref = ChunkRef(chunk_key(ids[pos : pos + n], seed), pos, n)
             cut = hi - 1 if hi == end else hi
             if cut > lo:
                 spans.append(Span(lo, cut, True, lo - pos))

@@ -1,6 +1,7 @@
 """Measuring what the partial-recompute split needs (`policy.kvpr.Profile`) on this machine, and keeping it.
 
-* read bandwidth of the SSD tier's directory: a fresh 64 MiB file read back with O_DIRECT (the page cache
+* read bandwidth of the SSD tier's directory: a fresh file (64 MiB, less where the tier's capacity leaves less
+  room: it counts against it) read back with O_DIRECT (the page cache
   bypassed, so a kernel I/O throttle or a network disk shows; falls back to dropping the file's cached pages where
   O_DIRECT is refused, e.g. tmpfs);
 * recompute time of K and V per token-layer from activations, one layer's time per new token and the time to move
@@ -19,6 +20,7 @@ import mmap
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -28,19 +30,23 @@ import torch
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.policy.kvpr import Profile
+from sglang_tiered.storage.files import write_atomic
 
 PROFILE_FILE = "kvpr-profile.json"
 _CHUNK = 1 << 20
 
 
-def measure_read(directory: str | os.PathLike, nbytes: int = 64 << 20) -> float:
-    """Bytes per second reading a freshly written file of `nbytes` from `directory`'s block device: the rate of its
-    second half (a kernel I/O throttle lets the first 100 ms worth of bytes through at once -- 20 MB at 200 MB/s --
-    so the whole file's rate would overstate a throttled device)."""
-    path = Path(directory) / f".kvpr-read-probe-{os.getpid()}"
+PROBE_BYTES = 64 << 20  # size of the read-bandwidth probe file
+
+
+def measure_read(path: str | os.PathLike, nbytes: int = PROBE_BYTES) -> float:
+    """Bytes per second reading a freshly written file of `nbytes` at `path` (removed afterwards) from its block
+    device: the rate of its second half (a kernel I/O throttle lets the first 100 ms worth of bytes through at once --
+    20 MB at 200 MB/s -- so the whole file's rate would overstate a throttled device)."""
+    path = Path(path)
     block = os.urandom(_CHUNK)
     try:
-        with open(path, "wb") as f:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             for _ in range(max(1, nbytes // _CHUNK)):
                 f.write(block)
             f.flush()
@@ -129,14 +135,18 @@ def load_profiles(directory: str | os.PathLike) -> dict[str, dict]:
     return data if isinstance(data, dict) else {}
 
 
-def save_profile(directory: str | os.PathLike, key: str, profile: Profile, **meta) -> Path:
-    """Merge `profile` (and `meta`) into the directory's profile file under `key` (atomic replace)."""
+def save_profile(directory: str | os.PathLike, key: str, profile: Profile, *,
+                 write: Optional[Callable[[bytes], object]] = None, **meta) -> Path:
+    """Merge `profile` (and `meta`) into the directory's profile file under `key`. `write(data)` replaces the file
+    (a server passes its SSD tier's `write_meta`, which counts the bytes); by default an atomic replace."""
     path = Path(directory) / PROFILE_FILE
     data = load_profiles(directory)
     data[key] = {**asdict(profile), **meta, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    blob = json.dumps(data, indent=1, sort_keys=True).encode()
+    if write is not None:
+        write(blob)
+    else:
+        write_atomic(path, blob)
     return path
 
 

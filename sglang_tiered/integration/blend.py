@@ -9,13 +9,16 @@ separator is removed by blend_prompt.py and the prefill is SGLang's own):
   concurrent marked requests are each blended instead of falling back. With `--enable-mixed-chunk` decode rows
   still share its batch: it falls back.
 * `BlendHandler` on the shared Llama forward hook (model_forward.py): an extend batch of exactly one marked
-  request (no input logprobs, TP = PP = 1). Tokens already in the request's KV slots -- a radix-cache hit, or the
-  earlier pieces of a chunked prefill -- are read from the KV pool and never recomputed; the span plan
-  (`engine.blend_plan.plan_spans`) reuses a chunk cut by them from its first token after them, and a chunk cut by
-  the end of a piece up to it. A chunk seen for the first time gets its standalone KV computed (a prefill of the
-  chunk at position 0) and stored in the `ChunkStore` (memory LRU of `--tiered-blend-memory` bytes + write-through
-  to the SSD directory). The blended KV is written into the request's KV slots; the final hidden state of the last
-  token goes back to SGLang's logits processor, so sampling and decoding proceed normally.
+  request (no input logprobs, TP = PP = 1, nothing our engine cannot compute: `model_forward.engine_declines`).
+  Tokens already in the request's KV slots -- a radix-cache hit, or the earlier pieces of a chunked prefill -- are
+  read from the KV pool and never recomputed; the span plan (`engine.blend_plan.plan_spans`) reuses a chunk cut by
+  them from its first token after them, and a chunk cut by the end of a piece up to it. A chunk seen for the first
+  time gets its standalone KV computed (a prefill of the chunk at position 0) and stored in the store's
+  `ChunkStore` (memory LRU of `--tiered-blend-memory` bytes + write-through to the SSD tier, one capacity with
+  every other file), keyed by its tokens and the request's tenant seed (`keys.tenant_seed`: chunks never cross
+  `cache_salt` or `extra_key`, so nor LoRA adapters). The blended KV is written into the request's KV slots; the
+  final hidden state of the last token goes back to SGLang's logits processor, so sampling and decoding proceed
+  normally.
 * The blended request is marked `skip_radix_cache_insert`: approximate KV never enters the radix tree, the host
   tier or the SSD page store, so later exact prefix hits stay exact.
 
@@ -26,39 +29,41 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from sglang_tiered.engine.blend import blend_prefill, observe
 from sglang_tiered.engine.blend_plan import plan_spans
-from sglang_tiered.integration import metrics, model_forward, settings
-from sglang_tiered.integration.requests import PARAM, request_params
+from sglang_tiered.integration import model_forward
+from sglang_tiered.integration.keys import tenant_seed
+from sglang_tiered.integration.requests import CHUNKS_PARAM, request_params
 from sglang_tiered.policy.loading import LoadingController
 from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore
-from sglang_tiered.storage.namespace import Namespace
-from sglang_tiered.storage.ssd_tier import SSDTier
+
+if TYPE_CHECKING:
+    from sglang_tiered.integration.runtime import Runtime
 
 logger = logging.getLogger("sglang_tiered")
 
 
 def is_marked(req) -> bool:
-    return PARAM in request_params(req)
+    return CHUNKS_PARAM in request_params(req)
 
 
 class _Runtime:
-    """Per scheduler process: the engine over SGLang's weights, the chunk store, the loading controller."""
+    """Per scheduler process: the engine over SGLang's weights, the store's chunk KV, the loading controller."""
 
-    def __init__(self, current: settings.Settings, module) -> None:
-        cfg = current.config
-        self.engine = model_forward.engine_from_sglang(module)
+    def __init__(self, rt: Runtime, module) -> None:
+        cfg = rt.settings.config
+        self.engine = rt.forward.engine(module)
+        if rt.store is None:
+            raise NotImplementedError("no store in this process (the storage class did not open one)")
+        self.store: ChunkStore = rt.store.chunks
         c, dtype = self.engine.cfg, self.engine.dtype
-        ns = Namespace(model=current.model, dtype=str(dtype), page_size=0, layout="chunk-kv", layer_num=c.layers,
-                       kv_heads=c.kv_heads, head_dim=c.head_dim, salt=cfg.namespace)
-        ssd = SSDTier(Path(cfg.ssd_dir) / "chunks", ns, cfg.ssd_capacity)
-        self.store = ChunkStore(layers=c.layers, kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=dtype,
-                                memory_bytes=current.blend_memory_bytes, ssd=ssd)
+        if self.store.dtype != dtype:
+            raise NotImplementedError(f"the KV cache is {self.store.dtype}, the model {dtype}: blending computes "
+                                      "chunk KV in the model's dtype")
         self.controller = LoadingController(floor=cfg.blend_ratio)
         self.token_layer_bytes = c.geometry(dtype.itemsize).token_layer_bytes
         self.mode, self.ratio = cfg.blend, cfg.blend_ratio
@@ -68,49 +73,56 @@ class BlendHandler(model_forward.ForwardHandler):
     name = "blend"
 
     def build_runtime(self, module) -> _Runtime:
-        return _Runtime(settings.current(), module)
+        return _Runtime(self.rt, module)
 
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
         if not fb.rids:
             return None
-        marked = [r for r in model_forward.batch_requests(fb) if is_marked(r)]
+        marked = [r for r in self.rt.forward.batch_requests(fb) if is_marked(r)]
         if not marked:
             return None
         req = marked[0]
-        why = f"its prefill batch holds {fb.batch_size} requests" if fb.batch_size > 1 else _unsupported(module, req)
+        why = f"its prefill batch holds {fb.batch_size} requests" if fb.batch_size > 1 else self._unsupported(module,
+                                                                                                            req)
         rt = self.runtime(module) if why is None else None
         if why is None and rt is None:
             why = f"blending is disabled in this process: {self.disabled}"
         if why is None:
             try:
-                return _blended_forward(rt, req, fb)
+                return self._blended_forward(rt, req, fb)
             except ChunkMiss as exc:  # a stored chunk vanished or failed its checksum: counted by the store
                 why = f"chunk KV unavailable: {exc}"
         self.fallback([r.rid for r in marked], why)
         return None
 
+    def _unsupported(self, module, req) -> Optional[str]:
+        declined = self.declines(req)
+        if declined is not None:
+            return declined
+        if req.return_logprob:
+            return "input logprobs were requested"
+        if not model_forward.whole_model_in_rank(module):
+            return "pipeline parallelism"
+        if sum(req.sampling_params.custom_params[CHUNKS_PARAM]) != len(req.origin_input_ids):
+            return "chunk lengths do not match the prompt"
+        return None
 
-def _unsupported(module, req) -> Optional[str]:
-    if req.return_logprob:
-        return "input logprobs were requested"
-    if not model_forward.whole_model_in_rank(module):
-        return "pipeline parallelism"
-    if sum(req.sampling_params.custom_params[PARAM]) != len(req.origin_input_ids):
-        return "chunk lengths do not match the prompt"
-    return None
+    @torch.inference_mode()
+    def _blended_forward(self, rt: _Runtime, req: Any, fb) -> torch.Tensor:
+        return _blended_forward(rt, self.rt.events, req, fb)
 
 
 @torch.inference_mode()
-def _blended_forward(rt: _Runtime, req: Any, fb) -> torch.Tensor:
+def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     t0 = time.perf_counter()
     eng, store = rt.engine, rt.store
-    lengths = list(req.sampling_params.custom_params[PARAM])
+    lengths = list(req.sampling_params.custom_params[CHUNKS_PARAM])
     ids_list = list(req.origin_input_ids)
     prefix = int(fb.extend_prefix_lens_cpu[0])
     end = prefix + int(fb.extend_seq_lens_cpu[0])  # < len(ids_list) for a piece of a chunked prefill
     ids = torch.tensor(ids_list[:end], dtype=torch.int64)
 
-    spans, refs = plan_spans(lengths, prefix, end, ids_list)
+    spans, refs = plan_spans(lengths, prefix, end, ids_list, seed=tenant_seed(req))
     new_chunks = 0
     for ref in {r.key: r for r in refs if r is not None}.values():  # a chunk seen for the first time: stored
         if not store.contains(ref.key):
@@ -133,9 +145,9 @@ def _blended_forward(rt: _Runtime, req: Any, fb) -> torch.Tensor:
     hidden = model_forward.write_extend(fb, eng, res.kv[:, prefix:], res.hidden)
     req.skip_radix_cache_insert = True  # also keeps the pieces of a chunked prefill out of the tree
     if end == len(ids_list):  # the last piece: one request
-        metrics.count("blend_requests")
-    metrics.count("blend_reused_tokens", reused)
-    metrics.count("blend_new_chunks", new_chunks)
+        events.count("blend_requests")
+    events.count("blend_reused_tokens", reused)
+    events.count("blend_new_chunks", new_chunks)
     logger.info(
         "tiered blend: rid %s tokens=%d extend=[%d,%d) chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
         "computed=%.3f load_wait=%.3fs blend=%.3fs total=%.3fs store_hits=%s",
@@ -144,14 +156,13 @@ def _blended_forward(rt: _Runtime, req: Any, fb) -> torch.Tensor:
     return hidden
 
 
-def register_hooks() -> bool:
+def register_hooks(rt: Runtime) -> bool:
     """The scheduler-side hooks, in processes of a server with blending on. Returns True if registered."""
-
-    current = settings.current()
+    current = rt.settings
     if current is None or not current.blend_on:
         return False
     if current.config.blend == "prefix":  # the separator is removed; the prefill is SGLang's own
         return False
-    model_forward.prefill_alone(is_marked)
-    model_forward.add_handler(BlendHandler())
+    rt.forward.prefill_alone(is_marked)
+    rt.forward.add_handler(BlendHandler(rt))
     return True

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_tiered.integration import faults, metrics, settings, sparse_load
+from sglang_tiered.integration import faults
 from sglang_tiered.kernels.extend_attention import causal_attention, extend_attention
 
+if TYPE_CHECKING:
+    from sglang_tiered.integration.runtime import Runtime
+
 logger = logging.getLogger("sglang_tiered")
-_batch = threading.local()  # layer id and request ids of the decode step in progress (gated sparse loading)
-_batch.rids = None
 _TARGET = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 
 
@@ -27,83 +29,88 @@ def _supported(encoder_lens, is_cross_attn, sliding_window_size) -> bool:
     return encoder_lens is None and not is_cross_attn and (sliding_window_size is None or sliding_window_size < 0)
 
 
-_failures = 0
+class CPUAttention:
+    """This process's attention hooks, with the layer and requests of the decode step in progress (gated sparse
+    loading: `_decode` skips the prefix positions a sparse load did not fill)."""
 
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._batch = threading.local()
+        self._batch.rids = None
+        self._failures = 0
 
-def _failed() -> None:
-    global _failures
-    _failures += 1
-    metrics.count("hook_errors")
-    if _failures == 1:
-        logger.exception("tiered cpu attention: the prefix-aware kernel failed; SGLang's torch_native runs instead")
-    elif _failures % 1000 == 0:
-        logger.error("tiered cpu attention: the prefix-aware kernel failed %d times", _failures)
+    def _failed(self) -> None:
+        self._failures += 1
+        self.rt.events.count("hook_errors")
+        if self._failures == 1:
+            logger.exception("tiered cpu attention: the prefix-aware kernel failed; SGLang's torch_native runs "
+                             "instead")
+        elif self._failures % 1000 == 0:
+            logger.error("tiered cpu attention: the prefix-aware kernel failed %d times", self._failures)
 
+    def extend(self, original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+               extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
+               is_cross_attn=False, sliding_window_size=None):
+        if causal and _supported(encoder_lens, is_cross_attn, sliding_window_size):
+            try:
+                faults.check("cpu_attention")
+                return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, extend_prefix_lens,
+                                        extend_seq_lens, scale=scaling, out=output)
+            except Exception:
+                self._failed()
+        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
+                        causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
 
-def _extend(original, self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-            extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
-            is_cross_attn=False, sliding_window_size=None):
-    if causal and _supported(encoder_lens, is_cross_attn, sliding_window_size):
+    def decode(self, original, backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+               encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+               sliding_window_size=None):
+        if _supported(encoder_lens, is_cross_attn, sliding_window_size):
+            lens = seq_lens.tolist()
+            try:
+                faults.check("cpu_attention")
+                sparse, rids = self.rt.sparse, getattr(self._batch, "rids", None)
+                if sparse is not None and rids and any(sparse.holes(rid) is not None for rid in rids):
+                    return self._decode_over_holes(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                                   lens, scaling)
+                return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, [n - 1 for n in lens],
+                                        [1] * len(lens), scale=scaling, out=output)
+            except Exception:
+                self._failed()
+        return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                        encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+
+    def _decode_over_holes(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, lens, scaling):
+        """Decode where some requests' prefixes were loaded sparsely (sparse.py): each such request's query
+        attends only to the positions that hold loaded KV on this layer."""
+        for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), lens)):
+            h = self.rt.sparse.holes(self._batch.rids[i])
+            pos = h.positions(self._batch.layer, n) if h is not None else torch.arange(n)
+            slots = req_to_token[row, pos]
+            output[i : i + 1] = causal_attention(query[i : i + 1], k_cache[slots].to(query.dtype),
+                                                 v_cache[slots].to(query.dtype), len(pos) - 1, scaling)
+        return output
+
+    def around_forward_decode(self, original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+        """Remembers the layer and the requests of the decode step for `decode` (which SGLang calls without them)."""
+        self._batch.layer, self._batch.rids = layer.layer_id, forward_batch.rids
         try:
-            faults.check("cpu_attention")
-            return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, extend_prefix_lens,
-                                    extend_seq_lens, scale=scaling, out=output)
-        except Exception:
-            _failed()
-    return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                    extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa,
-                    causal=causal, is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+            return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+        finally:
+            self._batch.rids = None
 
 
-def _decode(original, self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-            encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
-            sliding_window_size=None):
-    if _supported(encoder_lens, is_cross_attn, sliding_window_size):
-        lens = seq_lens.tolist()
-        try:
-            faults.check("cpu_attention")
-            if _batch.rids and any(sparse_load.holes(rid) is not None for rid in _batch.rids):
-                return _decode_over_holes(query, output, k_cache, v_cache, req_to_token, req_pool_indices, lens,
-                                          scaling)
-            return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, [n - 1 for n in lens],
-                                    [1] * len(lens), scale=scaling, out=output)
-        except Exception:
-            _failed()
-    return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
-                    scaling=scaling, enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
-                    sliding_window_size=sliding_window_size)
-
-
-def _decode_over_holes(query, output, k_cache, v_cache, req_to_token, req_pool_indices, lens, scaling):
-    """Decode where some requests' prefixes were loaded sparsely (sparse_load.py): each such request's query
-    attends only to the positions that hold loaded KV on this layer."""
-    for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), lens)):
-        h = sparse_load.holes(_batch.rids[i])
-        pos = h.positions(_batch.layer, n) if h is not None else torch.arange(n)
-        slots = req_to_token[row, pos]
-        output[i : i + 1] = causal_attention(query[i : i + 1], k_cache[slots].to(query.dtype),
-                                             v_cache[slots].to(query.dtype), len(pos) - 1, scaling)
-    return output
-
-
-def _around_forward_decode(original, self, q, k, v, layer, forward_batch, *args, **kwargs):
-    """Remembers the layer and the requests of the decode step for `_decode` (which SGLang calls without them)."""
-    _batch.layer, _batch.rids = layer.layer_id, forward_batch.rids
-    try:
-        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
-    finally:
-        _batch.rids = None
-
-
-def register_hooks() -> bool:
+def register_hooks(rt: Runtime) -> bool:
     """Register the hooks if this process should use them. Returns True if registered."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    current = settings.current()
+    current = rt.settings
     if current is None or not current.cpu_only or current.config.cpu_attention != "prefix_aware":
         return False
-    HookRegistry.register(f"{_TARGET}._run_sdpa_forward_extend", _extend, HookType.AROUND)
-    HookRegistry.register(f"{_TARGET}._run_sdpa_forward_decode", _decode, HookType.AROUND)
+    rt.cpu_attention = attention = CPUAttention(rt)
+    HookRegistry.register(f"{_TARGET}._run_sdpa_forward_extend", attention.extend, HookType.AROUND)
+    HookRegistry.register(f"{_TARGET}._run_sdpa_forward_decode", attention.decode, HookType.AROUND)
     if current.config.importance_load == "gated":
-        HookRegistry.register(f"{_TARGET}.forward_decode", _around_forward_decode, HookType.AROUND)
+        HookRegistry.register(f"{_TARGET}.forward_decode", attention.around_forward_decode, HookType.AROUND)
     return True

@@ -9,7 +9,6 @@ none may fail more than the request it serves.
 
 from __future__ import annotations
 
-import functools
 import os
 
 ENV = "SGLANG_TIERED_TEST_FAULTS"
@@ -19,13 +18,8 @@ class InjectedFault(RuntimeError):
     """Raised by a hook named in SGLANG_TIERED_TEST_FAULTS."""
 
 
-@functools.lru_cache(maxsize=4)
-def _names(raw: str) -> frozenset[str]:
-    return frozenset(n.strip() for n in raw.split(",") if n.strip())
-
-
 def check(name: str) -> None:
     """Raise InjectedFault if `name` is listed in SGLANG_TIERED_TEST_FAULTS (cheap when it is not set)."""
     raw = os.environ.get(ENV)
-    if raw and name in _names(raw):
+    if raw and name in {n.strip() for n in raw.split(",")}:
         raise InjectedFault(f"injected fault in {name} ({ENV})")

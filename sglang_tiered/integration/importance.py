@@ -19,63 +19,26 @@ failure is logged, counted in `sglang_tiered:hook_errors_total` and drops that b
 bypass SGLang's attention (blended requests, chained prefills) are not scored. Cost: per layer, the window's
 queries in the sampled heads against the request's keys -- `window x heads x tokens` dot products.
 
-The table lives in the scheduler process: `TieredSSDStorage` opens it in the namespace directory (`attach_table`).
+The table is part of the scheduler's store (`runtime.Store.importance`, its log counted in the SSD tier); with
+gated loading every scored prompt's pages are offered to the store's repacker.
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from sglang_tiered.integration import metrics, model_forward, settings
+from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.kernels.importance import sampled_heads, window_scores
 from sglang_tiered.policy.importance import important_mask
-from sglang_tiered.storage.importance_table import ImportanceTable
-from sglang_tiered.storage.repacker import Repacker
-from sglang_tiered.storage.ssd_tier import SSDTier
+
+if TYPE_CHECKING:
+    from sglang_tiered.integration.runtime import Runtime
 
 logger = logging.getLogger("sglang_tiered")
-
-_table: Optional[ImportanceTable] = None
-_repacker: Optional[Repacker] = None
-_tier: Optional[SSDTier] = None
-
-
-def attach_table(table: ImportanceTable) -> None:
-    global _table
-    _table = table
-
-
-def attach_repacker(repacker: Repacker, tier: SSDTier) -> None:
-    """With `--tiered-importance-load gated`: every scored prompt's pages are offered for repacking."""
-    global _repacker, _tier
-    _repacker, _tier = repacker, tier
-
-
-def tier() -> Optional[SSDTier]:
-    """This scheduler's SSD tier, when gated loading is on."""
-    return _tier
-
-
-def table() -> Optional[ImportanceTable]:
-    """This process's importance table (None before the storage class opened it, or on other processes)."""
-    return _table
-
-
-def page_keys(req, tokens: int, page_size: int) -> list[str]:
-    """Storage keys of the first `tokens // page_size` pages of `req`'s prompt (SGLang's hash chain)."""
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    n = tokens // page_size * page_size
-    if n == 0:
-        return []
-    key = RadixKey(array("q", req.origin_input_ids[:n]), req.extra_key, cache_salt=req.cache_salt)
-    return list(get_storage_hash_str(key, None, page_size=page_size))
 
 
 @dataclass
@@ -91,11 +54,29 @@ class _Job:
 
 
 class Capture:
-    def __init__(self, heads: int, window: int, ratio: float) -> None:
+    """This process's importance capture: the hook on SGLang's attention (`around_attention`) and its jobs."""
+
+    def __init__(self, rt: Runtime, heads: int, window: int, ratio: float) -> None:
+        self.rt = rt
         self.heads_wanted, self.window, self.ratio = heads, window, ratio
         self._jobs: list[_Job] = []
         self._heads: Optional[list[int]] = None
         self._last_layer = -1
+        self._errors = 0
+
+    def around_attention(self, original, attn, q, k, v, forward_batch, *args, **kwargs):
+        out = original(attn, q, k, v, forward_batch, *args, **kwargs)
+        mode = forward_batch.forward_mode
+        if mode.is_extend() and not mode.is_target_verify():
+            try:
+                self.layer(attn, q, forward_batch)
+            except Exception:
+                self._errors += 1
+                self._jobs = []
+                self.rt.events.count("hook_errors")
+                if self._errors == 1:
+                    logger.exception("tiered importance: capture failed; this batch's importance is not recorded")
+        return out
 
     def layer(self, attn, q: torch.Tensor, fb) -> None:
         """Called after RadixAttention `attn` ran layer `attn.layer_id` of extend batch `fb`."""
@@ -125,9 +106,9 @@ class Capture:
             self._heads = sampled_heads(attn.tp_q_head_num, attn.tp_k_head_num,
                                         min(self.heads_wanted, attn.tp_q_head_num))
         self._last_layer = getattr(pool, "start_layer", 0) + pool.layer_num - 1  # (pool.end_layer is not reliable)
-        if _table is None:
+        if self.rt.store is None or self.rt.store.importance is None:
             return
-        by_rid = {r.rid: r for r in model_forward.batch_requests(fb)}
+        by_rid = {r.rid: r for r in self.rt.forward.batch_requests(fb)}
         start = 0
         for i, rid in enumerate(fb.rids or []):
             prefix, ext = int(fb.extend_prefix_lens_cpu[i]), int(fb.extend_seq_lens_cpu[i])
@@ -140,52 +121,32 @@ class Capture:
             start += ext
 
     def _finish(self, jobs: list[_Job], page_size: int) -> None:
+        store = self.rt.store
         for job in jobs:
             prompt = min(job.seq_len, len(job.req.origin_input_ids))
             keys = page_keys(job.req, prompt, page_size)
             if keys:
                 scores = job.scores[: len(keys) * page_size].tolist()
-                _table.observe(keys, important_mask(scores, self.ratio))
+                store.importance.observe(keys, important_mask(scores, self.ratio))
             reused = min(int(getattr(job.req, "cached_tokens", 0) or 0), len(keys) * page_size) // page_size
             if reused:
-                _table.reuse(keys[:reused])
-            if _repacker is not None and keys:
-                _repacker.offer(keys)
-            metrics.count("importance_prompts")
-            metrics.count("importance_pages", len(keys))
+                store.importance.reuse(keys[:reused])
+            if store.repacker is not None and keys:
+                store.repacker.offer(keys)
+            self.rt.events.count("importance_prompts")
+            self.rt.events.count("importance_pages", len(keys))
 
 
-_capture: Optional[Capture] = None
-_errors = 0
-
-
-def _around_attention(original, self, q, k, v, forward_batch, *args, **kwargs):
-    global _errors
-    out = original(self, q, k, v, forward_batch, *args, **kwargs)
-    mode = forward_batch.forward_mode
-    if _capture is not None and mode.is_extend() and not mode.is_target_verify():
-        try:
-            _capture.layer(self, q, forward_batch)
-        except Exception:
-            _errors += 1
-            _capture._jobs = []
-            metrics.count("hook_errors")
-            if _errors == 1:
-                logger.exception("tiered importance: capture failed; this batch's importance is not recorded")
-    return out
-
-
-def register_hooks() -> bool:
+def register_hooks(rt: Runtime) -> bool:
     """Capture in the scheduler processes of a server with `--tiered-importance-heads` >= 1."""
-    global _capture
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    current = settings.current()
+    current = rt.settings
     if current is None or current.config.importance_heads < 1:
         return False
     cfg = current.config
-    _capture = Capture(cfg.importance_heads, cfg.importance_window, cfg.importance_ratio)
-    HookRegistry.register("sglang.srt.layers.radix_attention.RadixAttention.forward", _around_attention,
+    rt.capture = Capture(rt, cfg.importance_heads, cfg.importance_window, cfg.importance_ratio)
+    HookRegistry.register("sglang.srt.layers.radix_attention.RadixAttention.forward", rt.capture.around_attention,
                           HookType.AROUND)
-    model_forward.track_batches()
+    rt.forward.track_batches()
     return True

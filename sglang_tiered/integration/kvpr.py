@@ -6,24 +6,28 @@
 * Activations -- seam `models.llama.LlamaAttention.forward` (AROUND, read-only): for every extend batch, the
   attention input of each layer (post-RMSNorm, so the recompute needs no norm) is copied for the complete prompt
   pages the forward computes, and after the last layer written to the SSD tier beside their KV pages
-  (storage/activations.py) by one background thread (a full queue drops the batch's activations, counted).
-* Admission -- seam `Scheduler._prefetch_kvcache` (AROUND): for a request whose prompt continues, after its device
-  + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, the split l is chosen
+  (storage/activations.py; kind "activation" in the tier's one budget, leaving with their KV page) by one
+  background thread (a full queue drops the batch's activations, counted).
+* Admission -- a loader at the door (`door.py`, after gated sparse loading): for a request whose prompt
+  continues, after its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, the
+  split l is chosen
   (`policy.kvpr.choose_split` over the measured `Profile`); `auto` takes it -- l = 0 included: our loader overlaps
   the reads with the compute layer by layer, SGLang's reads everything first -- if it predicts at least
   `policy.kvpr.AUTO_MIN_GAIN` off SGLang's own load (`takes_over`); then (or when the request/server forces it) SGLang's
   L3 prefetch is skipped: the stored tokens become extend tokens, loaded by the forward below. The request prefills
-  alone (`model_forward.prefill_alone`) and its KV is exact, so it enters the radix tree as usual.
+  alone and its KV is exact, so it enters the radix tree as usual.
 * Profile -- the SSD read bandwidth (in the background, from the first request on: at startup the weights
-  are still being read from the same disk; until it is known SGLang loads as usual), K/V recompute and layer times
+  are still being read from the same disk; until it is known SGLang loads as usual; the probe file counts against
+  the SSD capacity, smaller where it leaves less room), K/V recompute and layer times
   (`engine/kvpr_profile.py`, persisted); after each load the read bandwidth becomes min(measured, moving average
   of the loads' own read rates) and the recompute and per-stored-token costs are refitted to the loads' compute
   times (`policy.kvpr.Calibration`).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.kvpr.kvpr_prefill` over `engine.page_span.PageSpan`
   (the I/O threads read layer l + 1 -- activations of the first l tokens, KV of the rest -- while this thread
   recomputes layer l's K, V and runs the new tokens' layer). The new tokens' complete pages get their activations
-  stored too. Anything unexpected (a batch of several, a chunked piece, a KV page gone or corrupt) leaves the batch
-  to SGLang's forward, which then computes the stored tokens (exact, slower; logged and counted).
+  stored too. Anything unexpected (a batch of several, a chunked piece, a KV page gone or corrupt, a request our
+  engine cannot compute) leaves the batch to SGLang's forward, which then computes the stored tokens (exact, slower;
+  logged and counted).
 
 Counters: `sglang_tiered:kvpr_loads_total`, `..._kvpr_tokens_recomputed_total` (tokens of stored spans recomputed,
 per layer averaged), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation bytes read),
@@ -39,13 +43,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from sglang_tiered.engine.group_span import SpanMiss
 from sglang_tiered.engine.kvpr import kvpr_prefill
 from sglang_tiered.engine.kvpr_profile import (
+    PROBE_BYTES,
+    PROFILE_FILE,
     describe,
     measure_compute,
     measure_read,
@@ -54,9 +60,10 @@ from sglang_tiered.engine.kvpr_profile import (
     stored_profile,
 )
 from sglang_tiered.engine.page_span import PageSpan
-from sglang_tiered.integration import importance, metrics, model_forward, settings, sparse_load
+from sglang_tiered.integration import model_forward
+from sglang_tiered.integration.door import planned
+from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
-from sglang_tiered.integration.requests import PARAM as REQUEST_CHUNKS
 from sglang_tiered.policy.kvpr import (
     Calibration,
     Profile,
@@ -70,9 +77,14 @@ from sglang_tiered.policy.kvpr import (
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
+if TYPE_CHECKING:
+    from sglang_tiered.integration.runtime import Runtime
+
 logger = logging.getLogger("sglang_tiered")
 
 _WRITE_QUEUE = 8  # batches of activations waiting to be written
+_MIN_PROBE_BYTES = 8 << 20  # a read-bandwidth probe smaller than this says little (then the stored profile is used)
+_MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the bandwidth
 
 
 @dataclass(frozen=True)
@@ -86,11 +98,20 @@ class Plan:
     mode: str
 
 
-class _State:
-    def __init__(self) -> None:
+class KVPR:
+    """This process's partial-recompute loading: the door's loader, the activation capture and writer, and the
+    measured profile."""
+
+    name = "kvpr"
+
+    def __init__(self, rt: Runtime, shape: Shape, gate_reason: Optional[str]) -> None:
+        self.rt = rt
+        self.handler = KVPRHandler(rt, self)
+        self.capture = _Capture(self)
+        self.shape = shape  # elements until `attach`, then bytes
+        self.gate_reason = gate_reason
         self.tier: Optional[SSDTier] = None
-        self.shape: Optional[Shape] = None  # from config.json (itemsize of the served dtype once known)
-        self.gate_reason: Optional[str] = None
+        self.writer: Optional[_Writer] = None
         self.read_bps: Optional[float] = None  # measured once, from the first request on
         self.observed: Optional[float] = None  # moving average of the loads' read rates
         self.loads = 0
@@ -98,19 +119,176 @@ class _State:
         self.calibration = Calibration()
         self.profile: Optional[Profile] = None
         self.key = ""
-        self.writer: Optional[_Writer] = None
         self.lock = threading.Lock()
+        self._capture_errors = 0
 
+    def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
+        """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
+        the background from the first request on."""
+        mode = self.rt.settings.config.kvpr
+        if self.gate_reason is not None and mode == "auto":  # logged here: logging is set up by now
+            logger.info("tiered kvpr: l = 0 for this model, no activations stored: %s", self.gate_reason)
+            return
+        if layout != "layer_first":
+            logger.warning("tiered kvpr: off: needs the layer_first host layout (per-layer reads), got %s", layout)
+            return
+        s = self.shape
+        self.shape = Shape(s.layers, s.x_bytes * itemsize, s.kv_bytes * itemsize)
+        self.tier = tier
+        self.key = profile_key(self.rt.settings.model, tier.namespace.dtype)
+        self.writer = _Writer(self)
+        logger.info("tiered kvpr: %s: activations stored beside SSD pages (%.2fx the KV bytes)", mode,
+                    s.x_bytes / s.kv_bytes)
 
-_state = _State()
+    # ------------------------------------------------------------------------------------- loader (door.py)
+    def admit(self, req) -> None:
+        if self.tier is not None:
+            self._start_measuring()
+
+    def wants(self, req) -> bool:
+        return self.tier is not None and self.mode(req) != "off"
+
+    def mode(self, req) -> Any:
+        mode = request_params(req).get(KVPR_PARAM)
+        if mode in KVPR_MODES or (isinstance(mode, int) and not isinstance(mode, bool)):
+            return mode
+        return self.rt.settings.config.kvpr
+
+    def plan(self, scheduler, req, start: int) -> Optional[Plan]:
+        """The load of `req`'s stored pages from token `start`, or None (SGLang loads them as usual)."""
+        tier, mode = self.tier, self.mode(req)
+        ps = tier.namespace.page_size
+        if start % ps or model_forward.too_long_for_one_extend(scheduler, req, start) is not None:
+            return None
+        keys = page_keys(req, len(req.origin_input_ids) - 1, ps)[start // ps :]
+        n = 0
+        while n < len(keys) and tier.contains(keys[n]) and tier.group_of(keys[n]) is None:
+            n += 1
+        if n * ps < self.rt.settings.config.kvpr_min_tokens:
+            return None
+        acts = 0
+        while acts < n and tier.contains(activations.activation_key(keys[acts])):
+            acts += 1
+        profile = self._profile(scheduler)
+        if profile is None:
+            return None
+        new = len(req.origin_input_ids) - start - n * ps
+        split = choose_split(n, ps, new, self.shape, profile, max_pages=acts)
+        if mode == "auto":
+            if self.gate_reason is not None:
+                return None
+            baseline = sglang_load_time(n * ps, new, self.shape, profile, self.read_bps or profile.read_bytes_per_s)
+            if not takes_over(split, baseline):
+                return None  # SGLang's own load is as good
+            pages = split.pages
+            split = replace(split, reason=split.reason + f"; SGLang's load predicted {baseline:.3f}s")
+        elif mode == "force":
+            if acts == 0 or n < 2:
+                return None
+            pages = max(1, min(split.pages, acts, n - 1))
+        else:  # a number of tokens
+            pages = min(int(mode) // ps, acts, n)
+        return Plan(start, tuple(keys[:n]), pages, split, str(mode))
+
+    # ------------------------------------------------------------------------------------- profile
+    def _measure_read(self) -> None:
+        tier = self.tier
+        room = min(PROBE_BYTES, tier.capacity_bytes // 8)
+        try:
+            if room < _MIN_PROBE_BYTES:
+                raise OSError(f"a capacity of {tier.capacity_bytes} bytes leaves no room for a probe file")
+            with tier.scratch(".kvpr-read-probe", room) as path:
+                if path is None:
+                    raise OSError("no room under the SSD capacity for a probe file")
+                self.read_bps = measure_read(path, room)
+            logger.info("tiered kvpr: SSD read bandwidth %.0f MB/s (page cache bypassed)", self.read_bps / 1e6)
+        except OSError as exc:
+            stored = stored_profile(tier.root, self.key)
+            logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); %s", exc,
+                           "using the stored profile's" if stored else "KVPR stays off")
+            if stored is not None:
+                self.read_bps = stored.read_bytes_per_s
+
+    def _start_measuring(self) -> None:
+        """Measure the read bandwidth in the background, once (from the first request's admission on)."""
+        if not self.measuring:
+            self.measuring = True
+            threading.Thread(target=self._measure_read, name="tiered-kvpr-profile", daemon=True).start()
+
+    def _save(self) -> Any:
+        return save_profile(self.tier.root, self.key, self.profile, shape=self.shape.__dict__,
+                            write=lambda data: self.tier.write_meta(PROFILE_FILE, data))
+
+    def _profile(self, scheduler) -> Optional[Profile]:
+        """The measured profile, or None while the read bandwidth is being measured (until then SGLang loads as
+        usual). The compute part is timed on the served model at the first call after that."""
+        with self.lock:
+            if self.profile is not None:
+                return self.profile
+            if self.read_bps is None:
+                self._start_measuring()
+                return None
+            engine = self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model)
+            stored = stored_profile(self.tier.root, self.key)
+            recompute_s, layer_s, stored_s = measure_compute(engine)
+            if stored is not None and stored.stored_s > stored_s:  # calibrated by earlier loads of this model
+                stored_s = stored.stored_s
+            self.profile = Profile(self.read_bps, recompute_s, layer_s, stored_s)
+            path = self._save()
+            ps = self.tier.namespace.page_size
+            example = choose_split(4096 // ps, ps, 32, self.shape, self.profile)
+            logger.info("tiered kvpr: profile %s (saved to %s); a 4096-token prefix + 32 new tokens would split at "
+                        "l = %d (%s)", describe(self.profile), path, example.tokens, example.reason)
+            return self.profile
+
+    def observe_read(self, nbytes: int, seconds: float) -> str:
+        """Fold a load's read rate (bytes over the loader thread's time: the read path as it really runs,
+        readahead, checksums and copies included) into the profile: v = min(startup measurement, moving average of
+        loads). The min keeps a burst or a page-cache-warm load from making the scheduler think the disk is faster
+        than measured."""
+        if nbytes < _MIN_OBSERVED_BYTES or seconds <= 0 or self.profile is None:
+            return "not updated"
+        with self.lock:
+            rate = nbytes / seconds
+            self.observed = rate if self.observed is None else 0.3 * rate + 0.7 * self.observed
+            v = min(self.read_bps or self.observed, self.observed)
+            self.profile = replace(self.profile, read_bytes_per_s=v)
+        return f"{rate / 1e6:.0f} MB/s, v now {v / 1e6:.0f} MB/s"
+
+    def observe_compute(self, busy_s: float, recomputed: int, new: int, stored: int) -> str:
+        """Refit the compute stream's per-token costs (recompute, stored token) to this load's compute time
+        (everything but waiting for reads; `policy.kvpr.Calibration`). Counts are token-layers."""
+        if self.profile is None or stored <= 0:
+            return ""
+        with self.lock:
+            self.profile = self.calibration.observe(self.profile, busy_s, recomputed, new, stored)
+            self.loads += 1
+            if self.loads % 8 == 0:  # keep the calibration across restarts
+                self._save()
+            p = self.profile
+            return f"recompute now {p.recompute_s * 1e6:.2f} us, stored token-layer {p.stored_s * 1e6:.2f} us"
+
+    # ------------------------------------------------------------------------------------- activation capture
+    def around_attention(self, original, attn_module, positions, hidden_states, forward_batch, *args, **kwargs):
+        mode = forward_batch.forward_mode
+        if self.writer is not None and mode.is_extend() and not mode.is_target_verify():
+            try:
+                self.capture.layer(attn_module.attn.layer_id, hidden_states, forward_batch)
+            except Exception:
+                self._capture_errors += 1
+                self.capture.buf = None
+                self.rt.events.count("hook_errors")
+                if self._capture_errors == 1:
+                    logger.exception("tiered kvpr: capturing activations failed; this batch stores none")
+        return original(attn_module, positions, hidden_states, forward_batch, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- activations
 class _Writer:
     """One background thread writing activation pages (keys, [layers, pages * page_size, hidden] tensor)."""
 
-    def __init__(self, tier: SSDTier) -> None:
-        self.tier = tier
+    def __init__(self, kvpr: KVPR) -> None:
+        self.tier, self.events = kvpr.tier, kvpr.rt.events
         self.jobs: queue.Queue = queue.Queue(_WRITE_QUEUE)
         threading.Thread(target=self._run, name="tiered-kvpr-write", daemon=True).start()
 
@@ -118,7 +296,7 @@ class _Writer:
         try:
             self.jobs.put_nowait((keys, x))
         except queue.Full:
-            metrics.count("kvpr_activation_drops", len(keys))
+            self.events.count("kvpr_activation_drops", len(keys))
 
     def _run(self) -> None:
         while True:
@@ -130,12 +308,11 @@ class _Writer:
                     rows = x[:, i * ps : (i + 1) * ps].contiguous()
                     pages.append((activations.activation_key(key),
                                   [memoryview(rows[layer].view(torch.uint8).numpy()) for layer in range(x.shape[0])]))
-                ok = self.tier.write_pages(pages)
-                written = sum(ok)
-                metrics.count("kvpr_activation_pages_written", written)
-                metrics.count("kvpr_activation_bytes_written", written * x[:, :ps].numel() * x.element_size())
+                written = sum(self.tier.write_pages(pages, kind="activation"))
+                self.events.count("kvpr_activation_pages_written", written)
+                self.events.count("kvpr_activation_bytes_written", written * x[:, :ps].numel() * x.element_size())
             except Exception:
-                metrics.count("hook_errors")
+                self.events.count("hook_errors")
                 logger.exception("tiered kvpr: writing activations failed")
 
 
@@ -150,7 +327,8 @@ def _pages_of(req: Any, start: int, end: int, page_size: int) -> range:
 class _Capture:
     """Attention inputs of the complete prompt pages an extend batch computes (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kvpr: KVPR) -> None:
+        self.kvpr = kvpr
         self.jobs: list[tuple[Any, range, torch.Tensor]] = []  # (req, pages, rows of the batch)
         self.buf: Optional[torch.Tensor] = None
         self.last = -1
@@ -170,14 +348,14 @@ class _Capture:
             buf, jobs, self.buf = self.buf, self.jobs, None
             ps, at = pool.page_size, 0
             for req, pages, _ in jobs:
-                keys = importance.page_keys(req, pages.stop * ps, ps)[pages.start :]
+                keys = page_keys(req, pages.stop * ps, ps)[pages.start :]
                 n = len(pages) * ps
-                _state.writer.submit(keys, buf[:, at : at + n])
+                self.kvpr.writer.submit(keys, buf[:, at : at + n])
                 at += n
 
     def _start(self, fb, page_size: int, layers: int, hidden: torch.Tensor) -> None:
         self.jobs, self.buf = [], None
-        by_rid = {r.rid: r for r in model_forward.batch_requests(fb)}
+        by_rid = {r.rid: r for r in self.kvpr.rt.forward.batch_requests(fb)}
         offset = 0
         for i, rid in enumerate(fb.rids or []):
             prefix, ext = int(fb.extend_prefix_lens_cpu[i]), int(fb.extend_seq_lens_cpu[i])
@@ -193,175 +371,23 @@ class _Capture:
             self.buf = torch.empty(layers, self.rows.shape[0], hidden.shape[-1], dtype=hidden.dtype)
 
 
-_capture: Optional[_Capture] = None
-_capture_errors = 0
-
-
-def _around_attention(original, self, positions, hidden_states, forward_batch, *args, **kwargs):
-    global _capture_errors
-    mode = forward_batch.forward_mode
-    if _capture is not None and _state.writer is not None and mode.is_extend() and not mode.is_target_verify():
-        try:
-            _capture.layer(self.attn.layer_id, hidden_states, forward_batch)
-        except Exception:
-            _capture_errors += 1
-            _capture.buf = None
-            metrics.count("hook_errors")
-            if _capture_errors == 1:
-                logger.exception("tiered kvpr: capturing activations failed; this batch stores none")
-    return original(self, positions, hidden_states, forward_batch, *args, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------- profile
-def attach_tier(tier: SSDTier, itemsize: int, layout: str) -> None:
-    """Called by the storage class once the tier is open: start storing activations (gate open or `force`) and
-    measure the tier's read bandwidth in the background."""
-    current = settings.current()
-    if current is None or current.config.kvpr == "off" or _state.shape is None:
-        return
-    if _state.gate_reason is not None and current.config.kvpr == "auto":  # logged here: logging is set up by now
-        logger.info("tiered kvpr: l = 0 for this model, no activations stored: %s", _state.gate_reason)
-        return
-    if layout != "layer_first":
-        logger.warning("tiered kvpr: off: needs the layer_first host layout (per-layer reads), got %s", layout)
-        return
-    s = _state.shape
-    _state.shape = Shape(s.layers, s.x_bytes * itemsize, s.kv_bytes * itemsize)
-    _state.tier = tier
-    _state.key = profile_key(current.model, tier.namespace.dtype)
-    if _state.gate_reason is None or current.config.kvpr == "force":
-        _state.writer = _Writer(tier)  # (the read bandwidth is measured at the first candidate load: at startup the
-        #                                weights are still being read from the same disk)
-        logger.info("tiered kvpr: %s: activations stored beside SSD pages (%.2fx the KV bytes)",
-                    current.config.kvpr, s.x_bytes / s.kv_bytes)
-
-
-def _measure_read(tier: SSDTier) -> None:
-    try:
-        _state.read_bps = measure_read(tier.root)
-        logger.info("tiered kvpr: SSD read bandwidth %.0f MB/s (page cache bypassed)", _state.read_bps / 1e6)
-    except OSError as exc:
-        stored = stored_profile(tier.root, _state.key)
-        logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); %s", exc,
-                       "using the stored profile's" if stored else "KVPR stays off")
-        if stored is not None:
-            _state.read_bps = stored.read_bytes_per_s
-
-
-def _start_measuring() -> None:
-    """Measure the read bandwidth in the background, once (from the first request's admission on)."""
-    if not _state.measuring:
-        _state.measuring = True
-        threading.Thread(target=_measure_read, args=(_state.tier,), name="tiered-kvpr-profile", daemon=True).start()
-
-
-def _profile(scheduler) -> Optional[Profile]:
-    """The measured profile, or None while the read bandwidth is being measured (until then SGLang loads as
-    usual). The compute part is timed on the served model at the first call after that."""
-    with _state.lock:
-        if _state.profile is not None:
-            return _state.profile
-        if _state.read_bps is None:
-            _start_measuring()
-            return None
-        engine = model_forward.engine_from_sglang(scheduler.tp_worker.model_runner.model.model)
-        stored = stored_profile(_state.tier.root, _state.key)
-        recompute_s, layer_s, stored_s = measure_compute(engine)
-        if stored is not None and stored.stored_s > stored_s:  # calibrated by earlier loads of this model
-            stored_s = stored.stored_s
-        _state.profile = Profile(_state.read_bps, recompute_s, layer_s, stored_s)
-        path = save_profile(_state.tier.root, _state.key, _state.profile, shape=_state.shape.__dict__)
-        example = choose_split(4096 // _state.tier.namespace.page_size, _state.tier.namespace.page_size, 32,
-                               _state.shape, _state.profile)
-        logger.info("tiered kvpr: profile %s (saved to %s); a 4096-token prefix + 32 new tokens would split at "
-                    "l = %d (%s)", describe(_state.profile), path, example.tokens, example.reason)
-        return _state.profile
-
-
-# ---------------------------------------------------------------------------------------------- admission
-def request_mode(req) -> Any:
-    mode = request_params(req).get(KVPR_PARAM)
-    if mode in KVPR_MODES or (isinstance(mode, int) and not isinstance(mode, bool)):
-        return mode
-    current = settings.current()
-    return current.config.kvpr if current is not None else "off"
-
-
-def plan_load(scheduler, req, start: int, mode: Any) -> Optional[Plan]:
-    """The load of `req`'s stored pages from token `start`, or None (SGLang loads them as usual)."""
-    tier = _state.tier
-    ps = tier.namespace.page_size
-    if start % ps or model_forward.too_long_for_one_extend(scheduler, req, start) is not None:
-        return None
-    keys = importance.page_keys(req, len(req.origin_input_ids) - 1, ps)[start // ps :]
-    n = 0
-    while n < len(keys) and tier.contains(keys[n]) and tier.group_of(keys[n]) is None:
-        n += 1
-    if n * ps < settings.current().config.kvpr_min_tokens:
-        return None
-    acts = 0
-    while acts < n and tier.contains(activations.activation_key(keys[acts])):
-        acts += 1
-    profile = _profile(scheduler)
-    if profile is None:
-        return None
-    new = len(req.origin_input_ids) - start - n * ps
-    split = choose_split(n, ps, new, _state.shape, profile, max_pages=acts)
-    if mode == "auto":
-        if _state.gate_reason is not None:
-            return None
-        baseline = sglang_load_time(n * ps, new, _state.shape, profile, _state.read_bps or profile.read_bytes_per_s)
-        if not takes_over(split, baseline):
-            return None  # SGLang's own load is as good
-        pages = split.pages
-        split = replace(split, reason=split.reason + f"; SGLang's load predicted {baseline:.3f}s")
-    elif mode == "force":
-        if acts == 0 or n < 2:
-            return None
-        pages = max(1, min(split.pages, acts, n - 1))
-    else:  # a number of tokens
-        pages = min(int(mode) // ps, acts, n)
-    return Plan(start, tuple(keys[:n]), pages, split, str(mode))
-
-
-def _around_prefetch(original, self, req, *args, **kwargs):
-    if getattr(req, "tiered_kvpr", None) is not None:
-        req.tiered_kvpr = None  # re-admitted (e.g. retracted): decided afresh
-    if _state.tier is None:
-        return original(self, req, *args, **kwargs)
-    _start_measuring()
-    mode = request_mode(req)
-    if mode == "off" or REQUEST_CHUNKS in request_params(req) or sparse_load.request_mode(req) != "off":
-        return original(self, req, *args, **kwargs)
-    try:
-        req.init_next_round_input(self.tree_cache, cow_mamba=False)
-        plan = plan_load(self, req, req.prefix_len + req.host_hit_length, mode)
-        if plan is not None:
-            req.tiered_kvpr = plan
-            return None  # no L3 prefetch: the stored pages are loaded by the forward
-    except Exception:
-        metrics.count("hook_errors")
-        logger.exception("tiered kvpr: admission of rid %s failed; SGLang prefetches as usual", req.rid)
-    return original(self, req, *args, **kwargs)
-
-
-def is_planned(req) -> bool:
-    return getattr(req, "tiered_kvpr", None) is not None
-
-
 # ---------------------------------------------------------------------------------------------- forward
 class KVPRHandler(model_forward.ForwardHandler):
     name = "kvpr"
 
+    def __init__(self, rt: Runtime, kvpr: KVPR) -> None:
+        super().__init__(rt)
+        self.kvpr = kvpr
+
     def build_runtime(self, module):
-        return model_forward.engine_from_sglang(module)
+        return self.rt.forward.engine(module)
 
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
-        reqs = [r for r in model_forward.batch_requests(fb) if is_planned(r)]
+        reqs = [r for r in self.rt.forward.batch_requests(fb) if planned(r, self.name) is not None]
         if not reqs:
             return None
         req = reqs[0]
-        plan: Plan = req.tiered_kvpr
+        plan: Plan = planned(req, self.name)
         prefix = int(fb.extend_prefix_lens_cpu[0])
         why = model_forward.why_not_whole_prompt(fb, req)
         if why is None and prefix != plan.start:
@@ -371,13 +397,55 @@ class KVPRHandler(model_forward.ForwardHandler):
             why = f"disabled in this process: {self.disabled}"
         if why is None:
             try:
-                return _load_forward(engine, req, fb, plan, sglang_rope(module))
+                return self._load_forward(engine, req, fb, plan, sglang_rope(module))
             except SpanMiss as exc:
                 why = f"stored span unreadable: {exc}"
         for r in reqs:
-            r.tiered_kvpr = None
+            r.tiered_load = None
         self.fallback([r.rid for r in reqs], why + "; SGLang computes the span")
         return None
+
+    @torch.inference_mode()
+    def _load_forward(self, engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:
+        t0 = time.perf_counter()
+        kvpr, events = self.kvpr, self.rt.events
+        c = engine.cfg
+        tier = kvpr.tier
+        ps = tier.namespace.page_size
+        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+        span = PageSpan(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                        hidden=c.hidden, dtype=engine.dtype, recompute_pages=plan.pages)
+        try:
+            s = span.tokens
+            ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
+            res = kvpr_prefill(engine, ids, prefix_len=prefix, span=span, inputs=True, rope=rope,
+                               prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
+        finally:
+            span.close()
+        hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
+        new_pages = _pages_of(req, prefix + s, prefix + ext, ps)
+        if len(new_pages) and kvpr.writer is not None:
+            keys = page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
+            rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
+            kvpr.writer.submit(keys, res.inputs[:, rows].clone())
+        observed = kvpr.observe_read(span.bytes_x + span.bytes_kv, res.load_s)
+        observed += "; " + kvpr.observe_compute(time.perf_counter() - t0 - res.wait_s, res.recomputed,
+                                                c.layers * (ext - s), c.layers * s)
+        recomputed = res.recomputed // c.layers
+        item = engine.dtype.itemsize
+        saved = res.recomputed * (2 * c.kv_heads * c.head_dim - c.hidden) * item
+        misses = span.act_missing + span.act_corrupt
+        events.count("kvpr_loads")
+        events.count("kvpr_tokens_recomputed", recomputed)
+        events.count("kvpr_bytes_saved", max(0, saved))
+        events.count("kvpr_activation_misses", misses)
+        logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): recomputed l=%d "
+                    "(%d pages planned, %d activation pages missing/corrupt; model: %.3fs vs %.3fs full, %s), read "
+                    "%.1f MiB activations + %.1f MiB KV, waited %.3fs for reads (read path %s), total=%.3fs",
+                    req.rid, s, prefix, ext - s, plan.mode, recomputed, plan.pages, misses, plan.split.predicted_s,
+                    plan.split.full_s, plan.split.reason, span.bytes_x / 2**20, span.bytes_kv / 2**20, res.wait_s,
+                    observed, time.perf_counter() - t0)
+        return hidden
 
 
 def sglang_rope(module):
@@ -394,86 +462,13 @@ def sglang_rope(module):
     return rope
 
 
-@torch.inference_mode()
-def _load_forward(engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:
-    t0 = time.perf_counter()
-    c = engine.cfg
-    tier = _state.tier
-    ps = tier.namespace.page_size
-    prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-    span = PageSpan(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                    hidden=c.hidden, dtype=engine.dtype, recompute_pages=plan.pages)
-    try:
-        s = span.tokens
-        ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
-        res = kvpr_prefill(engine, ids, prefix_len=prefix, span=span, inputs=True, rope=rope,
-                           prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
-    finally:
-        span.close()
-    hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
-    new_pages = _pages_of(req, prefix + s, prefix + ext, ps)
-    if len(new_pages) and _state.writer is not None:
-        keys = importance.page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
-        rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
-        _state.writer.submit(keys, res.inputs[:, rows].clone())
-    observed = _observe_read(span.bytes_x + span.bytes_kv, res.load_s)
-    observed += "; " + _observe_compute(time.perf_counter() - t0 - res.wait_s, res.recomputed, c.layers * (ext - s),
-                                        c.layers * s)
-    recomputed = res.recomputed // c.layers
-    item = engine.dtype.itemsize
-    saved = res.recomputed * (2 * c.kv_heads * c.head_dim - c.hidden) * item
-    misses = span.act_missing + span.act_corrupt
-    metrics.count("kvpr_loads")
-    metrics.count("kvpr_tokens_recomputed", recomputed)
-    metrics.count("kvpr_bytes_saved", max(0, saved))
-    metrics.count("kvpr_activation_misses", misses)
-    logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): recomputed l=%d "
-                "(%d pages planned, %d activation pages missing/corrupt; model: %.3fs vs %.3fs full, %s), read "
-                "%.1f MiB activations + %.1f MiB KV, waited %.3fs for reads (read path %s), total=%.3fs",
-                req.rid, s, prefix, ext - s, plan.mode, recomputed, plan.pages, misses, plan.split.predicted_s,
-                plan.split.full_s, plan.split.reason, span.bytes_x / 2**20, span.bytes_kv / 2**20, res.wait_s,
-                observed, time.perf_counter() - t0)
-    return hidden
-
-
-_MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the bandwidth
-
-
-def _observe_read(nbytes: int, seconds: float) -> str:
-    """Fold a load's read rate (bytes over the loader thread's time: the read path as it really runs, readahead,
-    checksums and copies included) into the profile: v = min(startup measurement, moving average of loads). The
-    min keeps a burst or a page-cache-warm load from making the scheduler think the disk is faster than measured."""
-    if nbytes < _MIN_OBSERVED_BYTES or seconds <= 0 or _state.profile is None:
-        return "not updated"
-    with _state.lock:
-        rate = nbytes / seconds
-        _state.observed = rate if _state.observed is None else 0.3 * rate + 0.7 * _state.observed
-        v = min(_state.read_bps or _state.observed, _state.observed)
-        _state.profile = replace(_state.profile, read_bytes_per_s=v)
-    return f"{rate / 1e6:.0f} MB/s, v now {v / 1e6:.0f} MB/s"
-
-
-def _observe_compute(busy_s: float, recomputed: int, new: int, stored: int) -> str:
-    """Refit the compute stream's per-token costs (recompute, stored token) to this load's compute time
-    (everything but waiting for reads; `policy.kvpr.Calibration`). Counts are token-layers."""
-    if _state.profile is None or stored <= 0:
-        return ""
-    with _state.lock:
-        _state.profile = _state.calibration.observe(_state.profile, busy_s, recomputed, new, stored)
-        _state.loads += 1
-        if _state.loads % 8 == 0:  # keep the calibration across restarts
-            save_profile(_state.tier.root, _state.key, _state.profile, shape=_state.shape.__dict__)
-        p = _state.profile
-        return f"recompute now {p.recompute_s * 1e6:.2f} us, stored token-layer {p.stored_s * 1e6:.2f} us"
-
-
 # ---------------------------------------------------------------------------------------------- registration
-def register_hooks() -> bool:
-    """In scheduler processes of a CPU server with `--tiered-kvpr auto|force`."""
-    global _capture
+def register_hooks(rt: Runtime) -> bool:
+    """In scheduler processes of a CPU server with `--tiered-kvpr auto|force`: the door's loader (after gated
+    sparse loading), the activation capture and a forward handler."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    current = settings.current()
+    current = rt.settings
     if current is None or current.config.kvpr == "off" or not current.cpu_only:
         return False
     try:
@@ -483,15 +478,12 @@ def register_hooks() -> bool:
     except (OSError, KeyError, ValueError, NotImplementedError) as exc:
         logger.info("tiered kvpr: off (%s)", exc)
         return False
-    _state.shape = Shape(cfg.layers, cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim)  # elements; bytes at attach
-    _state.gate_reason = gate(_state.shape)
-    if _state.gate_reason is not None and current.config.kvpr == "auto":
-        return False  # attach_tier says why
-    _capture = _Capture()
-    HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", _around_attention, HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache", _around_prefetch,
+    shape = Shape(cfg.layers, cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim)  # elements; bytes at attach
+    rt.kvpr = KVPR(rt, shape, gate(shape))
+    if rt.kvpr.gate_reason is not None and current.config.kvpr == "auto":
+        return False  # `attach` says why (the store opens after logging is set up)
+    HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", rt.kvpr.around_attention,
                           HookType.AROUND)
-    model_forward.track_batches()
-    model_forward.prefill_alone(is_planned)
-    model_forward.add_handler(KVPRHandler())
+    rt.door.add(rt.kvpr)
+    rt.forward.add_handler(rt.kvpr.handler)
     return True

@@ -6,13 +6,16 @@ hit_pages_total, hit_tokens_total, miss_pages_total, read_bytes_total, written_p
 evicted_pages_total, corrupt_pages_total, foreign_pages_total, lost_pages_total, io_errors_total,
 rejected_pages_total, repacked_groups_total, repacked_pages_total, repack_pages_kept_total (taken from the copy
 kept at write), repack_pages_read_total and repack_read_bytes_total (read back from SSD), group_reads_total,
-imported_pages_total (counters); used_bytes, capacity_bytes, stored_pages (gauges).
+imported_pages_total (counters); used_bytes, capacity_bytes, stored_pages, used_bytes_by_kind{kind} (gauges: every
+file under the SSD directory by kind, `storage/disk_index.py`).
+Retention (`sglang_tiered:`): pinned_pages{tier="device"|"host"|"ssd"}, pinned_bytes{tier="ssd"} (gauges),
+retain_pins_total, retain_released_total (pins released early: the bound was reached), retain_refused_total.
 With `--tiered-remote`, the shared tier's, prefixed `sglang_tiered:remote_`: hit_pages_total, miss_pages_total,
 read_bytes_total, read_seconds_total, published_pages_total, written_bytes_total, corrupt_pages_total,
 foreign_pages_total, dropped_pages_total, errors_total (counters); up (gauge: 1 while the store answers).
 Device and host hit tokens are SGLang's own `sglang:cached_tokens_total{source="device"|"host"|"storage"}`.
 
-Counters of the forward mechanisms (`count`, summed over scheduler processes), when SGLang's metrics are on:
+Counters of the mechanisms (`Events.count`, summed over scheduler processes), when SGLang's metrics are on:
 `sglang_tiered:runahead_prefills_total`, `..._runahead_tokens_total`, `..._runahead_fallbacks_total`,
 `..._runahead_bytes_sent_total`; `sglang_tiered:blend_requests_total`, `..._blend_reused_tokens_total`,
 `..._blend_new_chunks_total`, `..._blend_fallbacks_total`; `sglang_tiered:hook_errors_total` (exceptions inside our
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from sglang_tiered.storage.files import write_atomic
 from sglang_tiered.storage.stats import TierStats
 
 logger = logging.getLogger("sglang_tiered")
@@ -86,6 +90,14 @@ def format_stats(s: dict, page_size: int) -> str:
                     f"({s['remote_bytes_written'] / mib:.1f} MiB) corrupt={s['remote_corrupt_pages']} "
                     f"foreign={s['remote_foreign_pages']} dropped={s['remote_dropped_pages']} "
                     f"errors={s['remote_errors']} up={s['remote_up']}")
+    kinds = s.get("bytes_by_kind")
+    if kinds:
+        learned += " by kind: " + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in kinds.items() if v)
+    pins = s.get("retention")
+    if pins and pins.get("pins"):
+        learned += (f" retention: {pins['pins']} pins over {pins['pages']} pages (device "
+                    f"{pins['device_pinned_pages']}, host {pins['host_pinned_pages']} pages, SSD "
+                    f"{pins['ssd_pinned_bytes'] / mib:.1f} MiB)")
     return (
         f"hits={s['hit_pages']} pages ({s['hit_pages'] * page_size} tokens, {s['bytes_read'] / mib:.1f} MiB) "
         f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "
@@ -104,6 +116,7 @@ class StatsReporter:
         stats: TierStats,
         *,
         json_path: Path,
+        write_json: Optional[Callable[[bytes], object]] = None,
         page_size: int,
         capacity_bytes: int,
         tp_rank: int,
@@ -113,9 +126,11 @@ class StatsReporter:
         tick: float = 1.0,
         extras: Callable[[], dict] = dict,
     ) -> None:
-        """`extras()` adds fields to the JSON file (e.g. the importance table's coverage)."""
+        """`extras()` adds fields to the JSON file (e.g. the importance table's coverage). `write_json(data)`
+        replaces the file (the SSD tier's `write_meta`, which counts its bytes); by default an atomic replace."""
         self.stats = stats
         self.json_path = json_path
+        self.write_json = write_json or (lambda data: write_atomic(json_path, data))
         self.page_size = page_size
         self.capacity_bytes = capacity_bytes
         self.describe = describe
@@ -146,10 +161,12 @@ class StatsReporter:
 
     def publish(self) -> None:
         snap = self.stats.snapshot()
+        extras = self.extras()
         if self._prom is not None:
-            self._prom.update(self._last, snap, self.page_size, self.capacity_bytes)
-        if snap != self._last or not self.json_path.exists() or self._extras_changed():
-            self._write_json(snap)
+            self._prom.update(self._last, snap, self.page_size, self.capacity_bytes, extras)
+        if snap != self._last or not self.json_path.exists() or extras != self._last_extras:
+            self._write_json(snap, extras)
+        self._last_extras = extras
         self._last = snap
         self._since_log += self.tick
         if self.log_interval > 0 and self._since_log >= self.log_interval and snap != self._last_logged:
@@ -157,18 +174,10 @@ class StatsReporter:
             self._last_logged = snap
             self._since_log = 0.0
 
-    def _extras_changed(self) -> bool:
-        now = self.extras()
-        changed, self._last_extras = now != self._last_extras, now
-        return changed
-
-    def _write_json(self, snap: dict) -> None:
-        self.json_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.json_path.with_suffix(f".{os.getpid()}.tmp")
-        payload = {**snap, **self.extras(), "hit_tokens": snap["hit_pages"] * self.page_size,
+    def _write_json(self, snap: dict, extras: dict) -> None:
+        payload = {**snap, **extras, "hit_tokens": snap["hit_pages"] * self.page_size,
                    "page_size": self.page_size, "capacity_bytes": self.capacity_bytes, "namespace": self.describe()}
-        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
-        os.replace(tmp, self.json_path)
+        self.write_json(json.dumps(payload, indent=1, sort_keys=True).encode())
 
 
 class _PromMetrics:
@@ -190,8 +199,14 @@ class _PromMetrics:
         self.capacity = gauge("sglang_tiered:ssd_capacity_bytes", "Capacity of the SSD tier in bytes")
         self.pages = gauge("sglang_tiered:ssd_stored_pages", "Pages stored in the SSD tier")
         self.remote_up = gauge("sglang_tiered:remote_up", "1 while the shared tier (--tiered-remote) answers")
+        labelled = lambda n, d, extra: Gauge(n, d, [*names, extra], multiprocess_mode="mostrecent")  # noqa: E731
+        self.by_kind = labelled("sglang_tiered:ssd_used_bytes_by_kind", "Bytes under the SSD directory by kind", "kind")
+        self.pinned_pages = labelled("sglang_tiered:pinned_pages", "Pages of unexpired retention pins a tier holds",
+                                     "tier")
+        self.pinned_bytes = labelled("sglang_tiered:pinned_bytes", "Bytes of unexpired retention pins a tier holds",
+                                     "tier")
 
-    def update(self, old: dict, new: dict, page_size: int, capacity: int) -> None:
+    def update(self, old: dict, new: dict, page_size: int, capacity: int, extras: dict) -> None:
         for field, counter in self.counters.items():
             delta = new[field] - old[field]
             if delta > 0:
@@ -203,6 +218,13 @@ class _PromMetrics:
         self.capacity.labels(**self.labels).set(capacity)
         self.pages.labels(**self.labels).set(new["stored_pages"])
         self.remote_up.labels(**self.labels).set(new["remote_up"])
+        for kind, nbytes in extras.get("bytes_by_kind", {}).items():
+            self.by_kind.labels(**self.labels, kind=kind).set(nbytes)
+        pins = extras.get("retention")
+        if pins:
+            for tier in ("device", "host"):
+                self.pinned_pages.labels(**self.labels, tier=tier).set(pins[f"{tier}_pinned_pages"])
+            self.pinned_bytes.labels(**self.labels, tier="ssd").set(pins["ssd_pinned_bytes"])
 
 
 def read_stats_files(ssd_dir: str) -> list[dict]:
@@ -222,7 +244,8 @@ def prometheus_enabled(storage_metrics_flag: bool) -> bool:
 EVENTS = {
     "runahead_prefills": "Prefills computed by the chain (KV-Runahead)",
     "runahead_tokens": "Prompt tokens prefilled by the chain",
-    "runahead_fallbacks": "Long prefills that fell back to SGLang's (chain not running, failed or timed out)",
+    "runahead_fallbacks": "Long prefills that fell back to SGLang's (chain not running, failed or timed out, or a "
+    "request our engine cannot compute)",
     "runahead_bytes_sent": "KV bytes sent between chain ranks",
     "blend_requests": "Requests served by blending stored chunk KV",
     "blend_reused_tokens": "Prompt tokens whose stored chunk KV was reused",
@@ -231,22 +254,22 @@ EVENTS = {
     "hook_errors": "Exceptions inside sglang-tiered hooks (the batch fell back to SGLang's own code)",
     "importance_prompts": "Prompts whose tokens were scored for importance",
     "importance_pages": "KV pages whose token importance was updated",
-    "importance_sparse_requests": "Requests whose stored prefix was loaded sparsely (gated)",
-    "importance_gate_passes": "Layers of sparse loads whose gate passed (only their picks loaded): the sampled "
+    "sparse_requests": "Requests whose stored prefix was loaded sparsely (gated)",
+    "sparse_gate_passes": "Layers of sparse loads whose gate passed (only their picks loaded): the sampled "
     "heads agreed (jaccard), or the picks left out at most --tiered-importance-max-drop of the attention (mass)",
-    "importance_gate_fails": "Layers of sparse loads that loaded the whole stored span (the gate failed, or the "
+    "sparse_gate_fails": "Layers of sparse loads that loaded the whole stored span (the gate failed, or the "
     "probe was skipped)",
-    "importance_attention_dropped": "Share of the window's attention on stored tokens left out, summed over the "
-    "passed layers of sparse loads (divided by importance_gate_passes: the mean per passed layer)",
-    "importance_probes_skipped": "Layers of sparse loads that loaded the whole stored span without reading their "
+    "sparse_attention_dropped": "Share of the window's attention on stored tokens left out, summed over the "
+    "passed layers of sparse loads (divided by sparse_gate_passes: the mean per passed layer)",
+    "sparse_probes_skipped": "Layers of sparse loads that loaded the whole stored span without reading their "
     "probe (the layer's gate failed on its last --tiered-importance-probe-skip measured loads)",
-    "importance_tokens_skipped": "Token-layers of stored prefixes not loaded by sparse loads",
-    "importance_bytes_skipped": "Bytes of K and V of stored prefixes not loaded by sparse loads (the probe read "
-    "instead is in importance_bytes_read)",
-    "importance_bytes_read": "Bytes read from repacked groups by sparse loads (probe + chunks)",
-    "importance_bytes_needed": "Bytes of the K and V of the stored tokens sparse loads used",
-    "importance_fallbacks": "Gated requests whose stored span SGLang computed instead",
-    "importance_too_long": "Gated requests longer than --chunked-prefill-size (SGLang loaded their stored prefix)",
+    "sparse_tokens_skipped": "Token-layers of stored prefixes not loaded by sparse loads",
+    "sparse_bytes_skipped": "Bytes of K and V of stored prefixes not loaded by sparse loads (the probe read "
+    "instead is in sparse_bytes_read)",
+    "sparse_bytes_read": "Bytes read from repacked groups by sparse loads (probe + chunks)",
+    "sparse_bytes_needed": "Bytes of the K and V of the stored tokens sparse loads used",
+    "sparse_fallbacks": "Gated requests whose stored span SGLang loaded or computed instead",
+    "sparse_too_long": "Gated requests longer than --chunked-prefill-size (SGLang loaded their stored prefix)",
     "kvpr_loads": "Stored prefixes loaded by partial recompute (KVPR)",
     "kvpr_tokens_recomputed": "Tokens of stored prefixes whose K and V were recomputed from activations",
     "kvpr_bytes_saved": "KV bytes partial-recompute loads did not read, minus the activation bytes they read",
@@ -254,19 +277,30 @@ EVENTS = {
     "kvpr_activation_pages_written": "Activation pages written beside KV pages on SSD",
     "kvpr_activation_bytes_written": "Bytes of activation pages written to SSD",
     "kvpr_activation_drops": "Activation pages not stored because the write queue was full",
-    "kvpr_fallbacks": "Planned partial-recompute loads whose stored span SGLang computed instead",
+    "kvpr_fallbacks": "Partial-recompute loads declined or abandoned: SGLang loaded or computed the stored span",
+    "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",
+    "retain_released": "Pins released before their expiry to keep pinned pages within --tiered-retain-share",
+    "retain_refused": "Pins refused: the prompt alone has more pages than retention may hold",
 }
-_event_counters: dict = {}
 
 
-def count(event: str, value: float = 1) -> None:
-    """Add `value` to `sglang_tiered:<event>_total` if SGLang's Prometheus metrics are on (no-op otherwise)."""
-    if event not in EVENTS:
-        raise KeyError(event)
-    if not prometheus_enabled(False) or value <= 0:
-        return
-    if event not in _event_counters:
-        from prometheus_client import Counter
+class Events:
+    """This process's counters of the mechanisms: `count(event)` adds to `sglang_tiered:<event>_total` when SGLang's
+    Prometheus metrics are on (a no-op otherwise). One per process, in its `Runtime`."""
 
-        _event_counters[event] = Counter(f"sglang_tiered:{event}_total", EVENTS[event])
-    _event_counters[event].inc(value)
+    def __init__(self) -> None:
+        self._counters: dict = {}
+        self._lock = threading.Lock()
+
+    def count(self, event: str, value: float = 1) -> None:
+        if event not in EVENTS:
+            raise KeyError(event)
+        if not prometheus_enabled(False) or value <= 0:
+            return
+        with self._lock:
+            counter = self._counters.get(event)
+            if counter is None:
+                from prometheus_client import Counter
+
+                counter = self._counters[event] = Counter(f"sglang_tiered:{event}_total", EVENTS[event])
+        counter.inc(value)

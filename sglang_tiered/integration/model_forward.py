@@ -1,18 +1,23 @@
 """The one hook on SGLang's Llama forward and the base of the mechanisms that compute a prefill themselves
-(`ForwardHandler`: blend in blend.py, runahead in runahead.py), plus the glue they share: our layer-by-layer
-engine over SGLang's weights, the requests of the running batch, reading a cached prefix's KV from SGLang's pool and
-writing an extend's KV into it.
+(`ForwardHandler`: blend, sparse, kvpr, runahead), plus the glue they share: our layer-by-layer engine over SGLang's
+weights, the requests of the running batch, reading a cached prefix's KV from SGLang's pool and writing an extend's
+KV into it.
 
 Seams (listed with all others in plugin.py): `models.llama.LlamaModel.forward` (AROUND) and
 `managers.tp_worker.TpModelWorker.forward_batch_generation` (AROUND, remembers the batch's requests by rid), both
-in scheduler processes. For an extend batch without input embeddings or pipeline proxies, each registered handler
-is asked in order; the first that returns a tensor has done the forward: the request's new KV is in its slots
-(`forward_batch.out_cache_loc`) and the returned [extend tokens, hidden] tensor holds the final-normed hidden
-state of the last token in its last row (the rows before it are zeros: SGLang's logits processor reads only the
-last row unless input logprobs or hidden states were requested, which handlers must decline). A handler returns
-None to leave the batch to SGLang's own forward. A handler that raises is logged and counted
-(`sglang_tiered:hook_errors_total`) and the batch goes to SGLang's own forward: a failure of ours never takes the
-scheduler down (nothing a handler wrote into the request's new slots survives SGLang's forward over them).
+in scheduler processes, registered by this process's `ForwardHook` (in its `Runtime`). For an extend batch without
+input embeddings or pipeline proxies, each registered handler is asked in order; the first that returns a tensor
+has done the forward: the request's new KV is in its slots (`forward_batch.out_cache_loc`) and the returned
+[extend tokens, hidden] tensor holds the final-normed hidden state of the last token in its last row (the rows
+before it are zeros: SGLang's logits processor reads only the last row unless input logprobs or hidden states were
+requested, which handlers must decline). A handler returns None to leave the batch to SGLang's own forward. A
+handler that raises is logged and counted (`sglang_tiered:hook_errors_total`) and the batch goes to SGLang's own
+forward: a failure of ours never takes the scheduler down (nothing a handler wrote into the request's new slots
+survives SGLang's forward over them).
+
+Fallback reasons shared by every handler (`ForwardHandler.declines`): our engine runs the base model's weights on
+token ids, so a request with a LoRA adapter, multimodal inputs or input embeddings is never computed by it (counted
+as the handler's fallback); each handler adds its own (a batch of several, a chunked piece, input logprobs, ...).
 On CPU-only servers every forward (also SGLang's own) is marked as foreground work, so that the SSD write-through
 yields to it (`gate_background_writes`, storage/foreground.py).
 """
@@ -22,31 +27,46 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
-from sglang_tiered.integration import faults, metrics
-from sglang_tiered.storage.foreground import FOREGROUND
+from sglang_tiered.integration import faults
+
+if TYPE_CHECKING:
+    from sglang_tiered.integration.runtime import Runtime
 
 logger = logging.getLogger("sglang_tiered")
 
 
+def engine_declines(req) -> Optional[str]:
+    """Why our engine (the base model's weights, token ids in) cannot compute `req` faithfully; None if it can."""
+    if getattr(req, "lora_id", None):
+        return f"LoRA adapter {req.lora_id!r} (our engine runs the base weights)"
+    if getattr(req, "multimodal_inputs", None) is not None:
+        return "multimodal inputs"
+    if getattr(req, "input_embeds", None) is not None:
+        return "input embeddings"
+    return None
+
+
 class ForwardHandler:
-    """A mechanism that may compute an extend forward itself. Subclasses set `name` (one word, the flag's:
-    "blend", "runahead") and implement `build_runtime` and `forward`.
+    """A mechanism that may compute an extend forward itself. Subclasses set `name` (one word: "blend", "sparse",
+    "kvpr", "runahead"; the prefix of its counters) and implement `build_runtime` and `forward`.
 
     * `build_runtime(module)`: per-process state (engine over SGLang's weights, stores, helper ranks), built at the
       first `runtime()` call. NotImplementedError, OSError or ValueError disable the handler in this process
       (logged once; `disabled` holds the reason).
     * `forward(module, input_ids, positions, forward_batch)`: the hidden states (see the module docstring) or None.
       It may raise: the hook then logs, counts and runs SGLang's forward.
+    * `declines(req)`: the reasons every handler shares for leaving a request to SGLang (see the module docstring).
     """
 
     name = "handler"
 
-    def __init__(self) -> None:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
         self._runtime: Any = None
         self.disabled: Optional[str] = None
         self._errors = 0
@@ -67,9 +87,12 @@ class ForwardHandler:
                 logger.warning("tiered %s: disabled in this process: %s", self.name, exc)
         return self._runtime
 
+    def declines(self, req) -> Optional[str]:
+        return engine_declines(req)
+
     def fallback(self, rids: list[str], why: str) -> None:
         """Requests that get SGLang's normal prefill: logged and counted (`<name>_fallbacks`)."""
-        metrics.count(f"{self.name}_fallbacks", len(rids))
+        self.rt.events.count(f"{self.name}_fallbacks", len(rids))
         logger.info("tiered %s: rid %s runs a normal prefill (%s)", self.name, " ".join(rids) or "?", why)
 
     def __call__(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
@@ -78,7 +101,7 @@ class ForwardHandler:
             return self.forward(module, input_ids, positions, fb)
         except Exception as exc:
             self._errors += 1
-            metrics.count("hook_errors")
+            self.rt.events.count("hook_errors")
             rids = " ".join(fb.rids or [])
             if self._errors == 1:
                 logger.exception("tiered %s: failed on rid %s; SGLang's own forward runs instead", self.name, rids)
@@ -88,107 +111,108 @@ class ForwardHandler:
             return None
 
 
-_handlers: list[ForwardHandler] = []
-_alone: list[Callable[[Any], bool]] = []
-_admission_errors = 0
-_engines: dict[int, LlamaModel] = {}
-_batch = threading.local()
-_hooked = False
-_tracking = False
+class ForwardHook:
+    """This process's forward hook: the handlers, the prefill-alone predicates, the engines over SGLang's modules
+    and the requests of the batch running now."""
 
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.handlers: list[ForwardHandler] = []
+        self._alone: list[Callable[[Any], bool]] = []
+        self._admission_errors = 0
+        self._engines: dict[int, LlamaModel] = {}
+        self._batch = threading.local()
+        self._hooked = self._tracking = False
 
-def _ensure_hook() -> None:
-    global _hooked
-    if not _hooked:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    def _ensure_hook(self) -> None:
+        if not self._hooked:
+            from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", _around_forward, HookType.AROUND)
-        track_batches()
-        _hooked = True
+            HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", self._around_forward, HookType.AROUND)
+            self.track_batches()
+            self._hooked = True
 
+    def track_batches(self) -> None:
+        """Make `batch_requests` work in this process (registers the worker hook once)."""
+        if not self._tracking:
+            from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-def track_batches() -> None:
-    """Make `batch_requests` work in this process (registers the worker hook once)."""
-    global _tracking
-    if not _tracking:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+            HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+                                  self._around_worker, HookType.AROUND)
+            self._tracking = True
 
-        HookRegistry.register("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", _around_worker,
-                              HookType.AROUND)
-        _tracking = True
+    def add_handler(self, handler: ForwardHandler) -> None:
+        """Register `handler` (once per name); the forward hook itself is registered once."""
+        self._ensure_hook()
+        if all(h.name != handler.name for h in self.handlers):
+            self.handlers.append(handler)
 
+    def prefill_alone(self, predicate: Callable[[Any], bool]) -> None:
+        """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
+        request): such a request joins no prefill batch that already has a request, and nothing joins its batch;
+        the refused request waits for the next round, as when the token budget runs out. Seam (plugin.py):
+        `PrefillAdder.add_one_req` (AROUND), registered with the first predicate."""
+        if not self._alone:
+            from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-def add_handler(handler: ForwardHandler) -> None:
-    """Register `handler` (once per name); the forward hook itself is registered once."""
-    _ensure_hook()
-    if all(h.name != handler.name for h in _handlers):
-        _handlers.append(handler)
+            HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+                                  self._around_add_one_req, HookType.AROUND)
+        self._alone.append(predicate)
 
+    def _around_add_one_req(self, original, adder, req, *args, **kwargs):
+        """If this check fails, SGLang's admission decides alone (logged and counted)."""
+        try:
+            faults.check("admission")
+            alone = bool(adder.can_run_list) and any(p(req) or any(p(r) for r in adder.can_run_list)
+                                                     for p in self._alone)
+        except Exception as exc:
+            self._admission_errors += 1
+            self.rt.events.count("hook_errors")
+            if self._admission_errors == 1:
+                logger.exception("tiered: admission check failed; SGLang admits the request on its own")
+            else:
+                logger.error("tiered: admission check failed (%s, failure %d)", exc, self._admission_errors)
+            alone = False
+        if alone:
+            from sglang.srt.managers.schedule_policy import AddReqResult
 
-def prefill_alone(predicate: Callable[[Any], bool]) -> None:
-    """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
-    request): such a request joins no prefill batch that already has a request, and nothing joins its batch; the
-    refused request waits for the next round, as when the token budget runs out. Seam (plugin.py):
-    `PrefillAdder.add_one_req` (AROUND), registered with the first predicate."""
-    if not _alone:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+            return AddReqResult.OTHER
+        return original(adder, req, *args, **kwargs)
 
-        HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", _around_add_one_req,
-                              HookType.AROUND)
-    _alone.append(predicate)
+    def gate_background_writes(self) -> None:
+        """CPU-only servers: SSD write-through waits while a forward runs (storage/foreground.py)."""
+        self.rt.foreground.enabled = True
+        self._ensure_hook()
 
+    def _around_worker(self, original, worker, batch=None, *args, **kwargs):
+        reqs = getattr(batch, "reqs", None) or []
+        self._batch.by_rid = {r.rid: r for r in reqs}
+        try:
+            return original(worker, batch, *args, **kwargs)
+        finally:
+            self._batch.by_rid = {}
 
-def _around_add_one_req(original, self, req, *args, **kwargs):
-    """If this check fails, SGLang's admission decides alone (logged and counted)."""
-    global _admission_errors
-    try:
-        faults.check("admission")
-        alone = bool(self.can_run_list) and any(p(req) or any(p(r) for r in self.can_run_list) for p in _alone)
-    except Exception as exc:
-        _admission_errors += 1
-        metrics.count("hook_errors")
-        if _admission_errors == 1:
-            logger.exception("tiered: admission check failed; SGLang admits the request on its own")
-        else:
-            logger.error("tiered: admission check failed (%s, failure %d)", exc, _admission_errors)
-        alone = False
-    if alone:
-        from sglang.srt.managers.schedule_policy import AddReqResult
+    def batch_requests(self, fb) -> list[Any]:
+        """SGLang's `Req` objects of the forward batch, in batch order (those the worker hook saw)."""
+        by_rid = getattr(self._batch, "by_rid", {})
+        return [r for r in (by_rid.get(rid) for rid in fb.rids or []) if r is not None]
 
-        return AddReqResult.OTHER
-    return original(self, req, *args, **kwargs)
+    def _around_forward(self, original, module, input_ids, positions, forward_batch, input_embeds=None,
+                        pp_proxy_tensors=None, **kwargs):
+        with self.rt.foreground.busy():
+            if input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend():
+                for handler in self.handlers:
+                    hidden = handler(module, input_ids, positions, forward_batch)
+                    if hidden is not None:
+                        return hidden
+            return original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
 
-
-def gate_background_writes() -> None:
-    """CPU-only servers: SSD write-through waits while a forward runs (storage/foreground.py)."""
-    FOREGROUND.enabled = True
-    _ensure_hook()
-
-
-def _around_worker(original, self, batch=None, *args, **kwargs):
-    reqs = getattr(batch, "reqs", None) or []
-    _batch.by_rid = {r.rid: r for r in reqs}
-    try:
-        return original(self, batch, *args, **kwargs)
-    finally:
-        _batch.by_rid = {}
-
-
-def batch_requests(fb) -> list[Any]:
-    """SGLang's `Req` objects of the forward batch, in batch order (those the worker hook saw)."""
-    by_rid = getattr(_batch, "by_rid", {})
-    return [r for r in (by_rid.get(rid) for rid in fb.rids or []) if r is not None]
-
-
-def _around_forward(original, self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None,
-                    **kwargs):
-    with FOREGROUND.busy():
-        if input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend():
-            for handler in _handlers:
-                hidden = handler(self, input_ids, positions, forward_batch)
-                if hidden is not None:
-                    return hidden
-        return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+    def engine(self, module) -> LlamaModel:
+        """Our layer-by-layer engine over the weights of SGLang's `LlamaModel` (views of the fused projections, no
+        copy), one per module. Raises NotImplementedError when the module holds a tensor-parallel shard."""
+        if id(module) not in self._engines:
+            self._engines[id(module)] = engine_from_sglang(module)
+        return self._engines[id(module)]
 
 
 def too_long_for_one_extend(scheduler, req, start: int) -> Optional[int]:
@@ -205,6 +229,9 @@ def why_not_whole_prompt(fb, req) -> Optional[str]:
     """Why a handler that computes one request's whole remaining prompt itself cannot take this extend batch
     (None: it can)."""
     prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+    declined = engine_declines(req)
+    if declined is not None:
+        return declined
     if fb.batch_size > 1:
         return f"its prefill batch holds {fb.batch_size} requests"
     if req.return_logprob:
@@ -215,10 +242,8 @@ def why_not_whole_prompt(fb, req) -> Optional[str]:
 
 
 def engine_from_sglang(module) -> LlamaModel:
-    """Our layer-by-layer engine over the weights of SGLang's `LlamaModel` (views of the fused projections, no
-    copy), one per module. Raises NotImplementedError when the module holds a tensor-parallel shard."""
-    if id(module) in _engines:
-        return _engines[id(module)]
+    """A new engine over the weights of SGLang's `LlamaModel` (use `ForwardHook.engine`: one per module). Raises
+    NotImplementedError when the module holds a tensor-parallel shard."""
     hf = module.config
     cfg = LlamaConfig.from_dict(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf))
     q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -239,8 +264,7 @@ def engine_from_sglang(module) -> LlamaModel:
                   p + "mlp.gate_proj.weight": gate_up[: cfg.intermediate],
                   p + "mlp.up_proj.weight": gate_up[cfg.intermediate :],
                   p + "mlp.down_proj.weight": layer.mlp.down_proj.weight})
-    _engines[id(module)] = LlamaModel(cfg, w, dtype=embed.dtype)
-    return _engines[id(module)]
+    return LlamaModel(cfg, w, dtype=embed.dtype)
 
 
 def whole_model_in_rank(module) -> bool:

@@ -12,24 +12,26 @@ Every process:
 * `register_radix_cache_backend("tiered", ...)`: `radix_cache.TieredRadixCache`.
 * `--hicache-storage-backend dynamic` naming `storage_backend.TieredSSDStorage` (constructed by SGLang).
 * CPU shims (`cpu_shims.py`), only when CUDA is absent.
-Scheduler processes of a `--kv-backend tiered` server:
+Scheduler processes of a `--kv-backend tiered` server (each mechanism's hooks are methods of one object, kept in
+the process's `runtime.Runtime`):
 * `TorchNativeAttnBackend._run_sdpa_forward_extend/_decode` (AROUND, `cpu_attention.py`), only without CUDA and
   with `--tiered-cpu-attention prefix_aware` (the default).
 * `models.llama.LlamaModel.forward` and `TpModelWorker.forward_batch_generation` (AROUND, `model_forward.py`): one
-  forward hook whose handlers are blend (`blend.py`, unless `--tiered-blend off|prefix`) and runahead
-  (`runahead.py`, with `--tiered-runahead-ranks` >= 2); registered with the first handler, or on CPU-only servers
-  (where every forward is marked as foreground work that the SSD write-through waits for).
-* `PrefillAdder.add_one_req` (AROUND, `blend.py`): a request marked for blending prefills alone.
+  forward hook whose handlers are, in order, blend (`blend.py`, unless `--tiered-blend off|prefix`), sparse
+  (`sparse.py`, with `--tiered-importance-load gated`), kvpr (`kvpr.py`, with `--tiered-kvpr auto|force` on a
+  model whose activations are smaller than its KV) and runahead (`runahead.py`, with `--tiered-runahead-ranks` >=
+  2); registered with the first handler, or on CPU-only servers (where every forward is marked as foreground work
+  that the SSD write-through waits for).
+* `PrefillAdder.add_one_req` (AROUND, `model_forward.py`): a request marked for blending, or whose stored span a
+  loader took at the door, prefills alone.
+* `Scheduler._prefetch_kvcache` (AROUND, `door.py`): the one door for stored spans -- which loader (SGLang's L3
+  prefetch, sparse, kvpr) serves a request's stored span, decided once per admission into `req.tiered_load` -- and
+  retention pins (`custom_params.tiered_retain`).
 * `layers.radix_attention.RadixAttention.forward` (AROUND, `importance.py`): scores prompt tokens for importance
   after SGLang's attention ran (read-only), with `--tiered-importance-heads` >= 1 (the default).
-* With `--tiered-importance-load gated` (`sparse_load.py`): `Scheduler._prefetch_kvcache` (AROUND: a gated request
-  skips SGLang's L3 prefetch), a handler of the forward hook, the prefill-alone admission, and
-  `TorchNativeAttnBackend.forward_decode` (AROUND, `cpu_attention.py`: the layer and requests of a decode step, so
-  decoding skips the prefix positions a sparse load did not fill).
-* With `--tiered-kvpr auto|force` on a model whose activations are smaller than its KV (`kvpr.py`):
-  `models.llama.LlamaAttention.forward` (AROUND, read-only: copies the attention inputs to store them),
-  `Scheduler._prefetch_kvcache` (AROUND: a request split by the loader skips SGLang's L3 prefetch), a handler of
-  the forward hook and the prefill-alone admission.
+* `models.llama.LlamaAttention.forward` (AROUND, `kvpr.py`, read-only: copies the attention inputs to store them)
+  and `TorchNativeAttnBackend.forward_decode` (AROUND, `cpu_attention.py`: the layer and requests of a decode step,
+  so decoding skips the prefix positions a sparse load did not fill), with their mechanisms.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from sglang_tiered.integration import runtime
+
 logger = logging.getLogger("sglang_tiered")
-_registered = False
 
 
 def _after_add_cli_args(result, *args, **kwargs):
@@ -60,10 +63,10 @@ def _around_from_cli_args(original, *args, **kwargs):
 
 
 def register() -> None:
-    global _registered
-    if _registered:
+    rt = runtime.process()
+    if rt.registered:
         return
-    _registered = True
+    rt.registered = True
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_tiered.integration import cpu_shims
@@ -85,21 +88,26 @@ def register() -> None:
         cpu_attention,
         importance,
         kvpr,
-        model_forward,
         requests,
         runahead,
-        settings,
-        sparse_load,
+        sparse,
     )
+    from sglang_tiered.integration.door import Door
+    from sglang_tiered.integration.model_forward import ForwardHook
 
-    blend_prompt.register_hooks()  # launcher: act per request once the flags are known
-    requests.register_hooks()
-    cpu_attention.register_hooks()
-    current = settings.current()
-    if current is not None and current.cpu_only:  # a scheduler of a CPU-only server with --kv-backend tiered
-        model_forward.gate_background_writes()
-    importance.register_hooks()
-    blend.register_hooks()  # blend first: a marked prompt is neither loaded sparsely nor chained
-    sparse_load.register_hooks()
-    kvpr.register_hooks()
-    runahead.register_hooks()
+    blend_prompt.register_hooks(rt)  # launcher: act per request once the flags are known
+    requests.register_hooks(rt)
+    cpu_attention.register_hooks(rt)
+    current = rt.settings
+    if current is None:  # the launcher (flags not parsed yet) or a server without --kv-backend tiered
+        return
+    rt.forward = ForwardHook(rt)
+    if current.cpu_only:  # every forward is foreground work the SSD write-through yields to
+        rt.forward.gate_background_writes()
+    rt.door = Door(rt)
+    rt.door.register()
+    importance.register_hooks(rt)
+    blend.register_hooks(rt)  # blend first: a marked prompt is neither loaded sparsely nor chained
+    sparse.register_hooks(rt)  # the door's loaders, in order: sparse, then kvpr
+    kvpr.register_hooks(rt)
+    runahead.register_hooks(rt)

@@ -13,7 +13,9 @@ message. Checked, only for servers started with `--kv-backend tiered`:
   `MAX_PARTS` of them;
 * `custom_params["tiered_importance"]`, if given, is one of "gated", "off", "full";
 * `custom_params["tiered_importance_gate"]`, if given, is "jaccard" or "mass";
-* `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force" or a number of tokens >= 0.
+* `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force" or a number of tokens >= 0;
+* `custom_params["tiered_retain"]`, if given, is a number of seconds in [0, `--tiered-max-retain`] (retention
+  off -- `--tiered-max-retain 0` -- admits only 0).
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_tiered.engine.blend_plan import MAX_PARTS, PromptError, check_parts
-from sglang_tiered.integration import settings
 from sglang_tiered.policy.importance import GATES
 
-PARAM = "tiered_chunks"  # custom_params key of a marked prompt's part lengths
-IMPORTANCE_PARAM = "tiered_importance"  # custom_params key of a request's sparse-loading mode (sparse_load.py)
-IMPORTANCE_MODES = ("gated", "off", "full")
+CHUNKS_PARAM = "tiered_chunks"  # custom_params key of a marked prompt's part lengths (blending)
+SPARSE_PARAM = "tiered_importance"  # custom_params key of a request's gated sparse loading mode (sparse.py)
+SPARSE_MODES = ("gated", "off", "full")
 GATE_PARAM = "tiered_importance_gate"  # custom_params key of a request's gate, overriding --tiered-importance-gate
 KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
 KVPR_MODES = ("off", "auto", "force")  # or a number of tokens to recompute
+RETAIN_PARAM = "tiered_retain"  # custom_params key: seconds to keep the prompt's pages (door.py)
 
 
 def request_params(req) -> dict:
@@ -52,6 +54,15 @@ def check_kvpr_mode(mode: Any) -> None:
                      f"{mode!r}")
 
 
+def check_retain(seconds: Any, max_seconds: float) -> None:
+    """Raise ValueError unless `seconds` is a number in [0, max_seconds]."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= max_seconds \
+            or seconds != seconds:
+        off = " (retention is off on this server: --tiered-max-retain 0)" if max_seconds <= 0 else ""
+        raise ValueError(f"custom_params.{RETAIN_PARAM} must be a number of seconds in [0, {max_seconds:g}], got "
+                         f"{seconds!r}{off}")
+
+
 def check_input_ids(input_ids: Any, vocab_size: int) -> None:
     """Raise ValueError unless `input_ids` is a non-empty list of ints in [0, vocab_size) (0 = unknown size)."""
     if input_ids is None or len(input_ids) == 0:
@@ -67,43 +78,51 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> None:
 def check_chunk_lengths(lengths: Any, tokens: int) -> None:
     """Raise ValueError unless `lengths` (custom_params["tiered_chunks"]) splits `tokens` prompt tokens."""
     if not isinstance(lengths, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
-        raise ValueError(f"custom_params.{PARAM} must be a list of integers (chunk lengths), got {lengths!r}")
+        raise ValueError(f"custom_params.{CHUNKS_PARAM} must be a list of integers (chunk lengths), got {lengths!r}")
     if len(lengths) > MAX_PARTS:
-        raise ValueError(f"custom_params.{PARAM} has {len(lengths)} parts; at most {MAX_PARTS} are served")
+        raise ValueError(f"custom_params.{CHUNKS_PARAM} has {len(lengths)} parts; at most {MAX_PARTS} are served")
     try:
         check_parts(lengths)
     except PromptError as exc:
         raise ValueError(str(exc)) from None
     if sum(lengths) != tokens:
-        raise ValueError(f"custom_params.{PARAM} adds up to {sum(lengths)} tokens; the prompt has {tokens}")
+        raise ValueError(f"custom_params.{CHUNKS_PARAM} adds up to {sum(lengths)} tokens; the prompt has {tokens}")
 
 
 def chunk_lengths(obj) -> Any:
     """The request's `custom_params["tiered_chunks"]`, or None."""
     params = getattr(obj, "sampling_params", None)
     custom = params.get("custom_params") if isinstance(params, dict) else None
-    return custom.get(PARAM) if isinstance(custom, dict) else None
+    return custom.get(CHUNKS_PARAM) if isinstance(custom, dict) else None
 
 
-def _before_validate(self, obj, input_ids, *args, **kwargs):
-    current = settings.current()
-    if current is None or getattr(obj, "input_embeds", None) is not None:
+class RequestCheck:
+    """The validation hook of one launcher process (its settings from the `Runtime`)."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+
+    def before_validate(self, manager, obj, input_ids, *args, **kwargs):
+        current = self.rt.settings
+        if current is None or getattr(obj, "input_embeds", None) is not None:
+            return None
+        check_input_ids(input_ids, current.vocab_size)
+        lengths = chunk_lengths(obj)
+        if lengths is not None:
+            check_chunk_lengths(lengths, len(input_ids))
+        params = getattr(obj, "sampling_params", None)
+        custom = params.get("custom_params") if isinstance(params, dict) else None
+        check_choice(custom, SPARSE_PARAM, SPARSE_MODES)
+        check_choice(custom, GATE_PARAM, GATES)
+        if isinstance(custom, dict) and KVPR_PARAM in custom:
+            check_kvpr_mode(custom[KVPR_PARAM])
+        if isinstance(custom, dict) and custom.get(RETAIN_PARAM) is not None:
+            check_retain(custom[RETAIN_PARAM], current.config.max_retain)
         return None
-    check_input_ids(input_ids, current.vocab_size)
-    lengths = chunk_lengths(obj)
-    if lengths is not None:
-        check_chunk_lengths(lengths, len(input_ids))
-    params = getattr(obj, "sampling_params", None)
-    custom = params.get("custom_params") if isinstance(params, dict) else None
-    check_choice(custom, IMPORTANCE_PARAM, IMPORTANCE_MODES)
-    check_choice(custom, GATE_PARAM, GATES)
-    if isinstance(custom, dict) and KVPR_PARAM in custom:
-        check_kvpr_mode(custom[KVPR_PARAM])
-    return None
 
 
-def register_hooks() -> None:
+def register_hooks(rt) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
-                          _before_validate, HookType.BEFORE)
+                          RequestCheck(rt).before_validate, HookType.BEFORE)

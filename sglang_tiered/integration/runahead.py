@@ -7,11 +7,11 @@ full copy of the weights, compute the earlier slices of the prompt and pass the 
 layer as each layer's KV arrives, and ends up with the full KV and the last token's hidden state.
 
 Seam (listed in plugin.py): `RunaheadHandler` on the shared Llama forward hook (model_forward.py), asked after
-blending. It takes an extend
-batch of exactly one request with at least `--tiered-runahead-min-tokens` new tokens, no input logprobs and no
-hidden-state capture; a cached radix prefix is sent to rank 0 and extended (so each piece of a chunked prefill
-qualifies on its own). The KV lands in the request's slots and enters the radix cache (and the host / SSD tiers)
-like any exact prefill. Anything else runs SGLang's own forward.
+blending and the stored-span loaders. It takes an extend batch of exactly one request with at least
+`--tiered-runahead-min-tokens` new tokens, no input logprobs, no hidden-state capture and nothing our engine cannot
+compute (`model_forward.engine_declines`: counted fallback); a cached radix prefix is sent to rank 0 and extended
+(so each piece of a chunked prefill qualifies on its own). The KV lands in the request's slots and enters the
+radix cache (and the host / SSD tiers) like any exact prefill. Anything else runs SGLang's own forward.
 
 Failure: the helpers start in a background thread at the first forward (until they are ready, long prompts take
 the normal path). A rank that dies or stalls longer than `--tiered-runahead-timeout` makes that prefill fall back to
@@ -30,14 +30,17 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from sglang_tiered.engine.parallel_prefill import RunaheadError, bounds_from_fractions
 from sglang_tiered.engine.runahead_ranks import RunaheadRanks
-from sglang_tiered.integration import metrics, model_forward, settings
+from sglang_tiered.integration import model_forward, settings
 from sglang_tiered.policy.partition import PartitionTable, flop_balanced_bounds
+
+if TYPE_CHECKING:
+    from sglang_tiered.integration.runtime import Runtime
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -47,11 +50,11 @@ MAX_RESTARTS = 3
 class _Runtime:
     """Per scheduler process: the chain, its split, its restarts."""
 
-    def __init__(self, current: settings.Settings, module) -> None:
+    def __init__(self, current: settings.Settings, engine) -> None:
         cfg = current.config
         self.ranks, self.min_tokens = cfg.runahead_ranks, cfg.runahead_min_tokens
         self.threads = current.runahead_threads
-        self.engine = model_forward.engine_from_sglang(module)
+        self.engine = engine
         self.chain = RunaheadRanks(self.engine, ("pretrained", str(Path(current.model_path).resolve())), self.ranks,
                                    threads=self.threads, timeout_s=cfg.runahead_timeout)
         self.table = self._load_table(current.runahead_partitions, self.ranks)
@@ -111,7 +114,10 @@ class _Runtime:
         return flop_balanced_bounds(prefix, tokens, self.ranks, self.linear_flops, self.pair_flops)
 
 
-def _unsupported(module, fb) -> Optional[str]:
+def _unsupported(module, fb, reqs) -> Optional[str]:
+    declined = next((why for why in map(model_forward.engine_declines, reqs) if why is not None), None)
+    if declined is not None:
+        return declined
     if fb.return_logprob:
         return "logprobs were requested"
     mode = getattr(fb, "capture_hidden_mode", None)
@@ -128,7 +134,7 @@ class RunaheadHandler(model_forward.ForwardHandler):
     name = "runahead"
 
     def build_runtime(self, module) -> _Runtime:
-        return _Runtime(settings.current(), module)
+        return _Runtime(self.rt.settings, self.rt.forward.engine(module))
 
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
         rt = self.runtime(module)  # built at the first forward: the helpers start early, in the background
@@ -137,12 +143,12 @@ class RunaheadHandler(model_forward.ForwardHandler):
         rt.ensure_started()
         if fb.batch_size != 1 or fb.extend_seq_lens_cpu[0] < rt.min_tokens:
             return None
-        why = _unsupported(module, fb)
+        why = _unsupported(module, fb, self.rt.forward.batch_requests(fb))
         if why is None and not rt.chain.ready:
             why = "the chain ranks are not running" + (" (given up)" if rt.given_up else "")
         if why is None:
             try:
-                return _chained_forward(rt, fb.rids[0] if fb.rids else "?", input_ids, fb)
+                return self._chained_forward(rt, fb.rids[0] if fb.rids else "?", input_ids, fb)
             except RunaheadError as exc:  # the chain stopped itself; nothing was written to the pool
                 rt.consecutive_failures += 1
                 why = f"chain failed: {exc}"
@@ -152,35 +158,36 @@ class RunaheadHandler(model_forward.ForwardHandler):
         return None
 
 
-@torch.inference_mode()
-def _chained_forward(rt: _Runtime, rid: str, input_ids: torch.Tensor, fb) -> torch.Tensor:
-    t0 = time.perf_counter()
-    prefix, tokens = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-    bounds = rt.bounds(prefix, tokens)
-    ids = input_ids.to(torch.int64).cpu()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(rt.threads)  # the last rank gets its share of the cores, like every helper
-    try:
-        res = rt.chain.prefill(ids, bounds, model_forward.prefix_kv_reader(fb) if prefix else None)
-    finally:
-        torch.set_num_threads(threads)
-    t_chain = time.perf_counter() - t0
-    hidden = model_forward.write_extend(fb, rt.engine, res.kv[:, prefix:], res.last_hidden)
-    rt.consecutive_failures = 0
-    rt.prefills += 1
-    metrics.count("runahead_prefills")
-    metrics.count("runahead_tokens", tokens)
-    metrics.count("runahead_bytes_sent", res.bytes_sent)
-    logger.info("tiered runahead: rid %s tokens=%d radix_prefix=%d ranks=%d bounds=%s chain=%.3fs total=%.3fs "
-                "(chained prefills %d, fallbacks %d)", rid, tokens, prefix, rt.ranks, bounds, t_chain,
-                time.perf_counter() - t0, rt.prefills, rt.fallbacks)
-    return hidden
+    @torch.inference_mode()
+    def _chained_forward(self, rt: _Runtime, rid: str, input_ids: torch.Tensor, fb) -> torch.Tensor:
+        t0 = time.perf_counter()
+        prefix, tokens = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+        bounds = rt.bounds(prefix, tokens)
+        ids = input_ids.to(torch.int64).cpu()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(rt.threads)  # the last rank gets its share of the cores, like every helper
+        try:
+            res = rt.chain.prefill(ids, bounds, model_forward.prefix_kv_reader(fb) if prefix else None)
+        finally:
+            torch.set_num_threads(threads)
+        t_chain = time.perf_counter() - t0
+        hidden = model_forward.write_extend(fb, rt.engine, res.kv[:, prefix:], res.last_hidden)
+        rt.consecutive_failures = 0
+        rt.prefills += 1
+        events = self.rt.events
+        events.count("runahead_prefills")
+        events.count("runahead_tokens", tokens)
+        events.count("runahead_bytes_sent", res.bytes_sent)
+        logger.info("tiered runahead: rid %s tokens=%d radix_prefix=%d ranks=%d bounds=%s chain=%.3fs total=%.3fs "
+                    "(chained prefills %d, fallbacks %d)", rid, tokens, prefix, rt.ranks, bounds, t_chain,
+                    time.perf_counter() - t0, rt.prefills, rt.fallbacks)
+        return hidden
 
 
-def register_hooks() -> bool:
+def register_hooks(rt: Runtime) -> bool:
     """Register the forward handler in processes of a server with runahead on. Returns True if registered."""
-    current = settings.current()
+    current = rt.settings
     if current is None or not current.runahead_on:
         return False
-    model_forward.add_handler(RunaheadHandler())
+    rt.forward.add_handler(RunaheadHandler(rt))
     return True

@@ -1,15 +1,14 @@
 """The one channel from the launcher to every SGLang process: the resolved `TieredConfig` and what was derived from
 SGLang's own arguments, as JSON in one environment variable.
 
-The launcher (`server_flags.translate`, before SGLang spawns anything) calls `publish`; the tokenizer manager (in
-the launcher), each scheduler and the storage class call `current()`, which parses the variable once per process.
+The launcher (`server_flags.translate`, before SGLang spawns anything) calls `publish`; every process reads them
+through its `Runtime.settings` (parsed once per value of the variable).
 Each subsystem reads its view: `settings.config.blend_*`, `settings.config.runahead_*`, ... No other environment
 variable or JSON carries our settings (SGLang's storage extra-config holds only the fields SGLang itself reads).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -64,10 +63,10 @@ def clear() -> None:
 
 
 def current() -> Optional[Settings]:
-    """This process's settings, or None when the server was not started with `--kv-backend tiered`."""
-    return _parse(os.environ.get(ENV))
+    """This process's settings, or None when the server was not started with `--kv-backend tiered` (parsed at every
+    call: processes keep theirs in their `Runtime`)."""
+    return parse(os.environ.get(ENV))
 
 
-@functools.lru_cache(maxsize=4)
-def _parse(raw: Optional[str]) -> Optional[Settings]:
+def parse(raw: Optional[str]) -> Optional[Settings]:
     return Settings.from_json(raw) if raw else None

@@ -2,12 +2,15 @@
 
 Contracts
 * A chunk's KV is [layers, tokens, 2 (k, v), kv_heads, head_dim], computed as if the chunk started at position 0
-  (keys post-RoPE at positions 0 .. tokens-1). The key is a hash of the chunk's token ids; the namespace (model,
-  dtype, shapes, salt) separates everything else, as for KV pages.
+  (keys post-RoPE at positions 0 .. tokens-1). Its key (`chunk_key`) hashes the chunk's token ids *and the tenant's
+  seed* (SGLang's `storage_namespace_seed(extra_key, cache_salt)`, None without one), so a chunk computed for one
+  tenant or LoRA adapter is never found under another; the namespace (model, dtype, shapes, salt) separates the
+  rest, as for KV pages.
 * Memory tier: bytes-bounded LRU. `put` never exceeds `memory_bytes` (a chunk larger than it is not kept in memory).
-* SSD tier (optional, an `SSDTier` with its own namespace): write-through, one page per chunk and layer
-  (key `<chunk>.<layer>`), so a loader can fetch layer by layer and every layer is checksummed on read. Writes run on
-  a background thread. A corrupt or vanished layer is a `ChunkMiss` (the SSD tier counts and removes it).
+* SSD (optional): the server's one SSD tier (`SSDTier`), write-through on a background thread, one file per chunk
+  (entry `c.<key>`, kind "chunk": counted against the tier's one capacity, evicted in its one order) with one
+  segment per layer, so a loader reads layer by layer and every layer is checksummed on read. A corrupt or vanished
+  layer is a `ChunkMiss` (the tier counts and removes the file).
 * `layer()` returns a tensor the caller may keep; memory hits are views of the stored tensor (do not write to them).
 """
 
@@ -23,19 +26,22 @@ from typing import Optional
 
 import torch
 
-from sglang_tiered.storage.ssd_tier import SSDTier
+from sglang_tiered.storage.page_file import CorruptPage
+from sglang_tiered.storage.ssd_tier import CHUNK_PREFIX, SSDTier
 
 
 class ChunkMiss(KeyError):
     """The chunk (or one of its layers) is not available."""
 
 
-def chunk_key(token_ids: Sequence[int]) -> str:
-    """32 hex digits over the token ids (int64 little endian)."""
-    return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()[:32]
+def chunk_key(token_ids: Sequence[int], seed: Optional[str] = None) -> str:
+    """32 hex digits over the tenant seed and the token ids (int64 little endian)."""
+    digest = hashlib.sha256(b"\x01" + seed.encode() + b"\x00" if seed is not None else b"\x00")
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.hexdigest()[:32]
 
 
-def _layer_view(t: torch.Tensor) -> memoryview:
+def _view(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
@@ -58,10 +64,10 @@ class ChunkStore:
             return key in self._mem
 
     def contains(self, key: str) -> bool:
-        """True if every layer of the chunk is in memory or on SSD (index lookups only, no I/O)."""
+        """True if the chunk is in memory or on SSD (index lookups only, no I/O)."""
         if self.in_memory(key):
             return True
-        return self.ssd is not None and all(self.ssd.contains(f"{key}.{i}") for i in range(self.layers))
+        return self.ssd is not None and self.ssd.contains(CHUNK_PREFIX + key)
 
     @property
     def used_memory_bytes(self) -> int:
@@ -88,7 +94,7 @@ class ChunkStore:
             self._writer.submit(self._write_ssd, key, kv)
 
     def _write_ssd(self, key: str, kv: torch.Tensor) -> None:
-        self.ssd.write_pages([(f"{key}.{i}", [_layer_view(kv[i])]) for i in range(self.layers)])
+        self.ssd.write_pages([(CHUNK_PREFIX + key, [_view(kv[i]) for i in range(self.layers)])], kind="chunk")
 
     def layer(self, key: str, layer: int, tokens: int) -> torch.Tensor:
         """The chunk's KV of one layer, [tokens, 2, kv_heads, head_dim]. Raises ChunkMiss."""
@@ -102,13 +108,28 @@ class ChunkStore:
             self._count("memory", layer)
             return kv[layer]
         if self.ssd is not None:
-            out = torch.empty(tokens, 2, self.kv_heads, self.head_dim, dtype=self.dtype)
-            if self.ssd.read_pages([(f"{key}.{layer}", [_layer_view(out)])])[0]:
+            out = self._read_ssd(key, layer, tokens)
+            if out is not None:
                 self._count("ssd", layer)
                 return out
         with self._lock:
             self.misses += 1
         raise ChunkMiss(f"chunk {key} layer {layer}")
+
+    def _read_ssd(self, key: str, layer: int, tokens: int) -> Optional[torch.Tensor]:
+        entry = CHUNK_PREFIX + key
+        out = torch.empty(tokens, 2, self.kv_heads, self.head_dim, dtype=self.dtype)
+        reader = self.ssd.open_page(entry, [out.numel() * out.element_size()] * self.layers)
+        if reader is None:  # missing, or another length (a foreign size is a miss and removed)
+            return None
+        try:
+            _view(out)[:] = reader.read(layer, 1)[0]
+        except CorruptPage as exc:
+            self.ssd.drop_corrupt(entry, exc)
+            return None
+        finally:
+            reader.close()
+        return out
 
     def _count(self, tier: str, layer: int) -> None:
         if layer == self.layers - 1:  # one hit per chunk load (every mode loads the last layer)

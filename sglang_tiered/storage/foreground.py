@@ -7,8 +7,8 @@ foreground work is running, or at most `max_wait_s` seconds (so writes are delay
 continuous load every write still goes out within `max_wait_s` plus its own time). Reads are never gated: they are
 what a waiting request needs.
 
-`FOREGROUND` is the process-wide gate, enabled by the integration only on machines without CUDA (on a GPU server
-the forward does not compete with file I/O for the CPU).
+Each server process has one gate (`runtime.Runtime.foreground`), enabled by the integration only on machines
+without CUDA (on a GPU server the forward does not compete with file I/O for the CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +51,3 @@ class ForegroundGate:
             waited = time.monotonic() - t0
             self.waited_s += waited
         return waited
-
-
-FOREGROUND = ForegroundGate()

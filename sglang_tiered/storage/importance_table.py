@@ -11,6 +11,10 @@ Contracts
   state (key, reuse count, per-token averages as fp16) with its own crc32. Replayed on open (the last record of a key
   wins); a torn or corrupt record ends the replay at that point (what came before is kept). When the log holds more
   than twice the live pages' records it is rewritten (temporary file + rename, so a crash leaves the old one).
+* Bounded: the log's bytes count against the SSD tier's capacity (`allot(total bytes)` before each append and
+  rewrite, False: not written, counted in `dropped`; `settle(bytes)` after a rewrite shrank it); at most `max_pages`
+  pages are known (the least recently updated forgotten first), and pages that leave the SSD tier are forgotten
+  (`forget`, safe to call from any thread and under any lock: applied at the next update).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -41,12 +46,18 @@ class PageImportance:
 
 class ImportanceTable:
     def __init__(self, page_size: int, *, alpha: float = 0.3, directory: Optional[Path] = None,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, allot: Optional[Callable[[int], bool]] = None,
+                 settle: Optional[Callable[[int], None]] = None, max_pages: int = 0) -> None:
         """`directory`: where the log lives (None: memory only). `readonly`: replay the log and never write it (a
-        reader beside the server that owns it, e.g. `sglang-tiered stats`)."""
+        reader beside the server that owns it, e.g. `sglang-tiered stats`). `allot`, `settle`, `max_pages` (0 = no
+        cap): see the module docstring."""
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size, self.alpha = page_size, alpha
+        self._allot, self._settle, self.max_pages = allot, settle, max_pages
+        self._size = 0  # bytes of the log file
+        self._forgotten: deque[str] = deque()
+        self.dropped = 0  # records not written: the SSD tier had no room for them
         self._pages: dict[str, PageImportance] = {}
         self._lock = threading.Lock()
         self._path = Path(directory) / LOG_NAME if directory is not None else None
@@ -58,7 +69,7 @@ class ImportanceTable:
         if self._path is not None:
             self._replay()
             if not readonly:
-                self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     # ---------------------------------------------------------------------------------------------- updates
     def observe(self, keys: Sequence[str], important: Sequence[bool]) -> None:
@@ -67,6 +78,7 @@ class ImportanceTable:
         if len(important) != len(keys) * self.page_size:
             raise ValueError(f"{len(important)} verdicts for {len(keys)} pages of {self.page_size} tokens")
         with self._lock:
+            self._apply_forgotten()
             for p, key in enumerate(keys):
                 page = self._page(key)
                 self._observed += int(page.tokens[0] < 0)
@@ -77,6 +89,7 @@ class ImportanceTable:
     def reuse(self, keys: Sequence[str]) -> None:
         """A request reused pages `keys` (loaded them instead of computing them)."""
         with self._lock:
+            self._apply_forgotten()
             for key in keys:
                 page = self._page(key)
                 page.reuses += 1
@@ -106,14 +119,20 @@ class ImportanceTable:
         with self._lock:
             return {"pages": len(self._pages), "observed_pages": self._observed, "reuses": self._reuses}
 
-    def forget(self, keys: Sequence[str]) -> None:
-        """Drop pages that left the store (their next record, if any, starts afresh)."""
-        with self._lock:
-            for key in keys:
-                page = self._pages.pop(key, None)
-                if page is not None:
-                    self._observed -= int(page.tokens[0] >= 0)
-                    self._reuses -= page.reuses
+    def forget(self, keys: Iterable[str]) -> None:
+        """Pages that left the store: forgotten at the next update (their next record, if any, starts afresh).
+        Never blocks: callable under any lock."""
+        self._forgotten.extend(keys)
+
+    def _apply_forgotten(self) -> None:
+        while self._forgotten:
+            self._drop(self._forgotten.popleft())
+
+    def _drop(self, key: str) -> None:
+        page = self._pages.pop(key, None)
+        if page is not None:
+            self._observed -= int(page.tokens[0] >= 0)
+            self._reuses -= page.reuses
 
     def export(self, key: str) -> Optional[bytes]:
         """Page `key`'s state as one checksummed record (what `adopt` takes on another server), or None if unknown."""
@@ -144,9 +163,12 @@ class ImportanceTable:
 
     # ---------------------------------------------------------------------------------------------- log
     def _page(self, key: str) -> PageImportance:
-        page = self._pages.get(key)
+        page = self._pages.pop(key, None)  # re-inserted: the dict's order is the order of the last update
         if page is None:
-            page = self._pages[key] = PageImportance(np.full(self.page_size, -1.0, dtype=np.float32))
+            page = PageImportance(np.full(self.page_size, -1.0, dtype=np.float32))
+        self._pages[key] = page
+        while self.max_pages and len(self._pages) > self.max_pages:
+            self._drop(next(iter(self._pages)))
         return page
 
     def _encode(self, key: str, page: PageImportance) -> bytes:
@@ -157,7 +179,12 @@ class ImportanceTable:
     def _append(self, key: str, page: PageImportance) -> None:
         if self._fd is None:
             return
-        os.write(self._fd, self._encode(key, page))
+        record = self._encode(key, page)
+        if self._allot is not None and not self._allot(self._size + len(record)):
+            self.dropped += 1
+            return
+        os.write(self._fd, record)
+        self._size += len(record)
         self._records += 1
         if self._records > 2 * len(self._pages) + 1024:
             self._compact()
@@ -181,6 +208,7 @@ class ImportanceTable:
             data = self._path.read_bytes()
         except FileNotFoundError:
             return
+        self._size = len(data)
         for key, page in self._iter_records(data):
             old = self._pages.get(key)
             if old is not None:
@@ -194,12 +222,18 @@ class ImportanceTable:
             self._compact()  # drop a torn tail before appending after it
 
     def _compact(self) -> None:
+        """Rewrite the log with one record per live page (beside the old log until the rename: both counted)."""
+        new_size = len(self._pages) * self._record_size()
+        if self._allot is not None and not self._allot(self._size + new_size):
+            return  # no room for the rewrite now: the log keeps growing only as far as allot allows
         tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             for key, page in self._pages.items():
                 f.write(self._encode(key, page))
         os.replace(tmp, self._path)
-        self._records = len(self._pages)
+        self._records, self._size = len(self._pages), new_size
+        if self._settle is not None:
+            self._settle(new_size)
         if self._fd is not None:
             os.close(self._fd)
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

@@ -100,6 +100,8 @@ class SSDTier:
         self.stats = TierStats()
         self._before_write = before_write
         self.stash: Optional[PayloadStash] = None  # payloads kept for the repacker (`attach_stash`)
+        self.on_leave: Optional[Callable[[list[str]], None]] = None  # page keys that left the tier (evicted, corrupt,
+        #                                                             cleared); called under the tier's lock
         self._index = DiskIndex(self.capacity_bytes, pinned=pinned)
         self._groups: dict[str, group_file.GroupMeta] = {}  # gid -> meta of a committed group
         self._lock = threading.Lock()
@@ -134,6 +136,11 @@ class SSDTier:
     def bytes_by_kind(self) -> dict[str, int]:
         with self._lock:
             return self._index.bytes_by_kind()
+
+    def pinned_bytes(self) -> int:
+        """Bytes of entries held by unexpired retention pins."""
+        with self._lock:
+            return self._index.pinned_bytes()
 
     def __len__(self) -> int:
         """Stored KV pages (plain or in groups)."""
@@ -183,7 +190,7 @@ class SSDTier:
         try:
             out = action(path)
         except FileNotFoundError:
-            self._forget(key, delete=False)
+            self._forget(key)
             self.stats.add(lost_pages=1, miss_pages=1)
             return None
         except (CorruptPage, ForeignPage) as exc:
@@ -203,7 +210,7 @@ class SSDTier:
         foreign = isinstance(exc, ForeignPage)
         logger.warning("tiered ssd: %s page %s (%s): removed, recomputing", "foreign" if foreign else "corrupt", key,
                        exc)
-        self._forget(key, delete=True)
+        self._forget(key)
         self.stats.add(miss_pages=1, **{"foreign_pages" if foreign else "corrupt_pages": 1})
 
     def write_pages(self, pages: Sequence[PageIO], kind: str = "page") -> list[bool]:
@@ -441,7 +448,7 @@ class SSDTier:
             return False
         with self._lock:
             self._groups[gid] = committed
-            self._delete_locked(self._index.commit_group(entry, written, keys), count=False)
+            self._delete_locked(self._index.commit_group(entry, written, keys), count=False, left=False)
         self.stats.add(repacked_groups=1, repacked_pages=len(keys), bytes_written=written)
         self._publish_gauges()
         return True
@@ -464,7 +471,7 @@ class SSDTier:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            self._forget(entry, delete=False)
+            self._forget(entry)
             self.stats.add(lost_pages=len(meta.keys))
             return None
         t0 = time.perf_counter()
@@ -474,7 +481,7 @@ class SSDTier:
             out = fn(fd, meta)
         except group_file.GroupError as exc:
             logger.warning("tiered ssd: corrupt group %s (%s): removed, recomputing", gid, exc)
-            self._forget(entry, delete=True)
+            self._forget(entry)
             self.stats.add(corrupt_pages=len(meta.keys))
             return None
         except OSError as exc:
@@ -537,13 +544,10 @@ class SSDTier:
                 on_disk = path.stat().st_size if path.exists() else 0
                 assert on_disk <= self._index.size(key), f"{key} outgrew its reservation"
 
-    def _forget(self, key: str, *, delete: bool) -> None:
-        """Drop entry `key` (a lost file when not `delete`: only its dependents' files are deleted)."""
+    def _forget(self, key: str) -> None:
+        """Drop entry `key` and what depends on it (a lost file, or a corrupt one: its file is removed)."""
         with self._lock:
-            victims = self._index.remove(key)
-            self._delete_locked(victims if delete else [v for v in victims if v.key != key], count=False)
-            if key.startswith(GROUP_PREFIX):
-                self._groups.pop(key[len(GROUP_PREFIX):], None)
+            self._delete_locked(self._index.remove(key), count=False)
         self._publish_gauges()
 
     def _path(self, key: str) -> Path:
@@ -560,15 +564,21 @@ class SSDTier:
             return self.dir / "chunks" / f"{key[len(CHUNK_PREFIX):]}{PAGE_SUFFIX}"
         return self.dir / key[:2] / f"{key}{PAGE_SUFFIX}"
 
-    def _delete_locked(self, victims: Sequence[Victim], *, count: bool = True) -> None:
+    def _delete_locked(self, victims: Sequence[Victim], *, count: bool = True, left: bool = True) -> None:
         """Delete the victims' files (lock held: nobody reserves their room before they are gone). `count`: they
-        were evicted (not corrupt, cleared or grouped)."""
+        were evicted (not corrupt, cleared or grouped). `left`: their pages left the tier (not into a group)."""
         if not victims:
             return
+        pages: list[str] = []
         for v in victims:
+            if v.kind == "page":
+                pages.append(v.key)
             if v.key.startswith(GROUP_PREFIX):
-                self._groups.pop(v.key[len(GROUP_PREFIX):], None)
+                meta = self._groups.pop(v.key[len(GROUP_PREFIX):], None)
+                pages.extend(meta.keys if meta is not None else ())
             unlink_quiet(self._path(v.key))
+        if left and pages and self.on_leave is not None:
+            self.on_leave(pages)
         if count:
             self.stats.add(evicted_pages=len(victims), evicted_bytes=sum(v.size for v in victims))
 

@@ -104,3 +104,36 @@ def test_the_view_carries_sglangs_access_clock():
     assert len(clocks) == 1 and clocks.pop() > max(v.last_access for v in views.values())
     ages = {leaf: v.clock - v.last_access for leaf, v in views.items()}
     assert min(ages, key=ages.get) == 5 and max(ages, key=ages.get) == 1  # last matched; oldest never matched
+
+
+@pytest.mark.parametrize("placement", ["lru", "importance"])
+def test_pinned_leaves_leave_after_every_unpinned_one(placement):
+    """Retention on SGLang's real cache: the leaves holding pinned pages are evicted only once no unpinned leaf is
+    left, under either policy; when the pins expire they rank like any other leaf again."""
+    from types import SimpleNamespace
+
+    from sglang_tiered.integration.radix_cache import node_view
+    from sglang_tiered.integration.runtime import Runtime
+    from sglang_tiered.policy.placement import make_placement
+    from sglang_tiered.policy.retention import Retention
+
+    now = [0.0]
+    retention = Retention(max_seconds=60, max_pages=100, clock=lambda: now[0])
+    rt = Runtime()
+    rt.store = SimpleNamespace(retention=retention, importance=None)
+    cache, alloc = build("python")
+    cache.use_placement(make_placement(placement), rt)
+    script(cache, alloc)
+    keys = {}
+    for n in cache.tree_core.evictable_device_leaves:  # page size 1: one key per token; pin each leaf's last key
+        n.hash_value = [f"k{n.key.token_ids[0]}"]
+        keys[n.key.token_ids[0] // 1000 - 1] = n.hash_value[0]
+    retention.pin([keys[1]], 30)  # 1 and 2 are the least recently used: LRU takes 1, 2, 4 first
+    retention.pin([keys[2]], 30)
+    views = {leaf: node_view(n, rt) for n in cache.tree_core.evictable_device_leaves
+             for leaf in [n.key.token_ids[0] // 1000 - 1]}
+    assert {leaf for leaf, v in views.items() if v.pinned} == {1, 2}
+    assert evicted_leaves(cache, 3) == [0, 3, 4]
+    assert evicted_leaves(cache, 1) == [0, 3, 4, 5]  # every unpinned leaf went before either pinned one
+    now[0] = 31.0  # expired: evictable like any other leaf
+    assert evicted_leaves(cache, 1) == [0, 1, 3, 4, 5]

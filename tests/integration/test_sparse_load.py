@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tiered.integration.sparse_load import LOG_PATTERN
+from sglang_tiered.integration.sparse import LOG_PATTERN
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from sglang_tiered.storage.group_file import read_meta
 from tests.integration.helpers import tiered_args, wait_for_metric
@@ -89,7 +89,7 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         mid = s.get("/metrics")
         gated_again = ask(s, prompt)
         after = s.get("/metrics")
-        lines = s.log_lines("tiered importance: rid")
+        lines = s.log_lines("tiered sparse: rid")
 
     assert gated["meta_info"]["completion_tokens"] >= 1
     assert len(lines) == 3 and "mode=full" in lines[0] and "mode=gated" in lines[1], lines
@@ -98,16 +98,16 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert all(parsed) and parsed[1].group(1) == gated["meta_info"]["id"], lines
 
     def between(a: str, b: str, name: str) -> float:
-        return metric_total(b, f"sglang_tiered:importance_{name}_total") - \
-            metric_total(a, f"sglang_tiered:importance_{name}_total")
+        return metric_total(b, f"sglang_tiered:sparse_{name}_total") - \
+            metric_total(a, f"sglang_tiered:sparse_{name}_total")
 
     def delta(name: str) -> float:  # over both gated loads
         return between(before, after, name)
 
-    full_bytes = metric_total(before, "sglang_tiered:importance_bytes_read_total")  # the `full` load alone
-    assert delta("sparse_requests") == 2
+    full_bytes = metric_total(before, "sglang_tiered:sparse_bytes_read_total")  # the `full` load alone
+    assert delta("requests") == 2
     assert delta("gate_passes") >= 1 and delta("tokens_skipped") > 0
-    assert metric_total(before, "sglang_tiered:importance_bytes_skipped_total") == 0  # the `full` load skipped none
+    assert metric_total(before, "sglang_tiered:sparse_bytes_skipped_total") == 0  # the `full` load skipped none
     # SmolLM2 in fp32: K and V of 3 KV heads x 64 dims x 4 bytes per token-layer
     assert delta("bytes_skipped") == delta("tokens_skipped") * 2 * 3 * 64 * 4
     assert delta("bytes_read") / 2 < full_bytes  # each gated load read less than the full one
@@ -130,7 +130,7 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         metrics = s.get("/metrics")
         s.flush_cache()
         per_request = ask(s, prompt, gate="jaccard")
-        mass_lines = s.log_lines("tiered importance: rid")
+        mass_lines = s.log_lines("tiered sparse: rid")
 
         # 4. a `full` load reads every chunk of every layer: one corrupt chunk (layer 2) ends it
         (group,) = (tmp_path / "ssd").glob("*/groups/*.kvg")
@@ -146,13 +146,13 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         after_corruption = wait_for_metric(s, "sglang_tiered:ssd_corrupt_pages_total", 10)  # the group's pages
         s.flush_cache()
         computed = ask(s, prompt, "off")
-        fallbacks = s.log_lines("tiered importance: rid", since=mark)
+        fallbacks = s.log_lines("tiered sparse: rid", since=mark)
     assert mass["meta_info"]["completion_tokens"] >= 1
     assert len(mass_lines) == 2 and "mode=gated mass gate passed" in mass_lines[0], mass_lines
-    passed = metric_total(metrics, "sglang_tiered:importance_gate_passes_total")
+    passed = metric_total(metrics, "sglang_tiered:sparse_gate_passes_total")
     assert 0 < passed < 30  # SmolLM2: 30 layers
-    assert 0 < metric_total(metrics, "sglang_tiered:importance_attention_dropped_total") <= 0.15 * passed
-    assert metric_total(metrics, "sglang_tiered:importance_bytes_read_total") < full_bytes
+    assert 0 < metric_total(metrics, "sglang_tiered:sparse_attention_dropped_total") <= 0.15 * passed
+    assert metric_total(metrics, "sglang_tiered:sparse_bytes_read_total") < full_bytes
     # the first load under the Jaccard gate on this server (its own gate history: nothing skipped) = the Jaccard
     # server's first gated load, token for token and layer for layer
     assert "mode=gated jaccard gate passed" in mass_lines[1], mass_lines
@@ -162,9 +162,9 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert recovered["output_ids"] == cold["output_ids"]
     assert any("stored span unreadable" in line and "SGLang computes the span" in line for line in fallbacks), \
         fallbacks
-    assert metric_total(after_corruption, "sglang_tiered:importance_fallbacks_total") == 1
+    assert metric_total(after_corruption, "sglang_tiered:sparse_fallbacks_total") == 1
     # the mass and the Jaccard loads; the `full` one ended before it was counted
-    assert metric_total(after_corruption, "sglang_tiered:importance_sparse_requests_total") == 2
+    assert metric_total(after_corruption, "sglang_tiered:sparse_requests_total") == 2
     assert not group.exists()
     assert cached_details(computed)["storage"] == 0 and computed["output_ids"] == cold["output_ids"]
 
@@ -183,7 +183,7 @@ def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
         again = ask(s, prompt)
         too_long = s.log_lines("not loaded sparsely")
         computed = s.log_lines("SGLang computes the span")
-        counted = metric_total(s.get("/metrics"), "sglang_tiered:importance_too_long_total")
+        counted = metric_total(s.get("/metrics"), "sglang_tiered:sparse_too_long_total")
     assert cached_details(again)["storage"] >= 640  # SGLang read the stored prefix back
     assert again["output_ids"] == cold["output_ids"]
     assert len(too_long) == 1 and "exceed --chunked-prefill-size 256" in too_long[0], too_long

@@ -233,9 +233,9 @@ def test_chunk_store_memory_is_bounded_lru_and_corrupt_layers_are_misses(tmp_pat
     assert store.used_memory_bytes == 2 * one
     assert not store.in_memory(keys[0]) and store.in_memory(keys[1]) and store.in_memory(keys[2])
     assert torch.equal(store.layer(keys[0], 1, 7), kvs[keys[0]][1])  # evicted from memory, still on SSD
-    page = next(p for p in tmp_path.rglob("*.kvp") if p.name.startswith(f"{keys[0]}.2"))
+    page = next(p for p in tmp_path.rglob("*.kvp") if p.name.startswith(keys[0]))  # one file, a segment per layer
     data = bytearray(page.read_bytes())
-    data[-3] ^= 0xFF
+    data[-3] ^= 0xFF  # in the last layer's segment
     page.write_bytes(bytes(data))
     with pytest.raises(ChunkMiss):
         store.layer(keys[0], 2, 7)

@@ -1,0 +1,33 @@
+"""The one key scheme: every object the store keeps for a request is keyed with SGLang's own tenant seed.
+
+SGLang 0.5.23 seeds its page-key hash chain with `storage_namespace_seed(extra_key, cache_salt)`
+(`mem_cache/utils.py`): `extra_key` carries the LoRA adapter and any extra isolation key, `cache_salt` the client's
+salt. KV pages, their activation pages, repacked groups, importance records and remote objects are all named by
+those page keys; chunk KV (blending) hashes its tokens with the same seed (`storage.chunk_store.chunk_key`). So
+nothing one tenant or adapter stored is ever found under another's request, and requests without either share as
+SGLang's own radix cache does.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Optional
+
+
+def tenant_seed(req) -> Optional[str]:
+    """SGLang's seed of `req`'s storage keys (None: no extra_key, no cache_salt)."""
+    from sglang.srt.mem_cache.utils import storage_namespace_seed
+
+    return storage_namespace_seed(getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+
+
+def page_keys(req, tokens: int, page_size: int) -> list[str]:
+    """Storage keys of the first `tokens // page_size` pages of `req`'s prompt (SGLang's hash chain, seeded)."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    n = tokens // page_size * page_size
+    if n == 0:
+        return []
+    key = RadixKey(array("q", req.origin_input_ids[:n]), req.extra_key, cache_salt=req.cache_salt)
+    return list(get_storage_hash_str(key, None, page_size=page_size))

@@ -1,0 +1,221 @@
+"""Everything one SGLang process of a `--kv-backend tiered` server keeps, in one object built in one place.
+
+`process()` is this process's `Runtime` (the module's only mutable state). `plugin.register` builds it and hands
+it to every hook it registers (hooks are bound methods of objects that hold it); SGLang's storage class
+(`storage_backend.py`) opens the process's `Store` through it (`open_store`, the moment the KV geometry is known);
+the radix cache (`radix_cache.py`) ranks eviction candidates with what it holds. Nothing else in `sglang_tiered/`
+keeps module-level state.
+
+A `Store` is everything kept on behalf of requests, behind one capacity and one key scheme: the SSD tier (pages,
+activation pages, chunk KV, repacked groups with their probes, meta files: `storage/ssd_tier.py`), the chunk store's
+memory LRU, the importance table (its log counted in the tier), the stash, the repacker, the remote tier, retention
+pins and the statistics reporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from sglang_tiered.config import parse_size
+from sglang_tiered.integration import settings as settings_mod
+from sglang_tiered.integration.metrics import Events, StatsReporter, prometheus_enabled
+from sglang_tiered.kernels.importance import probed_kv_heads
+from sglang_tiered.policy.retention import Retention
+from sglang_tiered.storage.chunk_store import ChunkStore
+from sglang_tiered.storage.foreground import ForegroundGate
+from sglang_tiered.storage.groups import ITEMSIZE
+from sglang_tiered.storage.importance_table import LOG_NAME, ImportanceTable
+from sglang_tiered.storage.mooncake_store import MooncakeStore
+from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.remote_tier import RemoteTier
+from sglang_tiered.storage.repacker import Repacker
+from sglang_tiered.storage.ssd_tier import SSDTier
+from sglang_tiered.storage.stash import PayloadStash
+
+if TYPE_CHECKING:
+    from sglang_tiered.integration.blend_prompt import ChatChunks
+    from sglang_tiered.integration.cpu_attention import CPUAttention
+    from sglang_tiered.integration.door import Door
+    from sglang_tiered.integration.importance import Capture
+    from sglang_tiered.integration.kvpr import KVPR
+    from sglang_tiered.integration.model_forward import ForwardHook
+    from sglang_tiered.integration.sparse import Sparse
+
+logger = logging.getLogger("sglang_tiered")
+
+SUPPORTED_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+@dataclass
+class Store:
+    """What one scheduler process keeps for requests (see the module docstring). Built by `open_store`."""
+
+    namespace: Namespace
+    tier: SSDTier
+    itemsize: int  # bytes per KV element
+    chunks: ChunkStore
+    retention: Retention
+    importance: Optional[ImportanceTable]
+    stash: Optional[PayloadStash]
+    repacker: Optional[Repacker]
+    remote: Optional[RemoteTier]
+    reporter: Optional[StatsReporter]
+
+    @property
+    def page_size(self) -> int:
+        return self.namespace.page_size
+
+    @property
+    def layout(self) -> str:
+        return self.namespace.layout
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+        if self.reporter is not None:
+            self.reporter.stop()
+        if self.repacker is not None:
+            self.repacker.close()
+        self.chunks.close()
+        self.tier.close()
+        if self.importance is not None:
+            self.importance.close()
+
+
+class Runtime:
+    """One process's state. `plugin.register` fills in the objects behind the hooks it registers (None where a
+    mechanism is off in this process); `open_store` the store, in scheduler processes."""
+
+    def __init__(self) -> None:
+        self.registered = False  # plugin.register ran in this process
+        self._raw: Optional[str] = None
+        self._settings: Optional[settings_mod.Settings] = None
+        self.events = Events()
+        self.foreground = ForegroundGate()  # enabled on CPU-only servers (ForwardHook.gate_background_writes)
+        self.store: Optional[Store] = None
+        self.forward: Optional[ForwardHook] = None  # the Llama forward hook and its handlers
+        self.door: Optional[Door] = None  # the one admission decision for stored spans, and retention pins
+        self.capture: Optional[Capture] = None  # importance capture
+        self.sparse: Optional[Sparse] = None  # gated sparse loading
+        self.kvpr: Optional[KVPR] = None  # partial-recompute loading
+        self.cpu_attention: Optional[CPUAttention] = None
+        self.chat: Optional[ChatChunks] = None  # launcher: chunk lengths of rendered chat prompts
+
+    @property
+    def settings(self) -> Optional[settings_mod.Settings]:
+        """This process's settings (None: not a `--kv-backend tiered` server, or a launcher before its flags are
+        parsed); parsed again only when the launcher publishes new ones."""
+        raw = os.environ.get(settings_mod.ENV)
+        if raw != self._raw:
+            self._raw, self._settings = raw, settings_mod.parse(raw)
+        return self._settings
+
+
+_process: Optional[Runtime] = None
+
+
+def process() -> Runtime:
+    """This process's runtime (created at the first call)."""
+    global _process
+    if _process is None:
+        _process = Runtime()
+    return _process
+
+
+def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
+    """Open this scheduler's store over SGLang's host KV pool (its geometry names the namespace). Raises
+    NotImplementedError for pools or layouts we cannot serve and ValueError for a capacity below one page."""
+    current = rt.settings
+    if current is None:
+        raise RuntimeError("the tiered store needs the server to be started with --kv-backend tiered")
+    cfg = current.config
+    layout = getattr(mem_pool_host, "layout", None)
+    if not hasattr(mem_pool_host, "head_num") or not hasattr(mem_pool_host, "get_page_buffer_meta"):
+        raise NotImplementedError(f"--kv-backend tiered: host pool {type(mem_pool_host).__name__} is not an MHA "
+                                  "pool; only MHA (Llama-style) KV caches are supported")
+    if layout not in SUPPORTED_LAYOUTS:
+        raise NotImplementedError(f"--kv-backend tiered: --hicache-mem-layout {layout} is not supported; use one of "
+                                  f"{SUPPORTED_LAYOUTS}")
+    sc = storage_config
+    page_size = int(mem_pool_host.page_size)
+    itemsize = mem_pool_host.dtype.itemsize
+    namespace = Namespace(model=current.model, dtype=str(mem_pool_host.dtype), page_size=page_size, layout=layout,
+                          layer_num=int(mem_pool_host.layer_num), kv_heads=int(mem_pool_host.head_num),
+                          head_dim=int(mem_pool_host.head_dim), tp_rank=sc.tp_rank, tp_size=sc.tp_size,
+                          pp_rank=sc.pp_rank, pp_size=sc.pp_size, salt=cfg.namespace)
+    shards = max(1, sc.tp_size * sc.pp_size)
+    capacity = cfg.ssd_capacity // shards
+    page_bytes = namespace.page_bytes(itemsize)
+    if capacity < page_bytes:
+        raise ValueError(f"--tiered-ssd-capacity: {cfg.ssd_capacity} bytes over {shards} rank(s) is smaller than one "
+                         f"KV page ({page_bytes} bytes)")
+    # retention may pin at most this share of the smallest tier (device, host, SSD), counted in pages
+    tier_pages = min(int(getattr(mem_pool_host, "device_capacity_tokens", 0) or mem_pool_host.size) // page_size,
+                     int(mem_pool_host.size) // page_size, capacity // page_bytes)
+    retention = Retention(cfg.max_retain, int(cfg.retain_share * tier_pages))
+    first_rank = sc.tp_rank == 0 and sc.pp_rank == 0
+    tier = SSDTier(cfg.ssd_dir, namespace, capacity, io_threads=cfg.io_threads,
+                   before_write=rt.foreground.wait_idle,  # a no-op unless enabled (CPU-only servers)
+                   pinned=retention.pinned, scan_foreign=first_rank)
+    chunks = ChunkStore(layers=namespace.layer_num, kv_heads=namespace.kv_heads, head_dim=namespace.head_dim,
+                        dtype=mem_pool_host.dtype, memory_bytes=current.blend_memory_bytes, ssd=tier)
+    importance = stash = repacker = remote = None
+    if cfg.importance_heads > 0:
+        log = f"{namespace.id}/{LOG_NAME}"
+        importance = ImportanceTable(page_size, directory=tier.dir, max_pages=max(1024, 4 * capacity // page_bytes),
+                                     allot=lambda n: tier.reserve_meta(log, n),
+                                     settle=lambda n: tier.settle_meta(log, n))
+        tier.on_leave = importance.forget
+    if cfg.importance_load == "gated" and importance is not None:
+        if layout != "layer_first" or namespace.dtype not in ITEMSIZE:
+            raise NotImplementedError(f"--tiered-importance-load gated: needs the layer_first host layout and a "
+                                      f"16/32-bit KV dtype, got {layout} / {namespace.dtype}")
+        heads = current.attention_heads or namespace.kv_heads
+        probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.importance_heads, heads))
+        stash = PayloadStash(parse_size(cfg.importance_repack_memory))
+        tier.attach_stash(stash)
+        repacker = Repacker(tier, importance, probe, before_repack=rt.foreground.wait_idle,
+                            by_importance=cfg.importance_order == "importance",
+                            probe_bits=cfg.importance_probe_bits, stash=stash)
+    remote_cfg = cfg.remote_settings()
+    if remote_cfg is not None:
+        address, segment = remote_cfg
+        largest = page_bytes + 64 * 1024  # a page file: payload + header (a few KB)
+        remote = RemoteTier(lambda: MooncakeStore(address, segment_bytes=segment, object_bytes=largest,
+                                                  local_host=cfg.remote_host),
+                            tier, importance=importance, before_put=rt.foreground.wait_idle)
+        logger.info("tiered remote: mooncake master %s, metadata %s, lending %d bytes", address.master,
+                    address.metadata, segment)
+    stats_file = f"stats/{namespace.id}.json"
+    reporter = StatsReporter(
+        tier.stats, json_path=Path(cfg.ssd_dir) / stats_file,
+        write_json=lambda data: tier.write_meta(stats_file, data), page_size=page_size, capacity_bytes=capacity,
+        tp_rank=sc.tp_rank, describe=namespace.describe, prometheus=prometheus_enabled(sc.enable_storage_metrics),
+        log_interval=cfg.stats_interval,
+        extras=lambda: _extras(tier, importance, retention, rt))
+    store = Store(namespace, tier, itemsize, chunks, retention, importance, stash, repacker, remote, reporter)
+    rt.store = store
+    if rt.kvpr is not None:
+        rt.kvpr.attach(tier, itemsize, layout)
+    logger.info("tiered ssd: rank %d namespace %s (%s, page %d tokens = %d bytes, layout %s), capacity %d bytes; "
+                "retention: up to %.0f s, %d pages", sc.tp_rank, namespace.id, current.model, page_size, page_bytes,
+                layout, capacity, retention.max_seconds, retention.max_pages)
+    return store
+
+
+def _extras(tier: SSDTier, importance: Optional[ImportanceTable], retention: Retention, rt: Runtime) -> dict:
+    """Fields of the statistics file beyond the tier's counters (`sglang-tiered stats`)."""
+    out: dict[str, Any] = {"bytes_by_kind": tier.bytes_by_kind(), "retention": _retention_stats(tier, retention, rt)}
+    if importance is not None:
+        out["importance"] = importance.coverage()
+    return out
+
+
+def _retention_stats(tier: SSDTier, retention: Retention, rt: Runtime) -> dict:
+    on = rt.door.residency if rt.door is not None else {}
+    return {"pins": len(retention), "pages": len(retention.pages()), "ssd_pinned_bytes": tier.pinned_bytes(),
+            "device_pinned_pages": on.get("device", 0), "host_pinned_pages": on.get("host", 0)}
