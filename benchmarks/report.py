@@ -31,6 +31,12 @@ def _machine(m: dict) -> str:
             f"SGLang {m['sglang']}, Python {m['python']}")
 
 
+def _reproduce(command: str) -> list[str]:
+    """The line naming the command that reproduces a table (then `report.py` renders it here)."""
+    return [f"Reproduce: `.venv/bin/python {command}`, then `.venv/bin/python benchmarks/report.py > BENCHMARKS.md`.",
+            ""]
+
+
 def _dtype(d: dict, key: str = "dtype") -> str:
     return d.get(key) or "bfloat16 (forced by --kv-backend tiered before --dtype auto existed)"
 
@@ -54,7 +60,9 @@ def main() -> int:
            "was checked against SGLang's `cached_tokens_details` (stored in the JSON next to each sample).", ""]
     d = _results("cpu_dtype")
     if d is not None:
-        out += ["## `--dtype auto` on CPU (`benchmarks/cpu_dtype.py`)", "", f"Machine: {_machine(d['machine'])}; "
+        out += ["## `--dtype auto` on CPU (`benchmarks/cpu_dtype.py`)", "",
+                *_reproduce("benchmarks/cpu_dtype.py"),
+                f"Machine: {_machine(d['machine'])}; "
                 f"{d['repeats']} repeats; mode `avx2` restricts the same CPU with ATEN_CPU_CAPABILITY=avx2 "
                 "ONEDNN_MAX_CPU_ISA=AVX2 (as on an AVX2-only machine).", "",
                 "Cold TTFT (s), max_new_tokens=1:", "",
@@ -74,7 +82,7 @@ def main() -> int:
         def measured_on(part: str) -> list[str]:  # a part's machine (the top level's where not recorded per part)
             r = runs.get(part, d)
             return [f"Machine: {_machine(r['machine'])}; {_dtype(r)}" + (f"; {r['date']}." if "date" in r else "."),
-                    ""]
+                    ""] + _reproduce(f"benchmarks/importance.py --parts {part}")
 
         if "capture" in d:
             c = d["capture"]
@@ -168,6 +176,7 @@ def main() -> int:
     d = _results("kvpr")
     if d is not None:
         out += ["## Partial-recompute loading (`benchmarks/kvpr.py`)", "",
+                *_reproduce("benchmarks/kvpr.py"),
                 f"Machine: {_machine(d['machine'])}; {_dtype(d)}; random-weight MHA models "
                 + ", ".join(f"{m} (hidden {c['hidden']}, {c['layers']} layers, {c['kv_heads']} KV heads)"
                             for m, c in d["models"].items())
@@ -197,6 +206,7 @@ def main() -> int:
     d = _results("shared_store")
     if d is not None:
         out += ["## Replicas sharing one store (`benchmarks/shared_store.py`)", "",
+                *_reproduce("benchmarks/shared_store.py"),
                 f"Machine: {_machine(d['machine'])}; {_dtype(d)}; {d['replicas']} replicas, {d['docs']} documents x "
                 f"{d['questions']} questions, {d['doc_tokens']}-token documents, requests round-robin over the "
                 f"replicas, one at a time; device pool {d['device_tokens']} tokens per replica, host tier 2x.", "",
@@ -219,7 +229,9 @@ def main() -> int:
     d = _results("tier_hits")
     if d is not None:
         disk = d["disk"]
-        out += ["## Tier hits (`benchmarks/tier_hits.py`)", "", f"Machine: {_machine(d['machine'])}; {_dtype(d)}.",
+        out += ["## Tier hits (`benchmarks/tier_hits.py`)", "",
+                *_reproduce("benchmarks/tier_hits.py"),
+                f"Machine: {_machine(d['machine'])}; {_dtype(d)}.",
                 f"Disk sequential read {disk['bytes_per_s'] / 1e9:.2f} GB/s (page cache dropped: "
                 f"{disk['page_cache_dropped']}); KV {d['kv_bytes_per_token']} B/token; {d['repeats']} repeats.", "",
                 "TTFT (s), max_new_tokens=1:", ""]
@@ -228,6 +240,7 @@ def main() -> int:
     d = _results("cpu_attention")
     if d is not None:
         out += ["## Prefix-aware CPU attention (`benchmarks/cpu_attention.py`)", "",
+                *_reproduce("benchmarks/cpu_attention.py"),
                 f"Machine: {_machine(d['machine'])}; {_dtype(d)}; {d['repeats']} repeats.", "", "TTFT (s):", ""]
         out += ttft_table(d, ["cold", "device", "device_settled", "ssd"])
         out += ["", "One attention layer, 64 new tokens (ms):", "", "| total tokens | prefix-aware | torch_native |",
@@ -238,6 +251,7 @@ def main() -> int:
     d = _results("runahead")
     if d is not None:
         out += ["## Chained prefill (`benchmarks/runahead.py`)", "",
+                *_reproduce("benchmarks/runahead.py"),
                 f"Machine: {_machine(d['machine'])}; {d['dtype']}, {d['ranks']} ranks x {d['threads_per_rank']} "
                 f"thread vs one process x {d['single_threads']} threads; {d['repeats']} repeats.", "",
                 "| tokens | single | TSP | chain even | chain searched (split) | chain interpolated (split) | "
@@ -258,6 +272,7 @@ def main() -> int:
         base, chain = res["sglang prefill"], res["chained, 2 ranks"]
         lengths = [n for n in base if n != "log"]
         out += ["## Chained prefill in the server (`benchmarks/runahead_server.py`)", "",
+                *_reproduce("benchmarks/runahead_server.py"),
                 f"Machine: {_machine(d['machine'])}; {d['dtype']}, {d['ranks']} ranks (scheduler + helpers), "
                 f"{d['repeats']} repeats, TTFT (s) with max_new_tokens=1:", "",
                 "| prompt tokens | SGLang prefill | chained | chained / SGLang |", "| ---: | ---: | ---: | ---: |"]
@@ -267,7 +282,9 @@ def main() -> int:
         out += ["", "![runahead in the server](benchmarks/results/runahead_server.png)", ""]
     d = _results("blend")
     if d is not None:
-        out += ["## Blending of chunk KV (`benchmarks/blend.py`)", "", f"Machine: {_machine(d['machine'])}; ratio "
+        out += ["## Blending of chunk KV (`benchmarks/blend.py`)", "",
+                *_reproduce("benchmarks/blend.py"),
+                f"Machine: {_machine(d['machine'])}; ratio "
                 f"{d['ratio']:.0%}.", ""]
         if "quality" in d:
             out += [f"Quality ({d.get('questions')} questions, {d['chunks']} chunks x {d['quality_chunk_tokens']} "

@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("sglang_tiered")
 
 _WRITE_QUEUE = 8  # batches of activations waiting to be written
-_MIN_PROBE_BYTES = 8 << 20  # a read-bandwidth probe smaller than this says little (then the stored profile is used)
+_MIN_PROBE_BYTES = 1 << 20  # a read-bandwidth probe smaller than this says nothing (then the stored profile is used)
 _MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the bandwidth
 
 

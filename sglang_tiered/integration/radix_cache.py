@@ -86,6 +86,6 @@ def build_tiered_radix_cache(ctx: TreeCacheBuildContext):
     ctx.params.tree_core_backend = "python"  # the Rust core would ignore a Python eviction strategy
     cache = create_unified_radix_cache(ctx, cache_class=TieredRadixCache)
     cache.use_placement(make_placement(placement), rt)
-    logger.info("tiered placement: %s%s on SGLang's %s tree core", placement,
-                " with retention pins" if retention else "", cache._tree_core_backend)
+    logger.info("tiered placement: %s on SGLang's %s tree core%s", placement, cache._tree_core_backend,
+                " (pinned nodes go last: retention)" if retention else "")
     return cache

@@ -63,24 +63,25 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path, share
     assert len(lines) == 3, lines
     assert "chunks=3 (new 3)" in lines[0] and "chunks=3 (new 0)" in lines[1], lines
     assert re.search(r"computed=0\.[1-3]\d\d", lines[1]), lines[1]  # 2 full layers of 30 + ~15 % of the rest
-    chunks = s.ssd / "chunks"
+    namespace = next(s.ssd.glob("*/NAMESPACE.json")).parent  # chunk KV lives in the server's one SSD tier:
+    chunks = namespace / "chunks"  # one file per chunk, a segment per layer
     deadline = time.monotonic() + 30  # written through on a background thread
-    while len(list(chunks.rglob("*.kvp"))) < 3 * 30 and time.monotonic() < deadline:
+    while len(list(chunks.rglob("*.kvp"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(list(chunks.rglob("*.kvp"))) >= 3 * 30, "chunk KV was not written through to SSD"
+    assert len(list(chunks.rglob("*.kvp"))) >= 3, "chunk KV was not written through to SSD"
     assert "Lisbon" in chat["choices"][0]["message"]["content"], chat
     assert "chunks=3 (new 0)" in lines[2], lines  # the chat template rendered the same header: all chunks stored
 
     # a restart: a new server on (a copy of) the stored chunk files; no chunk KV kept in memory, so every
     # request reads it from SSD
-    copy_tree(chunks, tmp_path / "ssd" / "chunks")
+    copy_tree(chunks, tmp_path / "ssd" / namespace.name / "chunks")  # the same namespace: model, dtype, pages
     with server(tmp_path, "restart", "--tiered-blend-memory", "0", "--enable-metrics") as r:
         after = r.generate(PROMPT, max_new_tokens=16)
         lines = blend_lines(r)
         assert after["text"] == first["text"]
         assert len(lines) == 1 and "(new 0)" in lines[0] and "'memory': 0, 'ssd': 3" in lines[0], lines
 
-        for page in (tmp_path / "ssd" / "chunks").rglob("*.kvp"):  # flip a byte in every stored chunk layer
+        for page in (tmp_path / "ssd").rglob("chunks/*.kvp"):  # flip a byte in every stored chunk's last layer
             data = bytearray(page.read_bytes())
             data[-5] ^= 0xFF
             page.write_bytes(bytes(data))

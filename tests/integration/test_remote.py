@@ -4,7 +4,8 @@
 In order, on one master (at most two SGLang servers at once: SGLang keeps 10 GiB of host memory free): (1) A and B
 start while the master is down: a warning each, and they serve from their local tiers; (2) the master starts, both
 connect by themselves, and a prompt prefilled on A is served on B from the shared tier (storage tokens, identical
-greedy output); (4) A's objects in the store are overwritten with corrupt bytes: B counts corrupt misses and answers
+greedy output); a prompt A prefilled under cache_salt "t1" is served on B under "t1", never under "t2"; (4) A's
+objects in the store are overwritten with corrupt bytes: B counts corrupt misses and answers
 identically; (5) the master is killed: A and B keep answering correctly, and reconnect when it is back; (3) B leaves,
 A publishes another prompt, and C -- another model: same tokens, same page keys -- sees nothing of it.
 """
@@ -41,6 +42,13 @@ def page_keys(ssd: Path) -> list[tuple[str, str]]:
     return [(p.parent.parent.name, p.name[: -len(PAGE_SUFFIX)]) for p in ssd.rglob(f"*{PAGE_SUFFIX}")]
 
 
+def salted(s: ServerProcess, text: str, salt: str) -> dict:
+    status, out = s.request("/generate", {"text": text, "cache_salt": salt,
+                                          "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert status == 200, out
+    return out
+
+
 def wait_until(cond, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while not cond() and time.monotonic() < deadline:
@@ -55,7 +63,7 @@ def test_servers_share_one_store(tmp_path, essays, model_dir, other_model_dir):
     from sglang_tiered.mooncake_master import MooncakeMaster
 
     master = MooncakeMaster(tmp_path / "master.log")
-    doc, doc2, doc3, doc4 = essays[0], essays[1], essays[2], essays[3]
+    doc, doc2, doc3, doc4, doc5 = essays[0], essays[1], essays[2], essays[3], essays[4]
     dtype = choose_dtype(json.loads((model_dir / "config.json").read_text())).dtype  # one dtype for all
     a = remote_server(tmp_path, "a", master, "--dtype", dtype)
     b = remote_server(tmp_path, "b", master, "--dtype", dtype)
@@ -80,6 +88,15 @@ def test_servers_share_one_store(tmp_path, essays, model_dir, other_model_dir):
         assert shared["text"] == cold["text"]
         assert metric(wait_for_metric(b, REMOTE_HITS, 10), REMOTE_HITS) >= 10
         assert b.generate(doc)["text"] == cold["text"]  # and now from B's own tiers
+        # a tenant's objects are shared with that tenant only: SGLang's seed (cache_salt) names every object
+        before = metric(a.get("/metrics"), PUBLISHED)
+        tenant = salted(a, doc5, "t1")
+        wait_for_metric(a, PUBLISHED, before + 10)
+        hits = metric(b.get("/metrics"), REMOTE_HITS)
+        stranger = salted(b, doc5, "t2")
+        assert sum(cached_details(stranger).values()) == 0 and metric(b.get("/metrics"), REMOTE_HITS) == hits
+        same = salted(b, doc5, "t1")
+        assert cached_details(same)["storage"] >= 640 and same["text"] == tenant["text"]
 
         # (4) corrupt objects in the store are counted misses; B's answer is what A computed
         before = metric(a.get("/metrics"), PUBLISHED)
