@@ -27,6 +27,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+import torch
+
+from sglang_tiered.engine.group_span import SpanMiss
+from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.model_forward import ForwardHandler, engine_declines
 from sglang_tiered.integration.requests import CHUNKS_PARAM, RETAIN_PARAM, request_params
@@ -50,7 +54,7 @@ class Load:
 
 class Loader(Protocol):
     name: str
-    handler: ForwardHandler  # its forward handler: counts the loader's fallbacks
+    handler: ForwardHandler  # its forward handler (a `SpanHandler`): counts the loader's fallbacks
 
     def admit(self, req) -> None:
         """Every request at admission, before the decision (forget what an earlier admission left)."""
@@ -73,6 +77,47 @@ def planned(req, loader: str) -> Optional[Any]:
 
 def has_load(req) -> bool:
     return getattr(req, "tiered_load", None) is not None
+
+
+class SpanHandler(ForwardHandler):
+    """The forward handler of a loader: computes the extend batch of the request whose stored span the loader took
+    at the door, following its plan. Shared reasons to decline (then the load is dropped, logged and counted, and
+    SGLang computes the span): `model_forward.why_not_whole_prompt` (a batch of several, a chunked piece, input
+    logprobs, a request our engine cannot compute), the loader's own (`check`), the engine disabled here, and a
+    stored span that cannot be read (`SpanMiss`, raised by `load`). Subclasses set `name` (the loader's) and
+    implement `check` and `load`."""
+
+    def build_runtime(self, module):
+        return self.rt.forward.engine(module)
+
+    def check(self, fb, req, plan: Any) -> tuple[Optional[str], Any]:
+        """(why the plan cannot be followed now, or None; the plan to follow)."""
+        return None, plan
+
+    def load(self, engine, module, req, fb, plan: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
+        reqs = [r for r in self.rt.forward.batch_requests(fb) if planned(r, self.name) is not None]
+        if not reqs:
+            return None
+        req = reqs[0]
+        plan = planned(req, self.name)
+        why = model_forward.why_not_whole_prompt(fb, req)
+        if why is None:
+            why, plan = self.check(fb, req, plan)
+        engine = self.runtime(module) if why is None else None
+        if why is None and engine is None:
+            why = f"disabled in this process: {self.disabled}"
+        if why is None:
+            try:
+                return self.load(engine, module, req, fb, plan)
+            except SpanMiss as exc:
+                why = f"stored span unreadable: {exc}"
+        for r in reqs:
+            r.tiered_load = None
+        self.fallback([r.rid for r in reqs], why + "; SGLang computes the span")
+        return None
 
 
 class Door:

@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from sglang_tiered.engine.group_span import SpanMiss
 from sglang_tiered.engine.kvpr import kvpr_prefill
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
@@ -61,7 +60,7 @@ from sglang_tiered.engine.kvpr_profile import (
 )
 from sglang_tiered.engine.page_span import PageSpan
 from sglang_tiered.integration import model_forward
-from sglang_tiered.integration.door import planned
+from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.policy.kvpr import (
@@ -372,38 +371,21 @@ class _Capture:
 
 
 # ---------------------------------------------------------------------------------------------- forward
-class KVPRHandler(model_forward.ForwardHandler):
+class KVPRHandler(SpanHandler):
     name = "kvpr"
 
     def __init__(self, rt: Runtime, kvpr: KVPR) -> None:
         super().__init__(rt)
         self.kvpr = kvpr
 
-    def build_runtime(self, module):
-        return self.rt.forward.engine(module)
-
-    def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
-        reqs = [r for r in self.rt.forward.batch_requests(fb) if planned(r, self.name) is not None]
-        if not reqs:
-            return None
-        req = reqs[0]
-        plan: Plan = planned(req, self.name)
+    def check(self, fb, req, plan: Plan) -> tuple[Optional[str], Plan]:
         prefix = int(fb.extend_prefix_lens_cpu[0])
-        why = model_forward.why_not_whole_prompt(fb, req)
-        if why is None and prefix != plan.start:
-            why = f"its cached prefix changed since admission ({plan.start} -> {prefix} tokens)"
-        engine = self.runtime(module) if why is None else None
-        if why is None and engine is None:
-            why = f"disabled in this process: {self.disabled}"
-        if why is None:
-            try:
-                return self._load_forward(engine, req, fb, plan, sglang_rope(module))
-            except SpanMiss as exc:
-                why = f"stored span unreadable: {exc}"
-        for r in reqs:
-            r.tiered_load = None
-        self.fallback([r.rid for r in reqs], why + "; SGLang computes the span")
-        return None
+        if prefix != plan.start:
+            return f"its cached prefix changed since admission ({plan.start} -> {prefix} tokens)", plan
+        return None, plan
+
+    def load(self, engine, module, req, fb, plan: Plan) -> torch.Tensor:
+        return self._load_forward(engine, req, fb, plan, sglang_rope(module))
 
     @torch.inference_mode()
     def _load_forward(self, engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:

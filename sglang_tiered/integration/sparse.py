@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from sglang_tiered.engine.group_span import GroupSpan, SpanMiss
+from sglang_tiered.engine.group_span import GroupSpan
 from sglang_tiered.engine.sparse import sparse_prefill
 from sglang_tiered.integration import model_forward
-from sglang_tiered.integration.door import planned
+from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.requests import GATE_PARAM, SPARSE_MODES, SPARSE_PARAM, request_params
 from sglang_tiered.policy.importance import GATES, GateHistory
@@ -151,40 +151,21 @@ class Sparse:
             self._holes.popitem(last=False)
 
 
-class SparseHandler(model_forward.ForwardHandler):
+class SparseHandler(SpanHandler):
     name = "sparse"
 
     def __init__(self, rt: Runtime, sparse: Sparse) -> None:
         super().__init__(rt)
         self.sparse = sparse
 
-    def build_runtime(self, module):
-        return self.rt.forward.engine(module)
+    def check(self, fb, req, plan: Plan) -> tuple[Optional[str], Optional[Plan]]:
+        run = self.sparse.stored_run(req, int(fb.extend_prefix_lens_cpu[0]))  # as it is now
+        if run is None or run.pages * run.group.page_size < self.rt.settings.config.importance_min_tokens:
+            return "the stored span is gone", None
+        return None, run
 
-    def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
-        reqs = [r for r in self.rt.forward.batch_requests(fb) if planned(r, self.name) is not None]
-        if not reqs:
-            return None
-        req = reqs[0]
-        prefix = int(fb.extend_prefix_lens_cpu[0])
-        run = None
-        why = model_forward.why_not_whole_prompt(fb, req)
-        if why is None:
-            run = self.sparse.stored_run(req, prefix)
-            if run is None or run.pages * run.group.page_size < self.rt.settings.config.importance_min_tokens:
-                why = "the stored span is gone"
-        engine = self.runtime(module) if why is None else None
-        if why is None and engine is None:
-            why = f"disabled in this process: {self.disabled}"
-        if why is None:
-            try:
-                return self._sparse_forward(engine, req, fb, run)
-            except SpanMiss as exc:
-                why = f"stored span unreadable: {exc}"
-        for r in reqs:
-            r.tiered_load = None
-        self.fallback([r.rid for r in reqs], why + "; SGLang computes the span")
-        return None
+    def load(self, engine, module, req, fb, plan: Plan) -> torch.Tensor:
+        return self._sparse_forward(engine, req, fb, plan)
 
     @torch.inference_mode()
     def _sparse_forward(self, engine, req: Any, fb, run: Plan) -> torch.Tensor:

@@ -133,3 +133,36 @@ def test_the_log_is_compacted(tmp_path):
     t.close()
     assert os.path.getsize(tmp_path / LOG_NAME) < 200 * (2 * 2 + 44)
     assert ImportanceTable(2, directory=tmp_path).reuses(KEYS[:1]) == 1100
+
+
+MORE = [f"{i:064x}" for i in range(100, 110)]
+
+
+def test_the_log_grows_only_as_far_as_the_ssd_tier_allots(tmp_path):
+    """Every append asks for its bytes first (the SSD tier's one budget); a refused record is not written, counted,
+    and the table still learns in memory."""
+    allotted: list[int] = []
+    budget = 3 * (44 + 2 * 4)  # three records of a 4-token page
+
+    def allot(total: int) -> bool:
+        allotted.append(total)
+        return total <= budget
+
+    t = ImportanceTable(4, directory=tmp_path, allot=allot, settle=lambda n: None)
+    for key in MORE[:3]:
+        t.observe([key], [True] * 4)
+    assert t.dropped == 0 and allotted == [52, 104, 156]
+    t.observe(MORE[3:4], [True] * 4)
+    assert t.dropped == 1 and os.path.getsize(tmp_path / LOG_NAME) == budget
+    assert t.important_tokens(MORE[3:4]) == 4.0  # learned, just not persisted
+    t.close()
+
+
+def test_pages_that_left_the_store_are_forgotten_and_the_table_is_capped(tmp_path):
+    t = ImportanceTable(4, max_pages=2)
+    t.observe(MORE[:2], [True] * 8)
+    t.forget([MORE[0]])  # from the SSD tier's eviction, under its lock: applied at the next update
+    t.reuse(MORE[1:2])
+    assert t.get(MORE[0]) is None and t.coverage() == {"pages": 1, "observed_pages": 1, "reuses": 1}
+    t.observe(MORE[2:4], [False] * 8)  # a third and fourth page: the least recently updated goes
+    assert t.get(MORE[1]) is None and len(t) == 2 and t.get(MORE[3]) is not None
