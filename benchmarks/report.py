@@ -326,6 +326,33 @@ def main() -> int:
                                f"| {sp[m]['ratio']:.3f} |")
             out.append("")
         out += ["![blend](benchmarks/results/blend.png)", ""]
+    d = _results("retention")
+    if d is not None:
+        out += ["## Retention (`benchmarks/retention.py`)", "", *_reproduce("benchmarks/retention.py"),
+                f"Machine: {_machine(d['machine'])}; {_dtype(d)}.", ""]
+        if "pin" in d:
+            pin = d["pin"]
+            out += [f"A {pin['doc_tokens']}-token document asked with `custom_params.tiered_retain` and a control of "
+                    f"the same length without; then, per round, {pin['flood_tokens']} tokens of other prompts (device "
+                    f"{pin['device_tokens']} tokens, host 2x, SSD {pin['ssd_capacity'] >> 20} MiB) and both again:",
+                    "", "| round | pinned TTFT (s) | pinned from | control TTFT (s) | control from |",
+                    "| ---: | ---: | --- | ---: | --- |"]
+            for i, row in enumerate(pin["rows"]):
+                where = {k: ", ".join(f"{t} {n}" for t, n in row[k]["cached"].items() if n) or "computed"
+                         for k in ("pinned", "control")}
+                out.append(f"| {i} | {row['pinned']['ttft_s']:.3f} | {where['pinned']} | "
+                           f"{row['control']['ttft_s']:.3f} | {where['control']} |")
+            out.append("")
+        if "overhead" in d:
+            o = d["overhead"]
+            out += [f"Zipf workload, {o['docs']} documents x {o['doc_tokens']} tokens + a question, {o['requests']} "
+                    "requests, 2 clients, device pool 4096 tokens; the two servers alternated twice (medians):", "",
+                    "| server | TTFT median (s) | p90 (s) | requests/s |", "| --- | ---: | ---: | ---: |"]
+            for name, v in o["summary"].items():
+                out.append(f"| {name} | {v['ttft_median_s']:.3f} | {v['ttft_p90_s']:.3f} | "
+                           f"{v['requests_per_s']:.2f} |")
+            out.append("")
+        out += [f"Verdict: {d['verdict']}.", "", "![retention](benchmarks/results/retention.png)", ""]
     print("\n".join(out))
     return 0
 
