@@ -177,7 +177,7 @@ class Door:
     def _retain(self, scheduler, req, store) -> None:
         retention = store.retention
         seconds = request_params(req).get(RETAIN_PARAM)
-        if seconds is not None and retention.enabled and float(seconds) > 0:
+        if seconds is not None and retention.max_seconds > 0 and float(seconds) > 0:  # (no room at all: refused)
             keys = page_keys(req, len(req.origin_input_ids), store.page_size)
             if keys:
                 try:

@@ -217,5 +217,6 @@ def _extras(tier: SSDTier, importance: Optional[ImportanceTable], retention: Ret
 
 def _retention_stats(tier: SSDTier, retention: Retention, rt: Runtime) -> dict:
     on = rt.door.residency if rt.door is not None else {}
-    return {"pins": len(retention), "pages": len(retention.pages()), "ssd_pinned_bytes": tier.pinned_bytes(),
+    pins = len(retention)
+    return {"pins": pins, "pages": len(retention.pages()), "ssd_pinned_bytes": tier.pinned_bytes() if pins else 0,
             "device_pinned_pages": on.get("device", 0), "host_pinned_pages": on.get("host", 0)}

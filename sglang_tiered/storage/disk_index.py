@@ -19,11 +19,10 @@ capacity.
 
 Eviction order, one comparison: candidates are the entries of every kind but meta that are not pinned
 (`pinned(key)`: retention, `policy/retention.py`; a group is pinned when one of its members is, an activation when
-its page is), least
-recently used first, where a foreign file counts as never used (it goes before every entry of ours). Why LRU across
-kinds: each kind's miss costs a recompute of roughly its bytes' worth of prefill, and recency is the one signal all
-kinds share; importance already shapes what reaches the SSD (`--tiered-placement`). Pinned entries are never
-candidates: a write that only pinned entries could make room for is refused.
+its page is), least recently used first, where a foreign file counts as never used (it goes before every entry of
+ours). Why LRU across kinds: each kind's miss costs a recompute of roughly its bytes' worth of prefill, and
+recency is the one signal all kinds share; importance already shapes what reaches the SSD (`--tiered-placement`).
+Pinned entries are never candidates: a write that only pinned entries could make room for is refused.
 
 `reserve` never evicts for a write it then refuses: victims are chosen only when they free enough.
 """
@@ -82,7 +81,8 @@ class DiskIndex:
         self._group_of: dict[str, str] = {}  # member page key -> group entry key
         self._writing: dict[str, tuple[int, str, Optional[str]]] = {}  # key -> (reserved bytes, kind, parent)
         self._used = 0
-        self._by_kind: Counter[str] = Counter()
+        self._by_kind: Counter[str] = Counter()  # committed bytes per kind
+        self._count: Counter[str] = Counter()  # committed entries per kind
 
     # ----------------------------------------------------------------- queries
     @property
@@ -133,13 +133,10 @@ class DiskIndex:
 
     def stored_pages(self) -> int:
         """KV pages held, plain or in groups."""
-        return self._by_count("page") + len(self._group_of)
+        return self._count["page"] + len(self._group_of)
 
     def pinned_bytes(self) -> int:
         return sum(e.size for k, e in self._entries.items() if e.kind in EVICTABLE and self._is_pinned(k, e))
-
-    def _by_count(self, kind: str) -> int:
-        return sum(1 for e in self._entries.values() if e.kind == kind)
 
     # ----------------------------------------------------------------- reservations
     def reserve(self, key: str, size: int, kind: str, *, parent: Optional[str] = None,
@@ -262,11 +259,13 @@ class DiskIndex:
         for member, group in self._group_of.items():
             assert member in self._entries[group].members and member not in self._entries, "members drifted"
         assert +self._by_kind == +_sum_by_kind(self._entries.values()), "bytes by kind drifted"
+        assert +self._count == +Counter(e.kind for e in self._entries.values()), "entries by kind drifted"
 
     # ----------------------------------------------------------------- internals
     def _add(self, key: str, entry: _Entry) -> None:
         self._entries[key] = entry
         self._by_kind[entry.kind] += entry.size
+        self._count[entry.kind] += 1
         if entry.kind == "foreign":
             self._foreign[key] = None  # never used here: before every entry of ours
         elif entry.kind in EVICTABLE:
@@ -282,6 +281,7 @@ class DiskIndex:
     def _remove_locked(self, key: str) -> list[Victim]:
         entry = self._entries.pop(key)
         self._by_kind[entry.kind] -= entry.size
+        self._count[entry.kind] -= 1
         self._lru.pop(key, None)
         self._foreign.pop(key, None)
         self._used -= entry.size
