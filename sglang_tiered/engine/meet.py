@@ -1,0 +1,185 @@
+"""Compute the front of a stored span while loading its back (Cake: "Compute Or Load KV Cache? Why Not Both?",
+arXiv 2410.03065), exact, on the layer-by-layer engine, for any Llama-family model.
+
+A prompt = an exact prefix P (its KV already in memory), a stored span S of whole pages (on a slow tier) and new
+tokens C. Two workers share S's pages:
+
+* compute (the caller's thread) prefills pages from the front, `chunk` pages at a time through every layer, each
+  chunk attending to P and to the pages computed before it (a chunked prefill);
+* load (one background thread) reads whole pages (`PageSource.read`: every layer's K and V) from the back, the last
+  page first.
+
+Every page is claimed by exactly one of them: compute claims its next chunk only below the lowest page the loader
+has claimed, the loader stops at a page compute claimed. They meet where they meet -- wherever the storage's and
+the CPU's speeds at that moment put the point -- with no plan, no solver and nothing extra stored; `split` forces the
+meet point instead (tests, or a caller that knows better). Then C's layers run over [P, S, C], as a full prefill
+would. Exact by construction: every token's KV is either computed from the true prefix or the stored copy of it.
+
+A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from sglang_tiered.engine.llama import LlamaModel
+from sglang_tiered.kernels.extend_attention import causal_attention
+
+
+class PageSource(Protocol):
+    pages: int
+    page_size: int
+
+    def read(self, page: int) -> torch.Tensor:
+        """Page `page`'s KV, [layers, page_size, 2, kv_heads, head_dim] (any float dtype). Runs on the loader
+        thread. Raises SpanMiss (engine.group_span) when the page cannot be served."""
+        ...
+
+
+@dataclass(frozen=True)
+class MeetResult:
+    kv: torch.Tensor  # [layers, |S| + |C|, 2, kv_heads, head_dim]: the span's KV, then the new tokens'
+    hidden: torch.Tensor  # [hidden]: the last token's residual stream after the last layer
+    computed_pages: int  # the meet point m: pages [0, m) computed from their token ids
+    loaded_pages: int  # pages [m, pages) read from storage
+    compute_s: float  # seconds computing the span's front
+    load_s: float  # seconds the loader spent reading
+    wait_s: float  # seconds compute waited, at the meet, for loads in flight
+
+
+class _Claims:
+    """Which pages compute and the loader hold: [0, front) compute's, [low, pages) the loader's (shared, locked)."""
+
+    def __init__(self, pages: int, split: Optional[int]) -> None:
+        self.front, self.low = 0, pages
+        self.split = split  # compute stops here and the loader never goes below it (None: they race)
+        self.lock = threading.Lock()
+
+    def next_chunk(self, chunk: int) -> Optional[range]:
+        """Compute's next pages, or None once it reached the loader (or the forced split)."""
+        with self.lock:
+            limit = self.low if self.split is None else min(self.low, self.split)
+            if self.front >= limit:
+                return None
+            pages = range(self.front, min(self.front + chunk, limit))
+            self.front = pages.stop
+            return pages
+
+    def next_load(self) -> Optional[int]:
+        """The loader's next page (from the back), or None once it reached compute (or the forced split)."""
+        with self.lock:
+            page = self.low - 1
+            if page < self.front or (self.split is not None and page < self.split):
+                return None
+            self.low = page
+            return page
+
+
+@torch.inference_mode()
+def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
+                 source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
+                 split: Optional[int] = None) -> MeetResult:
+    """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
+    stored span whose token ids are `span_ids` (see the module docstring). `chunk`: pages compute takes at once.
+    `split`: compute exactly the first `split` pages and load the rest."""
+    ps, pages = source.page_size, source.pages
+    s, n, p = pages * ps, new_ids.shape[0], prefix_len
+    if span_ids.shape[0] != s or n < 1 or pages < 1:
+        raise ValueError(f"{span_ids.shape[0]} span ids for {pages} pages of {ps}, {n} new tokens")
+    if p and prefix_loader is None:
+        raise ValueError("prefix_len > 0 needs a prefix_loader")
+    if split is not None and not 0 <= split <= pages:
+        raise ValueError(f"split {split} outside 0..{pages}")
+    out = model.empty_kv(s + n)
+    claims = _Claims(pages, split)
+    errors: list[BaseException] = []
+    timing = {"load_s": 0.0, "loaded": 0}
+
+    @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
+    def load() -> None:
+        while not errors:
+            page = claims.next_load()
+            if page is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                out[:, page * ps : (page + 1) * ps] = source.read(page).to(model.dtype)
+            except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
+                errors.append(exc)
+                return
+            timing["load_s"] += time.perf_counter() - t0
+            timing["loaded"] += 1
+
+    loader = threading.Thread(target=load, name="meet-load", daemon=True)
+    loader.start()
+    t0 = time.perf_counter()
+    computed = 0
+    try:
+        while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
+            _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader)
+            computed = pages_now.stop
+        compute_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        loader.join()
+        wait_s = time.perf_counter() - t1
+    finally:
+        errors.append(RuntimeError("stopped"))  # (a no-op once joined) the loader stops at its next page
+        loader.join()
+    if len(errors) > 1:
+        raise errors[0]
+    x = model.embed(new_ids)
+    positions = torch.arange(p + s, p + s + n)
+    for layer in range(model.cfg.layers):
+        q, k, v = model.qkv(layer, x, positions)
+        out[layer, s:, 0], out[layer, s:, 1] = k, v
+        x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
+    return MeetResult(out, x[-1], computed, timing["loaded"], compute_s, timing["load_s"], wait_s)
+
+
+def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, out: torch.Tensor, pages: range, ps: int, p: int,
+                   prefix_loader: Optional[Callable[[int], torch.Tensor]]) -> None:
+    """Compute the KV of span pages `pages` (a chunked prefill over the prefix and the pages before them)."""
+    a, b = pages.start * ps, pages.stop * ps
+    x = model.embed(span_ids[a:b])
+    positions = torch.arange(p + a, p + b)
+    for layer in range(model.cfg.layers):
+        q, k, v = model.qkv(layer, x, positions)
+        out[layer, a:b, 0], out[layer, a:b, 1] = k, v
+        x = model.finish_layer(layer, x, _attend(q, out[layer, :b], p, prefix_loader, layer, p + a))
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, p: int, prefix_loader, layer: int, offset: int) -> torch.Tensor:
+    """Causal attention of queries `q` (the last of the keys, after `offset` earlier ones) over the prefix's KV and
+    `kv` [tokens, 2, H, D]."""
+    if p:
+        prefix = prefix_loader(layer)
+        keys, values = torch.cat([prefix[:, 0], kv[:, 0]]), torch.cat([prefix[:, 1], kv[:, 1]])
+    else:
+        keys, values = kv[:, 0], kv[:, 1]
+    return causal_attention(q, keys, values, offset)
+
+
+class MemoryPages:
+    """A span held in memory (tests, engine benchmarks): its full KV [layers, pages * page_size, 2, H, D]; `delay_s`
+    per page read imitates a storage speed, `fail` names pages whose read raises."""
+
+    def __init__(self, kv: torch.Tensor, page_size: int, delay_s: float = 0.0, fail: frozenset = frozenset()):
+        self.kv, self.page_size, self.pages = kv, page_size, kv.shape[1] // page_size
+        self.delay_s, self.fail = delay_s, fail
+        self.reads: list[int] = []
+
+    def read(self, page: int) -> torch.Tensor:
+        from sglang_tiered.engine.group_span import SpanMiss
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if page in self.fail:
+            raise SpanMiss(f"page {page} unreadable")
+        self.reads.append(page)
+        return self.kv[:, page * self.page_size : (page + 1) * self.page_size].clone()

@@ -1,0 +1,98 @@
+"""Compute the front of a stored span while loading its back (`engine/meet.py`), without SGLang: the result equals a
+full prefill at every meet point (forced: none, one page, the middle, all but one, all; and raced), with and
+without an exact prefix before the span, on MHA and GQA shapes and on SmolLM2; a slow source makes compute take
+more pages, a fast one less; an unreadable page abandons the load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_tiered.engine.group_span import SpanMiss
+from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
+from sglang_tiered.engine.meet import MemoryPages, meet_prefill
+
+PS = 16
+SHAPES = {
+    "mha": LlamaConfig(hidden=96, layers=4, heads=6, kv_heads=6, head_dim=16, intermediate=192, vocab=300),
+    "gqa": LlamaConfig(hidden=96, layers=4, heads=6, kv_heads=2, head_dim=16, intermediate=192, vocab=300),
+}
+
+
+def case(model: LlamaModel, prefix: int, pages: int, new: int, seed: int = 0):
+    """A prompt [prefix | span of `pages` pages | new tokens], its reference prefill, and the stored span."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab, (prefix + pages * PS + new,), generator=g)
+    ref = model.prefill(ids)
+    span = MemoryPages(ref.kv[:, prefix : prefix + pages * PS].clone(), PS)
+    return ids, ref, span
+
+
+def run(model, ids, ref, span, prefix: int, **kw):
+    s = span.pages * PS
+    res = meet_prefill(model, ids[prefix : prefix + s], ids[prefix + s :], prefix_len=prefix, source=span,
+                       prefix_loader=(lambda layer: ref.kv[layer, :prefix]) if prefix else None, **kw)
+    return res, model.logits(res.hidden[None])[0]
+
+
+@pytest.fixture(params=sorted(SHAPES))
+def model(request) -> LlamaModel:
+    return LlamaModel.random(SHAPES[request.param], seed=3)
+
+
+@pytest.mark.parametrize("prefix", [0, 2 * PS])
+@pytest.mark.parametrize("split", [0, 1, 3, 5, 6, None])
+def test_every_meet_point_equals_a_full_prefill(model, prefix, split):
+    pages, new = 6, 5
+    ids, ref, span = case(model, prefix, pages, new)
+    res, logits = run(model, ids, ref, span, prefix, split=split)
+    assert torch.allclose(logits, ref.logits, atol=1e-4, rtol=1e-4)
+    assert logits.argmax() == ref.logits.argmax()
+    assert torch.allclose(res.kv, ref.kv[:, prefix:], atol=1e-5, rtol=1e-5)
+    assert res.computed_pages + res.loaded_pages == pages
+    if split is not None:
+        assert res.computed_pages == split and sorted(span.reads) == list(range(split, pages))
+    assert span.reads == sorted(span.reads, reverse=True)  # the loader goes back to front
+
+
+def test_the_loaded_pages_are_the_stored_copy_bit_for_bit(model):
+    ids, ref, span = case(model, PS, 4, 3)
+    stored = span.kv.clone()
+    stored[:, 2 * PS :] += 1.0  # a stored copy that differs: the loaded half must be it, untouched
+    res, _ = run(model, ids, ref, MemoryPages(stored, PS), PS, split=2)
+    assert torch.equal(res.kv[:, 2 * PS : 4 * PS], stored[:, 2 * PS :])
+    assert torch.allclose(res.kv[:, : 2 * PS], ref.kv[:, PS : 3 * PS], atol=1e-5)  # the computed front
+
+
+def test_the_meet_point_follows_the_speed_of_the_source():
+    model = LlamaModel.random(SHAPES["gqa"], seed=1)
+    ids, ref, span = case(model, 0, 12, 4)
+    slow = MemoryPages(span.kv, PS, delay_s=0.2)  # a page every 0.2 s: compute takes most of the span
+    res_slow, logits_slow = run(model, ids, ref, slow, 0)
+    fast = MemoryPages(span.kv, PS)  # instant reads: the loader takes most of it
+    res_fast, logits_fast = run(model, ids, ref, fast, 0)
+    assert res_slow.computed_pages > res_fast.computed_pages
+    assert res_slow.computed_pages >= 6 and res_fast.loaded_pages >= 6
+    for logits in (logits_slow, logits_fast):
+        assert logits.argmax() == ref.logits.argmax() and torch.allclose(logits, ref.logits, atol=1e-4)
+
+
+def test_an_unreadable_page_abandons_the_load():
+    model = LlamaModel.random(SHAPES["gqa"], seed=1)
+    ids, ref, span = case(model, 0, 6, 2)
+    with pytest.raises(SpanMiss, match="page 5"):
+        run(model, ids, ref, MemoryPages(span.kv, PS, fail=frozenset({5})), 0, split=3)
+    with pytest.raises(ValueError, match="split 7"):
+        run(model, ids, ref, span, 0, split=7)
+
+
+@pytest.mark.model
+def test_smollm2_in_fp32_gives_the_same_greedy_tokens_at_every_meet_point():
+    from sglang_tiered.models import default_model_path
+
+    model = LlamaModel.from_pretrained(default_model_path(), torch.float32)
+    ids, ref, span = case(model, PS, 8, 6, seed=5)
+    for split in (0, 1, 4, 7, 8, None):
+        res, logits = run(model, ids, ref, span, PS, split=split)
+        assert logits.argmax() == ref.logits.argmax(), split
+        assert torch.allclose(logits, ref.logits, atol=1e-3, rtol=1e-3), split
