@@ -15,6 +15,13 @@ the CPU's speeds at that moment put the point -- with no plan, no solver and not
 meet point instead (tests, or a caller that knows better). Then C's layers run over [P, S, C], as a full prefill
 would. Exact by construction: every token's KV is either computed from the true prefix or the stored copy of it.
 
+On a CPU a chunk cannot be abandoned halfway, and one page's prefill (tens of milliseconds) can outlast reading the
+whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for
+the loader's first page (at most that long), then claims a chunk only if it will finish before the loader, at the
+rate it is reading now, would get there: `chunk x page_compute_s < unclaimed pages x seconds per read`. Both rates
+are this load's own (the estimate is replaced by each computed chunk's time), so the rule follows a disk or a CPU
+that slows down under load. Without an estimate the two simply race (Cake's scheme).
+
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 """
 
@@ -54,20 +61,30 @@ class MeetResult:
 
 
 class _Claims:
-    """Which pages compute and the loader hold: [0, front) compute's, [low, pages) the loader's (shared, locked)."""
+    """Which pages compute and the loader hold: [0, front) compute's, [low, pages) the loader's (shared, locked),
+    and the rates compute decides by (see the module docstring)."""
 
-    def __init__(self, pages: int, split: Optional[int]) -> None:
+    def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float]) -> None:
         self.front, self.low = 0, pages
-        self.split = split  # compute stops here and the loader never goes below it (None: they race)
+        self.split = split  # compute stops here and the loader never goes below it (None: they meet)
+        self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
+        self.reads: list[float] = []  # the loader's seconds per page so far
+        self.started = time.perf_counter()
+        self.first_read = threading.Event()
         self.lock = threading.Lock()
 
     def next_chunk(self, chunk: int) -> Optional[range]:
-        """Compute's next pages, or None once it reached the loader (or the forced split)."""
+        """Compute's next pages, or None: it reached the loader or the forced split, or the loader will be there
+        first."""
         with self.lock:
             limit = self.low if self.split is None else min(self.low, self.split)
             if self.front >= limit:
                 return None
             pages = range(self.front, min(self.front + chunk, limit))
+            if self.split is None and self.page_compute_s is not None:
+                per_read = sum(self.reads) / len(self.reads) if self.reads else time.perf_counter() - self.started
+                if len(pages) * self.page_compute_s >= (limit - self.front) * per_read:
+                    return None
             self.front = pages.stop
             return pages
 
@@ -80,14 +97,24 @@ class _Claims:
             self.low = page
             return page
 
+    def loaded(self, seconds: float) -> None:
+        with self.lock:
+            self.reads.append(seconds)
+        self.first_read.set()
+
+    def computed(self, pages: int, seconds: float) -> None:
+        with self.lock:
+            self.page_compute_s = seconds / pages if self.page_compute_s is not None else None
+
 
 @torch.inference_mode()
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
-                 split: Optional[int] = None) -> MeetResult:
+                 split: Optional[int] = None, page_compute_s: Optional[float] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
     stored span whose token ids are `span_ids` (see the module docstring). `chunk`: pages compute takes at once.
-    `split`: compute exactly the first `split` pages and load the rest."""
+    `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
+    compute, for the claim rule (None: a plain race)."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -97,7 +124,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     if split is not None and not 0 <= split <= pages:
         raise ValueError(f"split {split} outside 0..{pages}")
     out = model.empty_kv(s + n)
-    claims = _Claims(pages, split)
+    claims = _Claims(pages, split, page_compute_s)
     errors: list[BaseException] = []
     timing = {"load_s": 0.0, "loaded": 0}
 
@@ -115,14 +142,19 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                 return
             timing["load_s"] += time.perf_counter() - t0
             timing["loaded"] += 1
+            claims.loaded(time.perf_counter() - t0)
 
     loader = threading.Thread(target=load, name="meet-load", daemon=True)
     loader.start()
     t0 = time.perf_counter()
     computed = 0
     try:
+        if split is None and page_compute_s is not None:
+            claims.first_read.wait(page_compute_s)  # measure the loader before deciding, at most one page's compute
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
+            t_chunk = time.perf_counter()
             _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader)
+            claims.computed(len(pages_now), time.perf_counter() - t_chunk)
             computed = pages_now.stop
         compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()

@@ -5,6 +5,8 @@ more pages, a fast one less; an unreadable page abandons the load."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -75,6 +77,23 @@ def test_the_meet_point_follows_the_speed_of_the_source():
     assert res_slow.computed_pages >= 6 and res_fast.loaded_pages >= 6
     for logits in (logits_slow, logits_fast):
         assert logits.argmax() == ref.logits.argmax() and torch.allclose(logits, ref.logits, atol=1e-4)
+
+
+def test_with_a_compute_estimate_a_fast_source_is_loaded_and_a_slow_one_computed():
+    """The claim rule: compute takes a page only if it finishes before the loader, at its measured rate, would get
+    there. Instant reads: nothing computed after the loader's first read is measured. Slow reads: compute still takes
+    most of the span."""
+    wide = LlamaConfig(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64, intermediate=1024, vocab=300)
+    model = LlamaModel.random(wide, seed=1)  # a page's compute (ms) well above a memory read and a thread start
+    ids, ref, span = case(model, 0, 12, 4)
+    model.prefill(ids[: 2 * PS])  # warm
+    t = time.perf_counter()
+    model.prefill(ids[: 2 * PS])
+    per_page = (time.perf_counter() - t) / 2
+    fast, _ = run(model, ids, ref, MemoryPages(span.kv, PS), 0, page_compute_s=per_page)
+    assert fast.computed_pages <= 1 and fast.loaded_pages >= 11  # (one chunk if the loader's thread started late)
+    slow, logits = run(model, ids, ref, MemoryPages(span.kv, PS, delay_s=0.2), 0, page_compute_s=per_page)
+    assert slow.computed_pages >= 8 and logits.argmax() == ref.logits.argmax()
 
 
 def test_an_unreadable_page_abandons_the_load():
