@@ -90,3 +90,24 @@ class PageSpan:
             if r is not None:
                 r.close()
         self._kv, self._x = [], []
+
+
+class TierPages:
+    """Whole stored pages of a span on the SSD tier, one read each (the two-sided loader's source,
+    `engine.meet.PageSource`): every layer's K and V of page i of `keys` (layer_first layout), checked against their
+    checksums. A page that is missing or corrupt is a `SpanMiss` (the tier counts it and removes a corrupt file)."""
+
+    def __init__(self, tier: SSDTier, keys: Sequence[str], *, layers: int, page_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype) -> None:
+        self.tier, self.keys, self.page_size, self.pages = tier, list(keys), page_size, len(keys)
+        self.shape, self.dtype = (layers, 2, page_size, kv_heads, head_dim), dtype
+        self.bytes_read = 0
+
+    def read(self, page: int) -> torch.Tensor:
+        buf = torch.empty(self.shape, dtype=self.dtype)
+        segments = [memoryview(buf[layer, i].view(torch.uint8).numpy()) for layer in range(self.shape[0])
+                    for i in range(2)]
+        if not self.tier.read_pages([(self.keys[page], segments)])[0]:
+            raise SpanMiss(f"KV page {self.keys[page]} is not readable")
+        self.bytes_read += buf.numel() * buf.element_size()
+        return buf.permute(0, 2, 1, 3, 4)  # [layers, page_size, 2, kv_heads, head_dim]

@@ -58,7 +58,8 @@ from sglang_tiered.engine.kvpr_profile import (
     save_profile,
     stored_profile,
 )
-from sglang_tiered.engine.page_span import PageSpan
+from sglang_tiered.engine.meet import meet_prefill
+from sglang_tiered.engine.page_span import PageSpan, TierPages
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
@@ -70,6 +71,8 @@ from sglang_tiered.policy.kvpr import (
     Split,
     choose_split,
     gate,
+    meet_pays,
+    page_compute_s,
     sglang_load_time,
     takes_over,
 )
@@ -88,13 +91,18 @@ _MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the ba
 
 @dataclass(frozen=True)
 class Plan:
-    """A load decided at admission: the stored pages from token `start`, the first `pages` recomputed."""
+    """A load decided at admission: the stored pages `keys` from token `start`. `front`: how their first pages are
+    computed -- "activations" (the first `pages` recomputed from stored activations, `split` the planner's
+    prediction) or "ids" (prefilled from their token ids while the back is loaded: engine/meet.py; `pages` forces
+    the meet point, None lets them meet; `page_s` is the compute estimate of one page)."""
 
     start: int
     keys: tuple[str, ...]
-    pages: int
-    split: Split
     mode: str
+    front: str
+    pages: Optional[int]
+    split: Optional[Split] = None
+    page_s: Optional[float] = None
 
 
 class KVPR:
@@ -125,9 +133,6 @@ class KVPR:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
         the background from the first request on."""
         mode = self.rt.settings.config.kvpr
-        if self.gate_reason is not None and mode == "auto":  # logged here: logging is set up by now
-            logger.info("tiered kvpr: l = 0 for this model, no activations stored: %s", self.gate_reason)
-            return
         if layout != "layer_first":
             logger.warning("tiered kvpr: off: needs the layer_first host layout (per-layer reads), got %s", layout)
             return
@@ -135,6 +140,10 @@ class KVPR:
         self.shape = Shape(s.layers, s.x_bytes * itemsize, s.kv_bytes * itemsize)
         self.tier = tier
         self.key = profile_key(self.rt.settings.model, tier.namespace.dtype)
+        if self.gate_reason is not None and mode == "auto":  # logged here: logging is set up by now
+            logger.info("tiered kvpr: l = 0 for this model, no activations stored: %s; a stored span behind slow "
+                        "storage has its front computed from token ids while its back loads", self.gate_reason)
+            return
         self.writer = _Writer(self)
         logger.info("tiered kvpr: %s: activations stored beside SSD pages (%.2fx the KV bytes)", mode,
                     s.x_bytes / s.kv_bytes)
@@ -171,23 +180,28 @@ class KVPR:
         profile = self._profile(scheduler)
         if profile is None:
             return None
+        keys = tuple(keys[:n])
+        if self.writer is None or acts == 0:  # no activations: the front from token ids (engine/meet.py)
+            page_s = page_compute_s(profile, self.shape.layers, ps)
+            if mode == "auto" and not meet_pays(n, ps * self.shape.layers * self.shape.kv_bytes, profile, page_s):
+                return None  # the disk is fast enough: SGLang's own load is as good
+            forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
+            return Plan(start, keys, str(mode), "ids", forced, page_s=page_s)
         new = len(req.origin_input_ids) - start - n * ps
         split = choose_split(n, ps, new, self.shape, profile, max_pages=acts)
         if mode == "auto":
-            if self.gate_reason is not None:
-                return None
             baseline = sglang_load_time(n * ps, new, self.shape, profile, self.read_bps or profile.read_bytes_per_s)
             if not takes_over(split, baseline):
                 return None  # SGLang's own load is as good
             pages = split.pages
             split = replace(split, reason=split.reason + f"; SGLang's load predicted {baseline:.3f}s")
         elif mode == "force":
-            if acts == 0 or n < 2:
+            if n < 2:
                 return None
             pages = max(1, min(split.pages, acts, n - 1))
         else:  # a number of tokens
             pages = min(int(mode) // ps, acts, n)
-        return Plan(start, tuple(keys[:n]), pages, split, str(mode))
+        return Plan(start, keys, str(mode), "activations", pages, split)
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:
@@ -385,7 +399,37 @@ class KVPRHandler(SpanHandler):
         return None, plan
 
     def load(self, engine, module, req, fb, plan: Plan) -> torch.Tensor:
+        if plan.front == "ids":
+            return self._meet_forward(engine, req, fb, plan)
         return self._load_forward(engine, req, fb, plan, sglang_rope(module))
+
+    @torch.inference_mode()
+    def _meet_forward(self, engine, req: Any, fb, plan: Plan) -> torch.Tensor:
+        """The front of the span prefilled from its token ids while its back is read (engine/meet.py)."""
+        t0 = time.perf_counter()
+        c, tier, events = engine.cfg, self.kvpr.tier, self.rt.events
+        ps = tier.namespace.page_size
+        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+        source = TierPages(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                           dtype=engine.dtype)
+        s = source.pages * ps
+        ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
+        res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
+                           page_compute_s=plan.page_s,
+                           prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
+        hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
+        if res.loaded_pages:
+            self.kvpr.observe_read(source.bytes_read, res.load_s)
+        computed, loaded = res.computed_pages * ps, res.loaded_pages * ps
+        events.count("kvpr_loads")
+        events.count("kvpr_tokens_computed", computed)
+        events.count("kvpr_tokens_loaded", loaded)
+        logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
+                    "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read (%.1f MiB) in %.3fs, "
+                    "waited %.3fs at the meet, total=%.3fs", req.rid, s, prefix, ext - s, plan.mode,
+                    res.computed_pages, source.pages, computed, res.compute_s, loaded, source.bytes_read / 2**20,
+                    res.load_s, res.wait_s, time.perf_counter() - t0)
+        return hidden
 
     @torch.inference_mode()
     def _load_forward(self, engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:
@@ -462,10 +506,9 @@ def register_hooks(rt: Runtime) -> bool:
         return False
     shape = Shape(cfg.layers, cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim)  # elements; bytes at attach
     rt.kvpr = KVPR(rt, shape, gate(shape))
-    if rt.kvpr.gate_reason is not None and current.config.kvpr == "auto":
-        return False  # `attach` says why (the store opens after logging is set up)
-    HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", rt.kvpr.around_attention,
-                          HookType.AROUND)
+    if rt.kvpr.gate_reason is None or current.config.kvpr == "force":  # activations stored
+        HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", rt.kvpr.around_attention,
+                              HookType.AROUND)
     rt.door.add(rt.kvpr)
     rt.forward.add_handler(rt.kvpr.handler)
     return True

@@ -278,6 +278,9 @@ EVENTS = {
     "kvpr_activation_bytes_written": "Bytes of activation pages written to SSD",
     "kvpr_activation_drops": "Activation pages not stored because the write queue was full",
     "kvpr_fallbacks": "Partial-recompute loads declined or abandoned: SGLang loaded or computed the stored span",
+    "kvpr_tokens_computed": "Tokens of stored spans whose KV was computed from their token ids (the front of a "
+    "two-sided load)",
+    "kvpr_tokens_loaded": "Tokens of stored spans read from storage by two-sided loads (the back)",
     "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",
     "retain_released": "Pins released before their expiry to keep pinned pages within --tiered-retain-share",
     "retain_refused": "Pins refused: the prompt alone has more pages than retention may hold",

@@ -142,3 +142,17 @@ class Calibration:
                 return Profile(prof.read_bytes_per_s, rec, prof.layer_s, sto)
         sto = max(0.0, (self.sy - prof.recompute_s * self.rs) / self.ss)
         return Profile(prof.read_bytes_per_s, prof.recompute_s, prof.layer_s, sto)
+
+
+def page_compute_s(prof: Profile, layers: int, page_size: int) -> float:
+    """Seconds to prefill one page of a stored span from its token ids (every layer; the attention over what came
+    before it is in `stored_s`, small next to the projections and the MLP at these lengths)."""
+    return layers * page_size * (prof.layer_s + prof.stored_s)
+
+
+def meet_pays(pages: int, page_bytes: int, prof: Profile, page_s: float) -> bool:
+    """`auto`: take a stored span with the two-sided loader (compute the front, load the back: engine/meet.py)
+    rather than SGLang's whole load only if reading the whole span takes longer than computing one page of it --
+    otherwise the loader alone finishes before compute's first page could, and SGLang's own load is as fast."""
+    return pages * page_bytes / prof.read_bytes_per_s > page_s
+

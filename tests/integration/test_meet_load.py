@@ -1,0 +1,89 @@
+"""Two-sided loading of a stored span on the GQA default model (SmolLM2, fp32 so that exact paths compare token for
+token): the front computed from token ids while the back is read (`engine/meet.py`, through the door's kvpr loader).
+
+A prompt is served cold and its pages reach the SSD tier; then, with device and host flushed, it is loaded by
+SGLang's own L3 prefetch (the reference) and by the two-sided loader with the meet point forced by
+`custom_params.tiered_kvpr` (tokens computed) at 0, one page, the middle, all but one page and all: greedy output
+identical every time, one log line per load naming the meet point. The same with a device-cached prefix ahead of the
+span. A corrupt page in the loaded half: a counted fallback, SGLang computes the span, the same output.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+PAGE = 64
+
+
+def ask(s: ServerProcess, ids: list[int], mode=None) -> dict:
+    params: dict = {"max_new_tokens": 10, "temperature": 0}
+    if mode is not None:
+        params["custom_params"] = {"tiered_kvpr": mode}
+    status, body = s.request("/generate", {"input_ids": ids, "sampling_params": params})
+    assert status == 200, body
+    return body
+
+
+def meet_line(s: ServerProcess, out: dict) -> str:
+    rid = out["meta_info"]["id"]
+    lines = [line for line in s.log_lines("tiered kvpr: rid") if f"rid {rid} " in line]
+    assert len(lines) == 1, s.log_tail()
+    return lines[0]
+
+
+def page_files(s: ServerProcess, ids: list[int]) -> list:
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    keys = get_hash_str(ids[: len(ids) // PAGE * PAGE], None, page_size=PAGE)
+    return [next(s.ssd.glob(f"*/{k[:2]}/{k}.kvp")) for k in keys]
+
+
+def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, model_dir):
+    from transformers import AutoTokenizer
+
+    s = fp32_server
+    text = essays[11] + "\n\nQuestion: What is the point?\nAnswer:"
+    ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+    cold = ask(s, ids)
+    pages = (len(ids) - 1) // PAGE  # (the last token is always computed)
+    deadline = time.monotonic() + 60  # written through to SSD; the loader's read bandwidth measured
+    while (len(list(s.ssd.glob("*/*/*.kvp"))) < pages or not s.log_lines("tiered kvpr: SSD read bandwidth")) and \
+            time.monotonic() < deadline:
+        time.sleep(0.3)
+    s.flush_cache()
+    native = ask(s, ids, "off")
+    assert cached_details(native)["storage"] >= (pages - 1) * PAGE and native["output_ids"] == cold["output_ids"]
+    for split in (0, 1, pages // 2, pages - 1, pages):
+        s.flush_cache()
+        out = ask(s, ids, split * PAGE)
+        assert out["output_ids"] == native["output_ids"], split
+        line = meet_line(s, out)
+        assert f"met at page {split} of {pages}:" in line and "prefix=0 " in line, line
+
+    # a device-cached prefix ahead of the span: its first 3 pages on device, the rest from SSD
+    s.flush_cache()
+    ask(s, ids[: 3 * PAGE + 5], "off")
+    out = ask(s, ids, 2 * PAGE)
+    assert cached_details(out)["device"] == 3 * PAGE and out["output_ids"] == native["output_ids"]
+    line = meet_line(s, out)
+    assert f"prefix={3 * PAGE} " in line and f"met at page 2 of {pages - 3}:" in line, line
+
+    # a corrupt page in the loaded half: counted fallback, SGLang computes the span, the same output
+    last = page_files(s, ids)[pages - 1]
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    last.write_bytes(bytes(data))
+    before = metric_total(s.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total")
+    s.flush_cache()
+    mark = s.log_mark()
+    out = ask(s, ids, PAGE)
+    assert out["output_ids"] == native["output_ids"]
+    assert s.log_lines("tiered kvpr: rid", since=mark) and \
+        "runs a normal prefill (stored span unreadable" in s.log_lines("tiered kvpr: rid", since=mark)[0]
+    assert metric_total(s.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total") == before + 1
