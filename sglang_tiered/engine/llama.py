@@ -156,13 +156,16 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
         return weight * xf.to(x.dtype)
 
-    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
-        """Queries [n, Hq, D], keys [n, Hkv, D] (post-RoPE) and values [n, Hkv, D] of tokens at `positions`."""
+    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rope: Optional[Rope] = None):
+        """Queries [n, Hq, D], keys [n, Hkv, D] (post-RoPE) and values [n, Hkv, D] of tokens at `positions`.
+        `rope(layer, t, positions)` replaces this engine's rotation (see `kv_from_input`)."""
         w, c = self.layer_weights[layer], self.cfg
         h = self.attention_input(layer, x)
         q = F.linear(h, w.wq).view(-1, c.heads, c.head_dim)
         k = F.linear(h, w.wk).view(-1, c.kv_heads, c.head_dim)
         v = F.linear(h, w.wv).view(-1, c.kv_heads, c.head_dim)
+        if rope is not None:
+            return rope(layer, q, positions), rope(layer, k, positions), v
         return self.rope(q, positions), self.rope(k, positions), v
 
     def attention_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:

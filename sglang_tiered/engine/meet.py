@@ -18,9 +18,11 @@ would. Exact by construction: every token's KV is either computed from the true 
 On a CPU a chunk cannot be abandoned halfway, and one page's prefill (tens of milliseconds) can outlast reading the
 whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for
 the loader's first page (at most that long), then claims a chunk only if it will finish before the loader, at the
-rate it is reading now, would get there: `chunk x page_compute_s < unclaimed pages x seconds per read`. Both rates
-are this load's own (the estimate is replaced by each computed chunk's time), so the rule follows a disk or a CPU
-that slows down under load. Without an estimate the two simply race (Cake's scheme).
+rate it is reading now, would get there: `chunk x page_compute_s < unclaimed pages x seconds per read`; when it
+would not, it waits for the loader's next page and asks again (a kernel I/O throttle lets a first burst through
+fast, then reads slow down). Both rates are this load's own (the estimate is replaced by each computed chunk's
+time), so the rule follows a disk or a CPU that slows down under load. Without an estimate the two simply race
+(Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 """
@@ -35,7 +37,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from sglang_tiered.engine.llama import LlamaModel
+from sglang_tiered.engine.llama import LlamaModel, Rope
 from sglang_tiered.kernels.extend_attention import causal_attention
 
 
@@ -69,24 +71,35 @@ class _Claims:
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
         self.reads: list[float] = []  # the loader's seconds per page so far
-        self.started = time.perf_counter()
+        self.last_read_at = time.perf_counter()  # when the loader's last read ended (or it started)
         self.first_read = threading.Event()
         self.lock = threading.Lock()
+        self.read_done = threading.Condition(self.lock)
 
     def next_chunk(self, chunk: int) -> Optional[range]:
-        """Compute's next pages, or None: it reached the loader or the forced split, or the loader will be there
-        first."""
+        """Compute's next pages; an empty range: not now (the loader would be there first at its current rate: wait
+        for its next page and ask again); None: done (it reached the loader or the forced split)."""
         with self.lock:
             limit = self.low if self.split is None else min(self.low, self.split)
             if self.front >= limit:
                 return None
             pages = range(self.front, min(self.front + chunk, limit))
             if self.split is None and self.page_compute_s is not None:
-                per_read = sum(self.reads) / len(self.reads) if self.reads else time.perf_counter() - self.started
+                # the loader's rate now: its last reads (a throttle's first burst is not its rate), or longer if the
+                # read in flight has taken longer than that already
+                recent = self.reads[-4:]
+                in_flight = time.perf_counter() - self.last_read_at
+                per_read = max(sum(recent) / len(recent), in_flight) if recent else in_flight
                 if len(pages) * self.page_compute_s >= (limit - self.front) * per_read:
-                    return None
+                    return range(0)
             self.front = pages.stop
             return pages
+
+    def wait_read(self, timeout: float) -> None:
+        """Until the loader's next page is in (or `timeout` seconds)."""
+        with self.lock:
+            seen = len(self.reads)
+            self.read_done.wait_for(lambda: len(self.reads) > seen or self.low <= self.front, timeout)
 
     def next_load(self) -> Optional[int]:
         """The loader's next page (from the back), or None once it reached compute (or the forced split)."""
@@ -100,6 +113,8 @@ class _Claims:
     def loaded(self, seconds: float) -> None:
         with self.lock:
             self.reads.append(seconds)
+            self.last_read_at = time.perf_counter()
+            self.read_done.notify_all()
         self.first_read.set()
 
     def computed(self, pages: int, seconds: float) -> None:
@@ -110,11 +125,13 @@ class _Claims:
 @torch.inference_mode()
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
-                 split: Optional[int] = None, page_compute_s: Optional[float] = None) -> MeetResult:
+                 split: Optional[int] = None, page_compute_s: Optional[float] = None,
+                 rope: Optional[Rope] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
     stored span whose token ids are `span_ids` (see the module docstring). `chunk`: pages compute takes at once.
     `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
-    compute, for the claim rule (None: a plain race)."""
+    compute, for the claim rule (None: a plain race). `rope`: the rotation (`LlamaModel.qkv`; a server passes its own
+    kernel, so that computed keys match the ones it stored)."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -152,8 +169,11 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         if split is None and page_compute_s is not None:
             claims.first_read.wait(page_compute_s)  # measure the loader before deciding, at most one page's compute
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
+            if not pages_now:  # the loader would get there first at its current rate: look again after its next page
+                claims.wait_read(page_compute_s or 0.1)
+                continue
             t_chunk = time.perf_counter()
-            _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader)
+            _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader, rope)
             claims.computed(len(pages_now), time.perf_counter() - t_chunk)
             computed = pages_now.stop
         compute_s = time.perf_counter() - t0
@@ -168,20 +188,20 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     x = model.embed(new_ids)
     positions = torch.arange(p + s, p + s + n)
     for layer in range(model.cfg.layers):
-        q, k, v = model.qkv(layer, x, positions)
+        q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, s:, 0], out[layer, s:, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
     return MeetResult(out, x[-1], computed, timing["loaded"], compute_s, timing["load_s"], wait_s)
 
 
 def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, out: torch.Tensor, pages: range, ps: int, p: int,
-                   prefix_loader: Optional[Callable[[int], torch.Tensor]]) -> None:
+                   prefix_loader: Optional[Callable[[int], torch.Tensor]], rope: Optional[Rope]) -> None:
     """Compute the KV of span pages `pages` (a chunked prefill over the prefix and the pages before them)."""
     a, b = pages.start * ps, pages.stop * ps
     x = model.embed(span_ids[a:b])
     positions = torch.arange(p + a, p + b)
     for layer in range(model.cfg.layers):
-        q, k, v = model.qkv(layer, x, positions)
+        q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, a:b, 0], out[layer, a:b, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer, :b], p, prefix_loader, layer, p + a))
 

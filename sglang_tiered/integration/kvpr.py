@@ -1,8 +1,15 @@
-"""Partial-recompute loading in the server (KVPR, `--tiered-kvpr`, exact, CPU servers).
+"""Partial-recompute loading in the server (KVPR, `--tiered-kvpr`, exact, CPU servers): a stored span's front is
+computed -- from stored activations where they are smaller than the KV, from token ids everywhere else -- while its
+back is loaded.
 
+* Two-sided loading (any model; `engine/meet.py`): a span without stored activations has its front prefilled from
+  its token ids while its back is read page by page from the end; the two meet where the disk's and the CPU's
+  speeds put the point (`auto`: only where reading the span takes longer than computing one page of it,
+  `policy.kvpr.meet_pays`; a number of tokens forces the meet point). Counters `kvpr_tokens_computed`,
+  `kvpr_tokens_loaded`; one log line per load with the meet point.
 * Gate -- at startup, from config.json: activations pay only where the attention input (hidden) is smaller than
   the KV it replaces (2 x kv_heads x head_dim). Closed (GQA models such as SmolLM2): `auto` stores no activations
-  and never splits; the reason is logged once.
+  (the reason is logged once) and loads stored spans two-sided.
 * Activations -- seam `models.llama.LlamaAttention.forward` (AROUND, read-only): for every extend batch, the
   attention input of each layer (post-RMSNorm, so the recompute needs no norm) is copied for the complete prompt
   pages the forward computes, and after the last layer written to the SSD tier beside their KV pages
@@ -400,11 +407,11 @@ class KVPRHandler(SpanHandler):
 
     def load(self, engine, module, req, fb, plan: Plan) -> torch.Tensor:
         if plan.front == "ids":
-            return self._meet_forward(engine, req, fb, plan)
+            return self._meet_forward(engine, req, fb, plan, sglang_rope(module))
         return self._load_forward(engine, req, fb, plan, sglang_rope(module))
 
     @torch.inference_mode()
-    def _meet_forward(self, engine, req: Any, fb, plan: Plan) -> torch.Tensor:
+    def _meet_forward(self, engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:
         """The front of the span prefilled from its token ids while its back is read (engine/meet.py)."""
         t0 = time.perf_counter()
         c, tier, events = engine.cfg, self.kvpr.tier, self.rt.events
@@ -415,7 +422,7 @@ class KVPRHandler(SpanHandler):
         s = source.pages * ps
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
-                           page_compute_s=plan.page_s,
+                           page_compute_s=plan.page_s, rope=rope,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
         if res.loaded_pages:
