@@ -326,6 +326,28 @@ def main() -> int:
                                f"| {sp[m]['ratio']:.3f} |")
             out.append("")
         out += ["![blend](benchmarks/results/blend.png)", ""]
+    d = _results("meet")
+    if d is not None:
+        out += ["## Compute the front, load the back (`benchmarks/meet.py`)", "", *_reproduce("benchmarks/meet.py"),
+                f"Machine: {_machine(d['machine'])}; {_dtype(d)}; SmolLM2 (GQA: no activations), a stored span + "
+                f"{d['question']} new tokens, max_new_tokens = 1, the SSD tier's files evicted from the page cache "
+                f"before every request; medians of {d['repeats']} shuffled rounds. load = SGLang's own L3 load, "
+                "recompute = the same tokens under a fresh cache_salt (nothing stored matches), auto = the default "
+                "(two-sided where reading the span takes longer than computing a page), race = two-sided always; "
+                "met = the pages race computed of the span's pages.", "",
+                "| disk | span tokens | load (s) | recompute (s) | auto (s) | race (s) | auto / min(load, recompute) "
+                "| met (race) | answers differing from load |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+        for disk, lengths in d["results"].items():
+            for n, p in lengths.items():
+                if n == "profile":
+                    continue
+                best = min(p["load"]["ttft_s"], p["recompute"]["ttft_s"])
+                met = ", ".join(f"{r['met'][0]}/{r['met'][1]}" for r in p["race"]["rows"] if r["met"])
+                out.append(f"| {disk} | {n} | {p['load']['ttft_s']:.3f} | {p['recompute']['ttft_s']:.3f} | "
+                           f"{p['auto']['ttft_s']:.3f} | {p['race']['ttft_s']:.3f} | "
+                           f"{p['auto']['ttft_s'] / best:.2f} | {met} | {p['answers_differing']} |")
+        out += ["", f"Verdict: {d['verdict']}.", "", "![meet](benchmarks/results/meet.png)", ""]
     d = _results("retention")
     if d is not None:
         out += ["## Retention (`benchmarks/retention.py`)", "", *_reproduce("benchmarks/retention.py"),

@@ -150,9 +150,17 @@ def page_compute_s(prof: Profile, layers: int, page_size: int) -> float:
     return layers * page_size * (prof.layer_s + prof.stored_s)
 
 
+# `auto` takes the two-sided loader only where reading the span takes longer than computing this many pages: below,
+# compute could take a page at most, and our path's fixed costs (the span's KV copied into the pool, the new tokens'
+# attention over it in our engine) outweigh it -- on this machine's own disk a 4096-token span loaded two-sided was
+# 1.23x SGLang's load (benchmarks/meet.py)
+MEET_MIN_PAGES = 2
+
+
 def meet_pays(pages: int, page_bytes: int, prof: Profile, page_s: float) -> bool:
     """`auto`: take a stored span with the two-sided loader (compute the front, load the back: engine/meet.py)
-    rather than SGLang's whole load only if reading the whole span takes longer than computing one page of it --
-    otherwise the loader alone finishes before compute's first page could, and SGLang's own load is as fast."""
-    return pages * page_bytes / prof.read_bytes_per_s > page_s
+    rather than SGLang's whole load only if reading the whole span takes longer than computing MEET_MIN_PAGES of
+    its pages -- otherwise the loader alone finishes about as soon as compute could start, and SGLang's own load is
+    as fast."""
+    return pages * page_bytes / prof.read_bytes_per_s > MEET_MIN_PAGES * page_s
 

@@ -228,3 +228,17 @@ def test_a_missing_or_corrupt_kv_page_ends_the_load(mha, tier):
     assert not tier.contains(keys[4])
     with pytest.raises(SpanMiss):
         page_span(tier, keys, 0)
+
+
+def test_the_two_sided_loader_pays_only_where_reading_the_span_outlasts_computing_pages():
+    from sglang_tiered.policy.kvpr import MEET_MIN_PAGES, meet_pays, page_compute_s
+
+    prof = Profile(read_bytes_per_s=100e6, recompute_s=1e-6, layer_s=25e-6, stored_s=1e-6)
+    page_s = page_compute_s(prof, layers=30, page_size=64)
+    assert abs(page_s - 30 * 64 * 26e-6) < 1e-9
+    page_bytes = 1_474_560  # a SmolLM2 page in bf16
+    # 16 pages at 100 MB/s: 0.24 s of reads > 2 pages of compute (0.1 s): two-sided; at 2 GB/s (12 ms): SGLang
+    assert meet_pays(16, page_bytes, prof, page_s)
+    assert not meet_pays(16, page_bytes, Profile(2e9, 1e-6, 25e-6, 1e-6), page_s)
+    # exactly MEET_MIN_PAGES pages of compute: not yet
+    assert not meet_pays(1, int(MEET_MIN_PAGES * page_s * prof.read_bytes_per_s), prof, page_s)
