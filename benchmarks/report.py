@@ -333,7 +333,7 @@ def main() -> int:
                 f"{d['question']} new tokens, max_new_tokens = 1, the SSD tier's files evicted from the page cache "
                 f"before every request; medians of {d['repeats']} shuffled rounds. load = SGLang's own L3 load, "
                 "recompute = the same tokens under a fresh cache_salt (nothing stored matches), auto = the default "
-                "(two-sided where reading the span takes longer than computing a page), race = two-sided always; "
+                "(two-sided where reading the span takes longer than computing 2 pages), race = two-sided always; "
                 "met = the pages race computed of the span's pages.", "",
                 "| disk | span tokens | load (s) | recompute (s) | auto (s) | race (s) | auto / min(load, recompute) "
                 "| met (race) | answers differing from load |",
