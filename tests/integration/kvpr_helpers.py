@@ -12,12 +12,13 @@ MHA = LlamaConfig(hidden=576, layers=6, heads=9, kv_heads=9, head_dim=64, interm
 PAGE = 64
 
 
-def ask(s: ServerProcess, text: str, mode=None) -> dict:
-    """10 greedy tokens; `mode` sets the request's `tiered_kvpr` custom parameter."""
+def ask(s: ServerProcess, prompt: str | list[int], mode=None) -> dict:
+    """10 greedy tokens of a text or of token ids; `mode` sets the request's `tiered_kvpr` custom parameter."""
     params: dict = {"max_new_tokens": 10, "temperature": 0}
     if mode is not None:
         params["custom_params"] = {"tiered_kvpr": mode}
-    status, body = s.request("/generate", {"text": text, "sampling_params": params})
+    status, body = s.request("/generate", {"input_ids" if isinstance(prompt, list) else "text": prompt,
+                                           "sampling_params": params})
     assert status == 200, body
     return body
 

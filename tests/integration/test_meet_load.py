@@ -15,19 +15,9 @@ import time
 import pytest
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from tests.integration.kvpr_helpers import PAGE, ask
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
-
-PAGE = 64
-
-
-def ask(s: ServerProcess, ids: list[int], mode=None) -> dict:
-    params: dict = {"max_new_tokens": 10, "temperature": 0}
-    if mode is not None:
-        params["custom_params"] = {"tiered_kvpr": mode}
-    status, body = s.request("/generate", {"input_ids": ids, "sampling_params": params})
-    assert status == 200, body
-    return body
 
 
 def meet_line(s: ServerProcess, out: dict) -> str:
