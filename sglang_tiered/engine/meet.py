@@ -72,7 +72,6 @@ class _Claims:
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
         self.reads: list[float] = []  # the loader's seconds per page so far
         self.last_read_at = time.perf_counter()  # when the loader's last read ended (or it started)
-        self.first_read = threading.Event()
         self.lock = threading.Lock()
         self.read_done = threading.Condition(self.lock)
 
@@ -115,7 +114,6 @@ class _Claims:
             self.reads.append(seconds)
             self.last_read_at = time.perf_counter()
             self.read_done.notify_all()
-        self.first_read.set()
 
     def computed(self, pages: int, seconds: float) -> None:
         with self.lock:
@@ -143,7 +141,6 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     out = model.empty_kv(s + n)
     claims = _Claims(pages, split, page_compute_s)
     errors: list[BaseException] = []
-    timing = {"load_s": 0.0, "loaded": 0}
 
     @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
     def load() -> None:
@@ -157,8 +154,6 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
             except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
                 errors.append(exc)
                 return
-            timing["load_s"] += time.perf_counter() - t0
-            timing["loaded"] += 1
             claims.loaded(time.perf_counter() - t0)
 
     loader = threading.Thread(target=load, name="meet-load", daemon=True)
@@ -167,7 +162,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     computed = 0
     try:
         if split is None and page_compute_s is not None:
-            claims.first_read.wait(page_compute_s)  # measure the loader before deciding, at most one page's compute
+            claims.wait_read(page_compute_s)  # measure the loader before deciding, at most one page's compute
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
             if not pages_now:  # the loader would get there first at its current rate: look again after its next page
                 claims.wait_read(page_compute_s or 0.1)
@@ -191,7 +186,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, s:, 0], out[layer, s:, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
-    return MeetResult(out, x[-1], computed, timing["loaded"], compute_s, timing["load_s"], wait_s)
+    return MeetResult(out, x[-1], computed, len(claims.reads), compute_s, sum(claims.reads), wait_s)
 
 
 def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, out: torch.Tensor, pages: range, ps: int, p: int,

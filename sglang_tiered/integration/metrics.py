@@ -8,7 +8,7 @@ rejected_pages_total, repacked_groups_total, repacked_pages_total, repack_pages_
 kept at write), repack_pages_read_total and repack_read_bytes_total (read back from SSD), group_reads_total,
 imported_pages_total (counters); used_bytes, capacity_bytes, stored_pages, used_bytes_by_kind{kind} (gauges: every
 file under the SSD directory by kind, `storage/disk_index.py`).
-Retention (`sglang_tiered:`): pinned_pages{tier="device"|"host"|"ssd"}, pinned_bytes{tier="ssd"} (gauges),
+Retention (`sglang_tiered:`): pinned_pages{tier="device"|"host"}, pinned_bytes{tier="ssd"} (gauges),
 retain_pins_total, retain_released_total (pins released early: the bound was reached), retain_refused_total.
 With `--tiered-remote`, the shared tier's, prefixed `sglang_tiered:remote_`: hit_pages_total, miss_pages_total,
 read_bytes_total, read_seconds_total, published_pages_total, written_bytes_total, corrupt_pages_total,

@@ -56,7 +56,6 @@ class Store:
 
     namespace: Namespace
     tier: SSDTier
-    itemsize: int  # bytes per KV element
     chunks: ChunkStore
     retention: Retention
     importance: Optional[ImportanceTable]
@@ -68,10 +67,6 @@ class Store:
     @property
     def page_size(self) -> int:
         return self.namespace.page_size
-
-    @property
-    def layout(self) -> str:
-        return self.namespace.layout
 
     def close(self) -> None:
         if self.remote is not None:
@@ -197,7 +192,7 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         tp_rank=sc.tp_rank, describe=namespace.describe, prometheus=prometheus_enabled(sc.enable_storage_metrics),
         log_interval=cfg.stats_interval,
         extras=lambda: _extras(tier, importance, retention, rt))
-    store = Store(namespace, tier, itemsize, chunks, retention, importance, stash, repacker, remote, reporter)
+    store = Store(namespace, tier, chunks, retention, importance, stash, repacker, remote, reporter)
     rt.store = store
     if rt.kvpr is not None:
         rt.kvpr.attach(tier, itemsize, layout)

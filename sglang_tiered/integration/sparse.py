@@ -101,7 +101,7 @@ class Sparse:
 
     def plan(self, scheduler, req, start: int) -> Optional[Plan]:
         plan = self.stored_run(req, start)
-        if plan is None or plan.pages * plan.group.page_size < self.rt.settings.config.importance_min_tokens:
+        if plan is None:
             return None
         limit = model_forward.too_long_for_one_extend(scheduler, req, start)
         if limit is not None:
@@ -126,7 +126,8 @@ class Sparse:
 
     def stored_run(self, req, start: int) -> Optional[Plan]:
         """The pages of `req`'s prompt from token `start` (page-aligned) on that lie, in order, in one repacked
-        group -- leaving at least the prompt's last token to compute; None if there are none."""
+        group -- leaving at least the prompt's last token to compute; None if they hold fewer than
+        `--tiered-importance-min-tokens`."""
         tier = self.rt.store.tier
         ps = tier.namespace.page_size
         if start % ps:
@@ -139,7 +140,7 @@ class Sparse:
         n = 0
         while n < len(keys) and first + n < len(meta.keys) and meta.keys[first + n] == keys[n]:
             n += 1
-        return Plan(meta, first, n)
+        return Plan(meta, first, n) if n * ps >= self.rt.settings.config.importance_min_tokens else None
 
     # ------------------------------------------------------------------------------------- holes (decode)
     def holes(self, rid: str) -> Optional[Holes]:
@@ -160,7 +161,7 @@ class SparseHandler(SpanHandler):
 
     def check(self, fb, req, plan: Plan) -> tuple[Optional[str], Optional[Plan]]:
         run = self.sparse.stored_run(req, int(fb.extend_prefix_lens_cpu[0]))  # as it is now
-        if run is None or run.pages * run.group.page_size < self.rt.settings.config.importance_min_tokens:
+        if run is None:
             return "the stored span is gone", None
         return None, run
 

@@ -318,33 +318,20 @@ class SSDTier:
         """Write the small file `<root>/<relpath>` atomically (0600), its bytes counted against the capacity (the
         temporary copy beside the old one included). `replace=False`: keep an existing file. False when there is
         no room (nothing written, counted) or the write failed."""
-        key = META_PREFIX + relpath
         with self._lock:
-            old = self._index.size(key)
-            if old is not None and not replace:
-                return True
-            res = self._index.reserve(key, len(data), "meta") if old is None else \
-                self._index.resize(key, old + len(data))
-            self._delete_locked(res.victims)
-        if not res.admitted:
-            self.stats.add(rejected_pages=1)
+            old = self._index.size(META_PREFIX + relpath)
+        if old and not replace:  # (an entry of 0 bytes: a write that failed, nothing there)
+            return True
+        if not self.reserve_meta(relpath, (old or 0) + len(data)):  # old and new side by side until the rename
             return False
         try:
             write_atomic(self.root / relpath, data)
         except OSError as exc:
             logger.warning("tiered ssd: writing %s failed: %s", relpath, exc)
-            with self._lock:
-                if old is None:
-                    self._index.abort(key)
-                else:
-                    self._index.resize(key, old)
+            self.settle_meta(relpath, old or 0)
             self.stats.add(io_errors=1)
             return False
-        with self._lock:
-            if old is None:
-                self._delete_locked(self._index.commit(key, len(data)))
-            else:
-                self._index.resize(key, len(data))
+        self.settle_meta(relpath, len(data))
         self._publish_gauges()
         return True
 
@@ -681,9 +668,9 @@ class SSDTier:
             if entry.is_dir() and _is_sibling(Path(entry.path) / NAMESPACE_FILE, self.namespace):
                 siblings.add(entry.name)
         out = []
-        for entry in _walk(self.root):
+        for entry in _walk(self.root, skip=siblings):  # (this rank's own directory was indexed already)
             rel = Path(entry.path).relative_to(self.root)
-            if rel.parts[0] in siblings or str(rel) == "kvpr-profile.json":
+            if str(rel) == "kvpr-profile.json":
                 continue
             if rel.parts[0] == "stats" and len(rel.parts) == 2 and rel.stem in siblings:
                 continue
@@ -693,17 +680,20 @@ class SSDTier:
         return out
 
 
-def _walk(top: Path) -> Iterator[os.DirEntry]:
-    """Every regular file under `top` (symlinks not followed)."""
+def _walk(top: Path, skip: frozenset | set = frozenset()) -> Iterator[os.DirEntry]:
+    """Every regular file under `top` (symlinks not followed), not descending into `top`'s directories named in
+    `skip`."""
     stack = [top]
     while stack:
+        here = stack.pop()
         try:
-            entries = list(os.scandir(stack.pop()))
+            entries = list(os.scandir(here))
         except FileNotFoundError:
             continue
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                stack.append(Path(entry.path))
+                if not (here == top and entry.name in skip):
+                    stack.append(Path(entry.path))
             elif entry.is_file(follow_symlinks=False):
                 yield entry
 

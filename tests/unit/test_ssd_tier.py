@@ -409,3 +409,23 @@ def test_the_directory_never_exceeds_the_capacity_under_concurrent_writers(tmp_p
     assert seen and max(seen) <= tier.capacity_bytes
     assert tier.stats.snapshot()["evicted_pages"] > 0
     tier.check_integrity()
+
+
+def test_a_meta_file_that_cannot_be_written_is_counted_and_gives_its_room_back(tmp_path, monkeypatch):
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    assert tier.write_meta("stats/s.json", b"x" * 100)
+    before = tier.used_bytes
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    assert not tier.write_meta("stats/s.json", b"y" * 300)  # a rewrite: the old file stays
+    assert not tier.write_meta("stats/new.json", b"z" * 50)  # a new file: nothing stays
+    monkeypatch.undo()
+    assert tier.stats.snapshot()["io_errors"] == 2 and tier.used_bytes == before
+    assert (tmp_path / "stats" / "s.json").read_bytes() == b"x" * 100 and not (tmp_path / "stats" / "new.json").exists()
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert tier.write_meta("stats/new.json", b"z" * 50)  # room is back, writes resume
+    assert disk_bytes(tmp_path) == tier.used_bytes
+    tier.check_integrity()
