@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _kvpr_profile(args) -> int:
     from sglang_tiered.engine import kvpr_profile
-    from sglang_tiered.policy.kvpr import Profile, Shape, choose_split, gate
+    from sglang_tiered.policy.kvpr import Profile, Shape, auto_example, gate
 
     if args.model_path:
         import torch
@@ -125,10 +125,9 @@ def _kvpr_profile(args) -> int:
             shape = Shape(**e["shape"])
             why = gate(shape)
             print(f"  activations {shape.x_bytes} B vs KV {shape.kv_bytes} B per token-layer: "
-                  f"{'l = 0: ' + why if why else 'gate open'}")
+                  f"{'no activations: ' + why if why else 'gate open'}")
             for tokens in (1024, 4096, 8192):
-                split = choose_split(tokens // 64, 64, 32, shape, prof)
-                print(f"  a {tokens}-token prefix + 32 new tokens: l = {split.tokens} ({split.reason})")
+                print(f"  {auto_example(shape, prof, 64, tokens)}")
     return 0
 
 

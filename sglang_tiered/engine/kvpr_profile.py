@@ -1,4 +1,4 @@
-"""Measuring what the partial-recompute split needs (`policy.kvpr.Profile`) on this machine, and keeping it.
+"""Measuring what the compute-or-load decisions need (`policy.kvpr.Profile`) on this machine, and keeping it.
 
 * read bandwidth of the SSD tier's directory: a fresh file (64 MiB, less where the tier's capacity leaves less
   room: it counts against it) read back with O_DIRECT (the page cache
@@ -6,11 +6,11 @@
   O_DIRECT is refused, e.g. tmpfs);
 * recompute time of K and V per token-layer from activations, one layer's time per new token and the time to move
   a stored token-layer's KV through the loader, timed on the served model's own weights and dtype (median of a few
-  runs, tens of milliseconds). The server refines the read bandwidth and the per-stored-token time from its loads.
+  runs, tens of milliseconds). The server refines the read bandwidth from its loads.
 
-The server measures at startup (read) and at its first partial-recompute load (compute) and writes the result to
-`<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>"; `sglang-tiered kvpr-profile` prints that file
-(or measures a checkpoint itself with --model-path).
+The server measures from its first request on (read) and at its first stored-span load (compute) and writes the
+result to `<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>"; `sglang-tiered kvpr-profile` prints
+that file (or measures a checkpoint itself with --model-path).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _median_s(fn, repeats: int) -> float:
 def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
                     repeats: int = 5) -> tuple[float, float, float]:
     """(seconds to recompute K, V of one token-layer from activations, seconds of one layer per new token, seconds
-    per stored token-layer of a whole load from memory at l = 0 beyond the new tokens' layers: assembling the
+    per stored token-layer of a whole load from memory (every page loaded) beyond the new tokens' layers: assembling the
     span's KV, attending over it)."""
     c = model.cfg
     g = torch.Generator().manual_seed(0)
@@ -112,12 +112,12 @@ def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
         model.finish_layer(0, x, causal_attention(q, k, v, 0))
 
     layer_s = _median_s(layer, repeats) / new_tokens
-    from sglang_tiered.engine.kvpr import MemorySpan, kvpr_prefill
+    from sglang_tiered.engine.meet import MemoryPages, meet_prefill
 
-    span = MemorySpan(torch.randn(c.layers, 2 * tokens, 2, c.kv_heads, c.head_dim, generator=g).to(model.dtype),
-                      torch.randn(c.layers, 2 * tokens, c.hidden, generator=g).to(model.dtype), 0)
-    ids = torch.randint(0, c.vocab, (new_tokens,), generator=g)
-    whole = _median_s(lambda: kvpr_prefill(model, ids, prefix_len=0, span=span, overlap=False), max(1, repeats // 2))
+    span = MemoryPages(torch.randn(c.layers, 2 * tokens, 2, c.kv_heads, c.head_dim, generator=g).to(model.dtype), 16)
+    ids = torch.randint(0, c.vocab, (2 * tokens + new_tokens,), generator=g)
+    whole = _median_s(lambda: meet_prefill(model, ids[: 2 * tokens], ids[2 * tokens :], prefix_len=0, source=span,
+                                           split=0), max(1, repeats // 2))
     stored = max(0.0, whole - c.layers * new_tokens * layer_s) / (c.layers * 2 * tokens)
     return recompute, layer_s, stored
 

@@ -4,10 +4,12 @@ arXiv 2410.03065), exact, on the layer-by-layer engine, for any Llama-family mod
 A prompt = an exact prefix P (its KV already in memory), a stored span S of whole pages (on a slow tier) and new
 tokens C. Two workers share S's pages:
 
-* compute (the caller's thread) prefills pages from the front, `chunk` pages at a time through every layer, each
-  chunk attending to P and to the pages computed before it (a chunked prefill);
-* load (one background thread) reads whole pages (`PageSource.read`: every layer's K and V) from the back, the last
-  page first.
+* compute (the caller's thread) prefills pages from the front, a chunk of up to `chunk` pages at a time through
+  every layer, each chunk attending to P and to the pages computed before it (a chunked prefill);
+* load (one background thread) reads whole pages (`PageSource.read`) from the back, the last page first: every
+  layer's K and V, or -- where a page's activations are stored and cheaper to read (MHA models, KVPR) -- every
+  layer's attention input X, from which the loader recomputes K = X W_K (with RoPE at the page's positions) and
+  V = X W_V. Either way a page arrives exact; the loader's rate (reads plus recomputes) is what compute decides by.
 
 Every page is claimed by exactly one of them: compute claims its next chunk only below the lowest page the loader
 has claimed, the loader stops at a page compute claimed. They meet where they meet -- wherever the storage's and
@@ -16,13 +18,14 @@ meet point instead (tests, or a caller that knows better). Then C's layers run o
 would. Exact by construction: every token's KV is either computed from the true prefix or the stored copy of it.
 
 On a CPU a chunk cannot be abandoned halfway, and one page's prefill (tens of milliseconds) can outlast reading the
-whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for
-the loader's first page (at most that long), then claims a chunk only if it will finish before the loader, at the
-rate it is reading now, would get there: `chunk x page_compute_s < unclaimed pages x seconds per read`; when it
-would not, it waits for the loader's next page and asks again (a kernel I/O throttle lets a first burst through
-fast, then reads slow down). Both rates are this load's own (the estimate is replaced by each computed chunk's
-time), so the rule follows a disk or a CPU that slows down under load. Without an estimate the two simply race
-(Cake's scheme).
+whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for the
+loader's first page (at most that long), then claims the largest chunk (at most `chunk` pages) that it will finish
+before the loader, at the rate it is reading now, gets there: k pages with k x page_compute_s <= (unclaimed pages - k)
+x seconds per read -- a large chunk prefills faster per page (wider matrix products), so the first claim is the
+biggest; when not even one page fits, it waits for the loader's next page and asks again (a kernel I/O throttle lets a
+first burst through fast, then reads slow down). Both rates are this load's own (the estimate is replaced by each
+computed chunk's time), so the rule follows a disk or a CPU that slows down under load. Without an estimate the two
+simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 """
@@ -41,13 +44,22 @@ from sglang_tiered.engine.llama import LlamaModel, Rope
 from sglang_tiered.kernels.extend_attention import causal_attention
 
 
+@dataclass(frozen=True)
+class StoredPage:
+    """One page as read: its KV [layers, page_size, 2, kv_heads, head_dim], or (exactly one of the two) its
+    attention inputs x [layers, page_size, hidden], post-RMSNorm (any float dtype)."""
+
+    kv: Optional[torch.Tensor] = None
+    x: Optional[torch.Tensor] = None
+
+
 class PageSource(Protocol):
     pages: int
     page_size: int
 
-    def read(self, page: int) -> torch.Tensor:
-        """Page `page`'s KV, [layers, page_size, 2, kv_heads, head_dim] (any float dtype). Runs on the loader
-        thread. Raises SpanMiss (engine.group_span) when the page cannot be served."""
+    def read(self, page: int) -> StoredPage:
+        """Page `page` of the span. Runs on the loader thread. Raises SpanMiss (engine.group_span) when the page
+        cannot be served."""
         ...
 
 
@@ -57,9 +69,11 @@ class MeetResult:
     hidden: torch.Tensor  # [hidden]: the last token's residual stream after the last layer
     computed_pages: int  # the meet point m: pages [0, m) computed from their token ids
     loaded_pages: int  # pages [m, pages) read from storage
+    recomputed_pages: int  # of those, the pages read as activations (K and V recomputed)
     compute_s: float  # seconds computing the span's front
     load_s: float  # seconds the loader spent reading
     wait_s: float  # seconds compute waited, at the meet, for loads in flight
+    inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
 
 
 class _Claims:
@@ -76,21 +90,26 @@ class _Claims:
         self.read_done = threading.Condition(self.lock)
 
     def next_chunk(self, chunk: int) -> Optional[range]:
-        """Compute's next pages; an empty range: not now (the loader would be there first at its current rate: wait
-        for its next page and ask again); None: done (it reached the loader or the forced split)."""
+        """Compute's next pages (at most `chunk`); an empty range: not now (the loader would be there first at its
+        current rate: wait for its next page and ask again); None: done (it reached the loader or the forced
+        split)."""
         with self.lock:
             limit = self.low if self.split is None else min(self.low, self.split)
-            if self.front >= limit:
+            free = limit - self.front
+            if free <= 0:
                 return None
-            pages = range(self.front, min(self.front + chunk, limit))
+            take = min(chunk, free)
             if self.split is None and self.page_compute_s is not None:
                 # the loader's rate now: its last reads (a throttle's first burst is not its rate), or longer if the
                 # read in flight has taken longer than that already
                 recent = self.reads[-4:]
                 in_flight = time.perf_counter() - self.last_read_at
                 per_read = max(sum(recent) / len(recent), in_flight) if recent else in_flight
-                if len(pages) * self.page_compute_s >= (limit - self.front) * per_read:
+                # k x compute <= (free - k) x per_read: the loader reads the other free pages meanwhile
+                take = min(take, int(free * per_read / (per_read + self.page_compute_s)))
+                if take < 1:
                     return range(0)
+            pages = range(self.front, self.front + take)
             self.front = pages.stop
             return pages
 
@@ -124,12 +143,14 @@ class _Claims:
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
                  split: Optional[int] = None, page_compute_s: Optional[float] = None,
-                 rope: Optional[Rope] = None) -> MeetResult:
+                 rope: Optional[Rope] = None, inputs: bool = False) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
-    stored span whose token ids are `span_ids` (see the module docstring). `chunk`: pages compute takes at once.
+    stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most pages compute takes at
+    once (a forced split or a plain race takes this many).
     `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
     compute, for the claim rule (None: a plain race). `rope`: the rotation (`LlamaModel.qkv`; a server passes its own
-    kernel, so that computed keys match the ones it stored)."""
+    kernel, so that computed keys match the ones it stored). `inputs`: also return the new tokens' attention inputs
+    (to store them as activations in turn)."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -141,6 +162,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     out = model.empty_kv(s + n)
     claims = _Claims(pages, split, page_compute_s)
     errors: list[BaseException] = []
+    recomputed = [0]
 
     @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
     def load() -> None:
@@ -150,7 +172,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                 return
             t0 = time.perf_counter()
             try:
-                out[:, page * ps : (page + 1) * ps] = source.read(page).to(model.dtype)
+                recomputed[0] += _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
+                                        torch.arange(p + page * ps, p + (page + 1) * ps), rope)
             except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
                 errors.append(exc)
                 return
@@ -182,11 +205,26 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         raise errors[0]
     x = model.embed(new_ids)
     positions = torch.arange(p + s, p + s + n)
+    xs = torch.empty(model.cfg.layers, n, model.cfg.hidden, dtype=model.dtype) if inputs else None
     for layer in range(model.cfg.layers):
+        if xs is not None:
+            xs[layer] = model.attention_input(layer, x)
         q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, s:, 0], out[layer, s:, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
-    return MeetResult(out, x[-1], computed, len(claims.reads), compute_s, sum(claims.reads), wait_s)
+    return MeetResult(out, x[-1], computed, len(claims.reads), recomputed[0], compute_s, sum(claims.reads), wait_s,
+                      xs)
+
+
+def _place(model: LlamaModel, page: StoredPage, out: torch.Tensor, positions: torch.Tensor,
+           rope: Optional[Rope]) -> int:
+    """Write a read page into `out` [layers, page_size, 2, H, D]; 1 if its K and V were recomputed from activations."""
+    if page.x is None:
+        out.copy_(page.kv.to(model.dtype))
+        return 0
+    for layer in range(model.cfg.layers):
+        out[layer, :, 0], out[layer, :, 1] = model.kv_from_input(layer, page.x[layer].to(model.dtype), positions, rope)
+    return 1
 
 
 def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, out: torch.Tensor, pages: range, ps: int, p: int,
@@ -213,15 +251,17 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, p: int, prefix_loader, layer: int
 
 
 class MemoryPages:
-    """A span held in memory (tests, engine benchmarks): its full KV [layers, pages * page_size, 2, H, D]; `delay_s`
-    per page read imitates a storage speed, `fail` names pages whose read raises."""
+    """A span held in memory (tests, engine benchmarks): its full KV [layers, pages * page_size, 2, H, D] and, if
+    given, its attention inputs `x` [layers, pages * page_size, hidden] -- pages below `x_pages` are then read as
+    activations; `delay_s` per page read imitates a storage speed, `fail` names pages whose read raises."""
 
-    def __init__(self, kv: torch.Tensor, page_size: int, delay_s: float = 0.0, fail: frozenset = frozenset()):
+    def __init__(self, kv: torch.Tensor, page_size: int, delay_s: float = 0.0, fail: frozenset = frozenset(),
+                 x: Optional[torch.Tensor] = None, x_pages: int = 0):
         self.kv, self.page_size, self.pages = kv, page_size, kv.shape[1] // page_size
-        self.delay_s, self.fail = delay_s, fail
+        self.delay_s, self.fail, self.x, self.x_pages = delay_s, fail, x, x_pages if x is not None else 0
         self.reads: list[int] = []
 
-    def read(self, page: int) -> torch.Tensor:
+    def read(self, page: int) -> StoredPage:
         from sglang_tiered.engine.group_span import SpanMiss
 
         if self.delay_s:
@@ -229,4 +269,7 @@ class MemoryPages:
         if page in self.fail:
             raise SpanMiss(f"page {page} unreadable")
         self.reads.append(page)
-        return self.kv[:, page * self.page_size : (page + 1) * self.page_size].clone()
+        rows = slice(page * self.page_size, (page + 1) * self.page_size)
+        if page < self.x_pages:
+            return StoredPage(x=self.x[:, rows].clone())
+        return StoredPage(kv=self.kv[:, rows].clone())

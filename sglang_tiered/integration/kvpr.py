@@ -1,46 +1,41 @@
-"""Partial-recompute loading in the server (KVPR, `--tiered-kvpr`, exact, CPU servers): a stored span's front is
-computed -- from stored activations where they are smaller than the KV, from token ids everywhere else -- while its
-back is loaded.
+"""Compute-or-load of stored spans in the server (`--tiered-kvpr`, exact, CPU servers): a stored span's front is
+computed from its token ids while its back is loaded -- as KV, or, on models where that is smaller, as stored
+activations from which K and V are recomputed (KVPR). One scheduler for all of it: `engine/meet.py`.
 
-* Two-sided loading (any model; `engine/meet.py`): a span without stored activations has its front prefilled from
-  its token ids while its back is read page by page from the end; the two meet where the disk's and the CPU's
-  speeds put the point (`auto`: only where reading the span takes longer than computing one page of it,
-  `policy.kvpr.meet_pays`; a number of tokens forces the meet point). Counters `kvpr_tokens_computed`,
-  `kvpr_tokens_loaded`; one log line per load with the meet point.
+* Admission -- a loader at the door (`door.py`, after gated sparse loading): for a request whose prompt continues,
+  after its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, `plan` decides, from
+  the measured `Profile` (`policy/kvpr.py`): whether the loader reads pages as activations (`activations_pay`;
+  wherever stored when the request or server forces a load), and in `auto` whether to take the span at all -- only
+  where the loader alone takes longer than computing 2 of its pages (`meet_pays`); otherwise SGLang's own load is as
+  fast. A number of tokens (`custom_params.tiered_kvpr`) forces the meet point. A taken span's L3 prefetch is skipped:
+  its tokens become extend tokens, filled by the forward below. The request prefills alone and its KV is exact, so it
+  enters the radix tree as usual.
+* Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
+  (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
+  disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
+  (a batch of several, a chunked piece, a KV page gone or corrupt, a request our engine cannot compute) leaves the
+  batch to SGLang's forward, which then computes the stored tokens (exact, slower; logged and counted). A missing
+  or corrupt activation page is read as that page's KV (counted).
 * Gate -- at startup, from config.json: activations pay only where the attention input (hidden) is smaller than
-  the KV it replaces (2 x kv_heads x head_dim). Closed (GQA models such as SmolLM2): `auto` stores no activations
-  (the reason is logged once) and loads stored spans two-sided.
+  the KV it replaces (2 x kv_heads x head_dim). Closed (GQA models such as SmolLM2): `auto` stores none (the reason
+  is logged once); spans still load two-sided.
 * Activations -- seam `models.llama.LlamaAttention.forward` (AROUND, read-only): for every extend batch, the
   attention input of each layer (post-RMSNorm, so the recompute needs no norm) is copied for the complete prompt
-  pages the forward computes, and after the last layer written to the SSD tier beside their KV pages
-  (storage/activations.py; kind "activation" in the tier's one budget, leaving with their KV page) by one
-  background thread (a full queue drops the batch's activations, counted).
-* Admission -- a loader at the door (`door.py`, after gated sparse loading): for a request whose prompt
-  continues, after its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, the
-  split l is chosen
-  (`policy.kvpr.choose_split` over the measured `Profile`); `auto` takes it -- l = 0 included: our loader overlaps
-  the reads with the compute layer by layer, SGLang's reads everything first -- if it predicts at least
-  `policy.kvpr.AUTO_MIN_GAIN` off SGLang's own load (`takes_over`); then (or when the request/server forces it) SGLang's
-  L3 prefetch is skipped: the stored tokens become extend tokens, loaded by the forward below. The request prefills
-  alone and its KV is exact, so it enters the radix tree as usual.
-* Profile -- the SSD read bandwidth (in the background, from the first request on: at startup the weights
-  are still being read from the same disk; until it is known SGLang loads as usual; the probe file counts against
-  the SSD capacity, smaller where it leaves less room), K/V recompute and layer times
-  (`engine/kvpr_profile.py`, persisted); after each load the read bandwidth becomes min(measured, moving average
-  of the loads' own read rates) and the recompute and per-stored-token costs are refitted to the loads' compute
-  times (`policy.kvpr.Calibration`).
-* Forward -- `KVPRHandler` on the Llama forward hook: `engine.kvpr.kvpr_prefill` over `engine.page_span.PageSpan`
-  (the I/O threads read layer l + 1 -- activations of the first l tokens, KV of the rest -- while this thread
-  recomputes layer l's K, V and runs the new tokens' layer). The new tokens' complete pages get their activations
-  stored too. Anything unexpected (a batch of several, a chunked piece, a KV page gone or corrupt, a request our
-  engine cannot compute) leaves the batch to SGLang's forward, which then computes the stored tokens (exact, slower;
-  logged and counted).
+  pages the forward computes (and our loader hands over the new tokens' own), and written to the SSD tier beside
+  their KV pages (storage/activations.py; kind "activation" in the tier's one budget, leaving with their KV page)
+  by one background thread (a full queue drops the batch's activations, counted).
+* Profile -- the SSD read bandwidth (in the background, from the first request on: at startup the weights are
+  still being read from the same disk; until it is known SGLang loads as usual; the probe file counts against the
+  SSD capacity, smaller where it leaves less room), K/V recompute and layer times (`engine/kvpr_profile.py`,
+  persisted); after each load the read bandwidth becomes min(measured, moving average of the loads' own read
+  rates). The meet itself follows the speeds of the moment; the profile only decides whether to start it.
 
-Counters: `sglang_tiered:kvpr_loads_total`, `..._kvpr_tokens_recomputed_total` (tokens of stored spans recomputed,
-per layer averaged), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation bytes read),
-`..._kvpr_activation_misses_total` (pages whose activations were missing or corrupt: loaded as KV),
+Counters: `sglang_tiered:kvpr_loads_total`, `..._kvpr_tokens_computed_total` (span tokens computed from token ids),
+`..._kvpr_tokens_loaded_total` (read, as KV or activations), `..._kvpr_tokens_recomputed_total` (of those, from
+activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation bytes read),
+`..._kvpr_activation_misses_total` (activation pages missing or corrupt: read as KV),
 `..._kvpr_activation_pages_written_total`, `..._kvpr_activation_bytes_written_total`,
-`..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`; one log line per load.
+`..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`; one log line per load with the meet point.
 """
 
 from __future__ import annotations
@@ -54,7 +49,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from sglang_tiered.engine.kvpr import kvpr_prefill
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
     PROFILE_FILE,
@@ -66,22 +60,20 @@ from sglang_tiered.engine.kvpr_profile import (
     stored_profile,
 )
 from sglang_tiered.engine.meet import meet_prefill
-from sglang_tiered.engine.page_span import PageSpan, TierPages
+from sglang_tiered.engine.page_span import TierPages
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.policy.kvpr import (
-    Calibration,
     Profile,
     Shape,
-    Split,
-    choose_split,
+    activations_pay,
+    auto_example,
     gate,
     meet_pays,
     page_compute_s,
-    sglang_load_time,
-    takes_over,
+    page_read_s,
 )
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -98,18 +90,16 @@ _MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the ba
 
 @dataclass(frozen=True)
 class Plan:
-    """A load decided at admission: the stored pages `keys` from token `start`. `front`: how their first pages are
-    computed -- "activations" (the first `pages` recomputed from stored activations, `split` the planner's
-    prediction) or "ids" (prefilled from their token ids while the back is loaded: engine/meet.py; `pages` forces
-    the meet point, None lets them meet; `page_s` is the compute estimate of one page)."""
+    """A load decided at admission: the stored pages `keys` from token `start`. `pages`: the forced meet point (the
+    pages computed from token ids; None lets compute and the loader meet); `page_s`: the compute estimate of one
+    page; `activations`: the loader reads pages as activations where stored (else as KV)."""
 
     start: int
     keys: tuple[str, ...]
     mode: str
-    front: str
     pages: Optional[int]
-    split: Optional[Split] = None
-    page_s: Optional[float] = None
+    page_s: float
+    activations: bool
 
 
 class KVPR:
@@ -128,9 +118,7 @@ class KVPR:
         self.writer: Optional[_Writer] = None
         self.read_bps: Optional[float] = None  # measured once, from the first request on
         self.observed: Optional[float] = None  # moving average of the loads' read rates
-        self.loads = 0
         self.measuring = False
-        self.calibration = Calibration()
         self.profile: Optional[Profile] = None
         self.key = ""
         self.lock = threading.Lock()
@@ -148,8 +136,8 @@ class KVPR:
         self.tier = tier
         self.key = profile_key(self.rt.settings.model, tier.namespace.dtype)
         if self.gate_reason is not None and mode == "auto":  # logged here: logging is set up by now
-            logger.info("tiered kvpr: l = 0 for this model, no activations stored: %s; a stored span behind slow "
-                        "storage has its front computed from token ids while its back loads", self.gate_reason)
+            logger.info("tiered kvpr: no activations stored for this model: %s; a stored span behind slow storage "
+                        "has its front computed from token ids while its back loads", self.gate_reason)
             return
         self.writer = _Writer(self)
         logger.info("tiered kvpr: %s: activations stored beside SSD pages (%.2fx the KV bytes)", mode,
@@ -181,34 +169,15 @@ class KVPR:
             n += 1
         if n * ps < self.rt.settings.config.kvpr_min_tokens:
             return None
-        acts = 0
-        while acts < n and tier.contains(activations.activation_key(keys[acts])):
-            acts += 1
         profile = self._profile(scheduler)
         if profile is None:
             return None
-        keys = tuple(keys[:n])
-        if self.writer is None or acts == 0:  # no activations: the front from token ids (engine/meet.py)
-            page_s = page_compute_s(profile, self.shape.layers, ps)
-            if mode == "auto" and not meet_pays(n, ps * self.shape.layers * self.shape.kv_bytes, profile, page_s):
-                return None  # the disk is fast enough: SGLang's own load is as good
-            forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-            return Plan(start, keys, str(mode), "ids", forced, page_s=page_s)
-        new = len(req.origin_input_ids) - start - n * ps
-        split = choose_split(n, ps, new, self.shape, profile, max_pages=acts)
-        if mode == "auto":
-            baseline = sglang_load_time(n * ps, new, self.shape, profile, self.read_bps or profile.read_bytes_per_s)
-            if not takes_over(split, baseline):
-                return None  # SGLang's own load is as good
-            pages = split.pages
-            split = replace(split, reason=split.reason + f"; SGLang's load predicted {baseline:.3f}s")
-        elif mode == "force":
-            if n < 2:
-                return None
-            pages = max(1, min(split.pages, acts, n - 1))
-        else:  # a number of tokens
-            pages = min(int(mode) // ps, acts, n)
-        return Plan(start, keys, str(mode), "activations", pages, split)
+        page_s = page_compute_s(profile, self.shape.layers, ps)
+        use_x = self.writer is not None and (mode != "auto" or activations_pay(self.shape, profile))
+        if mode == "auto" and not meet_pays(n, page_read_s(self.shape, profile, ps, use_x), page_s):
+            return None  # the disk is fast enough: SGLang's own load is as good
+        forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
+        return Plan(start, tuple(keys[:n]), str(mode), forced, page_s, use_x)
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:
@@ -249,16 +218,10 @@ class KVPR:
                 self._start_measuring()
                 return None
             engine = self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model)
-            stored = stored_profile(self.tier.root, self.key)
-            recompute_s, layer_s, stored_s = measure_compute(engine)
-            if stored is not None and stored.stored_s > stored_s:  # calibrated by earlier loads of this model
-                stored_s = stored.stored_s
-            self.profile = Profile(self.read_bps, recompute_s, layer_s, stored_s)
+            self.profile = Profile(self.read_bps, *measure_compute(engine))
             path = self._save()
-            ps = self.tier.namespace.page_size
-            example = choose_split(4096 // ps, ps, 32, self.shape, self.profile)
-            logger.info("tiered kvpr: profile %s (saved to %s); a 4096-token prefix + 32 new tokens would split at "
-                        "l = %d (%s)", describe(self.profile), path, example.tokens, example.reason)
+            logger.info("tiered kvpr: profile %s (saved to %s); %s", describe(self.profile), path,
+                        auto_example(self.shape, self.profile, self.tier.namespace.page_size))
             return self.profile
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
@@ -274,19 +237,6 @@ class KVPR:
             v = min(self.read_bps or self.observed, self.observed)
             self.profile = replace(self.profile, read_bytes_per_s=v)
         return f"{rate / 1e6:.0f} MB/s, v now {v / 1e6:.0f} MB/s"
-
-    def observe_compute(self, busy_s: float, recomputed: int, new: int, stored: int) -> str:
-        """Refit the compute stream's per-token costs (recompute, stored token) to this load's compute time
-        (everything but waiting for reads; `policy.kvpr.Calibration`). Counts are token-layers."""
-        if self.profile is None or stored <= 0:
-            return ""
-        with self.lock:
-            self.profile = self.calibration.observe(self.profile, busy_s, recomputed, new, stored)
-            self.loads += 1
-            if self.loads % 8 == 0:  # keep the calibration across restarts
-                self._save()
-            p = self.profile
-            return f"recompute now {p.recompute_s * 1e6:.2f} us, stored token-layer {p.stored_s * 1e6:.2f} us"
 
     # ------------------------------------------------------------------------------------- activation capture
     def around_attention(self, original, attn_module, positions, hidden_states, forward_batch, *args, **kwargs):
@@ -405,79 +355,43 @@ class KVPRHandler(SpanHandler):
             return f"its cached prefix changed since admission ({plan.start} -> {prefix} tokens)", plan
         return None, plan
 
+    @torch.inference_mode()
     def load(self, engine, module, req, fb, plan: Plan) -> torch.Tensor:
-        if plan.front == "ids":
-            return self._meet_forward(engine, req, fb, plan, sglang_rope(module))
-        return self._load_forward(engine, req, fb, plan, sglang_rope(module))
-
-    @torch.inference_mode()
-    def _meet_forward(self, engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:
-        """The front of the span prefilled from its token ids while its back is read (engine/meet.py)."""
+        """The span's front prefilled from its token ids while its back is read (engine/meet.py)."""
         t0 = time.perf_counter()
-        c, tier, events = engine.cfg, self.kvpr.tier, self.rt.events
-        ps = tier.namespace.page_size
-        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        source = TierPages(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                           dtype=engine.dtype)
-        s = source.pages * ps
-        ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
-        res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
-                           page_compute_s=plan.page_s, rope=rope,
-                           prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
-        hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
-        if res.loaded_pages:
-            self.kvpr.observe_read(source.bytes_read, res.load_s)
-        computed, loaded = res.computed_pages * ps, res.loaded_pages * ps
-        events.count("kvpr_loads")
-        events.count("kvpr_tokens_computed", computed)
-        events.count("kvpr_tokens_loaded", loaded)
-        logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
-                    "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read (%.1f MiB) in %.3fs, "
-                    "waited %.3fs at the meet, total=%.3fs", req.rid, s, prefix, ext - s, plan.mode,
-                    res.computed_pages, source.pages, computed, res.compute_s, loaded, source.bytes_read / 2**20,
-                    res.load_s, res.wait_s, time.perf_counter() - t0)
-        return hidden
-
-    @torch.inference_mode()
-    def _load_forward(self, engine, req: Any, fb, plan: Plan, rope) -> torch.Tensor:
-        t0 = time.perf_counter()
-        kvpr, events = self.kvpr, self.rt.events
-        c = engine.cfg
+        kvpr, c, events = self.kvpr, engine.cfg, self.rt.events
         tier = kvpr.tier
         ps = tier.namespace.page_size
         prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        span = PageSpan(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                        hidden=c.hidden, dtype=engine.dtype, recompute_pages=plan.pages)
-        try:
-            s = span.tokens
-            ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
-            res = kvpr_prefill(engine, ids, prefix_len=prefix, span=span, inputs=True, rope=rope,
-                               prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
-        finally:
-            span.close()
+        source = TierPages(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                           dtype=engine.dtype, hidden=c.hidden, activations=plan.activations)
+        s = source.pages * ps
+        ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
+        res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
+                           page_compute_s=plan.page_s, rope=sglang_rope(module), inputs=kvpr.writer is not None,
+                           prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
         new_pages = _pages_of(req, prefix + s, prefix + ext, ps)
-        if len(new_pages) and kvpr.writer is not None:
+        if len(new_pages) and res.inputs is not None:  # the new tokens' activations, as SGLang's forward would store
             keys = page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
             rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
             kvpr.writer.submit(keys, res.inputs[:, rows].clone())
-        observed = kvpr.observe_read(span.bytes_x + span.bytes_kv, res.load_s)
-        observed += "; " + kvpr.observe_compute(time.perf_counter() - t0 - res.wait_s, res.recomputed,
-                                                c.layers * (ext - s), c.layers * s)
-        recomputed = res.recomputed // c.layers
-        item = engine.dtype.itemsize
-        saved = res.recomputed * (2 * c.kv_heads * c.head_dim - c.hidden) * item
-        misses = span.act_missing + span.act_corrupt
+        read = kvpr.observe_read(source.bytes_read, res.load_s) if res.loaded_pages else "nothing read"
+        computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
         events.count("kvpr_loads")
+        events.count("kvpr_tokens_computed", computed)
+        events.count("kvpr_tokens_loaded", loaded)
         events.count("kvpr_tokens_recomputed", recomputed)
-        events.count("kvpr_bytes_saved", max(0, saved))
-        events.count("kvpr_activation_misses", misses)
-        logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): recomputed l=%d "
-                    "(%d pages planned, %d activation pages missing/corrupt; model: %.3fs vs %.3fs full, %s), read "
-                    "%.1f MiB activations + %.1f MiB KV, waited %.3fs for reads (read path %s), total=%.3fs",
-                    req.rid, s, prefix, ext - s, plan.mode, recomputed, plan.pages, misses, plan.split.predicted_s,
-                    plan.split.full_s, plan.split.reason, span.bytes_x / 2**20, span.bytes_kv / 2**20, res.wait_s,
-                    observed, time.perf_counter() - t0)
+        events.count("kvpr_bytes_saved", max(0, recomputed * kvpr.shape.layers * (kvpr.shape.kv_bytes -
+                                                                                  kvpr.shape.x_bytes)))
+        events.count("kvpr_activation_misses", source.act_misses)
+        logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
+                    "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs (%d from "
+                    "activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; read path %s), "
+                    "waited %.3fs at the meet, total=%.3fs", req.rid, s, prefix, ext - s, plan.mode,
+                    res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s, recomputed,
+                    source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20, source.act_misses, read,
+                    res.wait_s, time.perf_counter() - t0)
         return hidden
 
 

@@ -1,11 +1,13 @@
-"""Partial-recompute loading (`--tiered-kvpr`) in a live CPU server on a multi-head-attention model (random weights,
-the embedded tokenizer, fp32 so that the exact paths compare token for token).
+"""Compute-or-load (`--tiered-kvpr`) in a live CPU server on a multi-head-attention model (random weights, the
+embedded tokenizer, fp32 so that the exact paths compare token for token), where activations are stored and the
+two-sided loader reads its half as activations (KVPR) -- one scheduler (engine/meet.py).
 
 A prompt is served cold (its pages and their activations reach the SSD tier); then, with device and host flushed,
-the same prompt is loaded from SSD by SGLang's own L3 prefetch, by our loader with l = 0 (all KV), with the
-scheduler's split forced to l > 0, and with every page recomputed: the greedy output is identical every time.
-A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang compute the
-span (counted, identical). On the GQA default model the loader stays off and says why.
+the same prompt is loaded from SSD by SGLang's own L3 prefetch (the reference) and by our loader with the meet point
+forced at 0 (every page recomputed from activations), one page, the middle, all but one page and all pages (every
+page computed from token ids), and with a device-cached prefix ahead of the span: the greedy output is identical
+every time. A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang
+compute the span (counted, identical). On the GQA default model no activations are stored, and it says why.
 """
 
 from __future__ import annotations
@@ -40,28 +42,39 @@ def load_lines(s: ServerProcess, mark: int) -> list[str]:
     return s.log_lines("tiered kvpr: rid", since=mark)
 
 
-def test_every_split_gives_the_output_of_a_full_load(mha_server, essays):
+def test_every_meet_point_gives_the_output_of_sglangs_load(mha_server, essays):
     s = mha_server
     prompt = essays[2][:3000] + "\n\nQuestion: What is this essay about?\nAnswer:"
     cold = ask(s, prompt)
-    pages = cold["meta_info"]["prompt_tokens"] // PAGE
-    wait_for_activations(s, pages)
-    outputs = {}
-    mark = s.log_mark()
-    for name, mode in [("native", "off"), ("l=0", 0), ("forced", None), ("all", 10**6)]:
+    ids = cold["meta_info"]["prompt_tokens"]
+    pages = (ids - 1) // PAGE  # (the last token is always computed)
+    wait_for_activations(s, ids // PAGE)
+    s.flush_cache()
+    native = ask(s, prompt, "off")
+    assert cached_details(native)["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
+    assert native["output_ids"] == cold["output_ids"]
+    recomputed = counter(s, "tokens_recomputed")
+    for split in (0, 1, pages // 2, pages - 1, pages):
         s.flush_cache()
-        outputs[name] = ask(s, prompt, mode)
-    assert cached_details(outputs["native"])["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
-    for name, out in outputs.items():
-        assert out["output_ids"] == cold["output_ids"], name
-    lines = load_lines(s, mark)
-    assert len(lines) == 3, lines
-    assert "mode=0): recomputed l=0" in lines[0] and "0.0 MiB activations" in lines[0]
-    assert "mode=force): recomputed l=" in lines[1] and "recomputed l=0 " not in lines[1]
-    stored = int(lines[2].split("loaded ")[1].split(" stored")[0])
-    assert f"recomputed l={stored} " in lines[2] and "+ 0.0 MiB KV" in lines[2]  # every page from activations
-    assert counter(s, "loads") >= 3 and counter(s, "tokens_recomputed") >= stored
+        mark = s.log_mark()
+        out = ask(s, prompt, split * PAGE)
+        assert out["output_ids"] == native["output_ids"], split
+        lines = load_lines(s, mark)
+        assert len(lines) == 1 and f"met at page {split} of {pages}:" in lines[0], lines
+        assert f"({(pages - split) * PAGE} from activations" in lines[0], lines[0]  # the loaded half: recomputed
+    assert counter(s, "tokens_recomputed") - recomputed == sum(pages - k for k in (0, 1, pages // 2, pages - 1,
+                                                                                    pages)) * PAGE
     assert counter(s, "bytes_saved") > 0
+
+    # a device-cached prefix ahead of the span: its first 2 pages on device, the rest from SSD, met in the middle
+    s.flush_cache()
+    assert ask(s, prompt[:600], "off")["meta_info"]["prompt_tokens"] > 2 * PAGE
+    mark = s.log_mark()
+    out = ask(s, prompt, (pages - 2) // 2 * PAGE)
+    device = cached_details(out)["device"]
+    assert device >= 2 * PAGE and out["output_ids"] == native["output_ids"]
+    lines = load_lines(s, mark)
+    assert len(lines) == 1 and f"prefix={device} " in lines[0] and f"met at page {(pages - 2) // 2} of " in lines[0]
 
 
 def test_corrupt_activations_load_as_kv_and_a_lost_kv_page_is_computed(mha_server, essays):
@@ -78,14 +91,14 @@ def test_corrupt_activations_load_as_kv_and_a_lost_kv_page_is_computed(mha_serve
         path.write_bytes(bytes(raw))
     misses, fallbacks = counter(s, "activation_misses"), counter(s, "fallbacks")
     s.flush_cache()
-    assert ask(s, prompt, 10**6)["output_ids"] == cold["output_ids"]
+    assert ask(s, prompt, 0)["output_ids"] == cold["output_ids"]  # every page loaded (as activations where stored)
     assert counter(s, "activation_misses") - misses >= 1  # read as that page's KV instead
     assert counter(s, "fallbacks") == fallbacks
 
     for path in victims:  # at least one of them lies in the stored span the loader reads
         Path(str(path).replace(".x.kvp", ".kvp")).unlink()
     s.flush_cache()
-    assert ask(s, prompt, 10**6)["output_ids"] == cold["output_ids"]
+    assert ask(s, prompt, 0)["output_ids"] == cold["output_ids"]
     assert counter(s, "fallbacks") - fallbacks == 1  # SGLang computed the span
     assert "SGLang computes the span" in s.log_lines("tiered kvpr: rid")[-1]
 
@@ -100,7 +113,7 @@ def test_a_bad_kvpr_parameter_is_a_400(mha_server):
 
 
 def test_the_gqa_default_model_keeps_l_zero_and_says_why(shared_server):
-    lines = shared_server.log_lines("tiered kvpr: l = 0 for this model")
+    lines = shared_server.log_lines("tiered kvpr: no activations stored for this model")
     assert lines and "1.50x" in lines[0] and "GQA" in lines[0]
     assert not list(Path(shared_server.args[shared_server.args.index("--tiered-ssd-dir") + 1]).glob("*/*/*.x.kvp"))
 
@@ -118,14 +131,14 @@ def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path, essa
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "SSD read" in r.stdout and "K/V recompute" in r.stdout and "gate open" in r.stdout
-    assert "a 4096-token prefix + 32 new tokens: l = " in r.stdout
+    assert "a 4096-token span: " in r.stdout
 
     gqa = random_model_dir(tmp_path / "gqa", LlamaConfig(hidden=64, layers=2, heads=4, kv_heads=1, head_dim=16,
                                                           intermediate=128, vocab=49152))
     r = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "ssd"), "--model-path", str(gqa)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "l = 0: activations are 2.00x the size of the KV" in r.stdout  # hidden 64 vs 2 x 1 x 16
+    assert "no activations: activations are 2.00x the size of the KV" in r.stdout  # hidden 64 vs 2 x 1 x 16
     empty = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "none")], capture_output=True,
                            text=True, timeout=120)
     assert empty.returncode == 1 and "no profile" in empty.stderr

@@ -28,7 +28,7 @@ def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
         pages = cold["meta_info"]["prompt_tokens"] // PAGE
         wait_for_activations(s, pages)
         s.flush_cache()
-        again = ask(s, prompt, 10**6)  # every page from activations, were it planned
+        again = ask(s, prompt, 10**6)  # every page computed by our loader, were it planned
         loads, fallbacks = counter(s, "loads"), counter(s, "fallbacks")
     assert cached_details(again)["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
     assert again["output_ids"] == cold["output_ids"]
