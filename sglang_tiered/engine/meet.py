@@ -166,6 +166,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
 
     @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
     def load() -> None:
+        torch.set_num_threads(1)  # (this thread's OpenMP team only) spinning workers would slow compute's
         while not errors:
             page = claims.next_load()
             if page is None:

@@ -66,6 +66,7 @@ from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.policy.kvpr import (
+    MEET_CHUNK_PAGES,
     Profile,
     Shape,
     activations_pay,
@@ -368,6 +369,7 @@ class KVPRHandler(SpanHandler):
         s = source.pages * ps
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
+                           chunk=MEET_CHUNK_PAGES,
                            page_compute_s=plan.page_s, rope=sglang_rope(module), inputs=kvpr.writer is not None,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)

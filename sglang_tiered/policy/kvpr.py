@@ -70,6 +70,12 @@ def page_read_s(shape: Shape, prof: Profile, page_size: int, activations: bool) 
     return shape.layers * page_size * shape.kv_bytes / prof.read_bytes_per_s
 
 
+# the most pages compute prefills at once in a two-sided load: a wider chunk runs wider matrix products (on the CPU
+# here 4 pages took 0.55-0.77x the time per page of 1 page at a time, measured against each other in one run), but a
+# chunk cannot be abandoned, so the claim rule (engine/meet.py) may take fewer; more than 4 overshot the meet when the
+# first reads from a throttled disk were slow
+MEET_CHUNK_PAGES = 4
+
 # `auto` takes the two-sided loader only where reading the span takes longer than computing this many pages: below,
 # compute could take a page at most, and our path's fixed costs (the span's KV copied into the pool, the new tokens'
 # attention over it in our engine) outweigh it -- on this machine's own disk a 4096-token span loaded two-sided was
