@@ -173,36 +173,6 @@ def main() -> int:
                            f"| {m['identical']:.2f} | {m['agreement']:.2f} | {m['kl']:.3f} | {m['loaded']:.2f} | "
                            f"{read} | {m['passes']:.2f} |")
         out += ["", "![importance](benchmarks/results/importance.png)", ""]
-    d = _results("kvpr")
-    if d is not None:
-        out += ["## Partial-recompute loading (`benchmarks/kvpr.py`)", "",
-                *_reproduce("benchmarks/kvpr.py"),
-                f"Machine: {_machine(d['machine'])}; {_dtype(d)}; random-weight MHA models "
-                + ", ".join(f"{m} (hidden {c['hidden']}, {c['layers']} layers, {c['kv_heads']} KV heads)"
-                            for m, c in d["models"].items())
-                + "; modes interleaved in shuffled rounds (column n); SSD files evicted from the page cache before "
-                "each request. TTFT (s, median), max_new_tokens=1, prefix + 32 new tokens; full = the better of "
-                "SGLang's load and ours at l = 0:", "",
-                "| model | disk | prefix | n | SGLang full load | ours, l = 0 | best grid l (TTFT) | scheduler's l "
-                "(TTFT) | chosen / best | chosen / full | chosen / SGLang |",
-                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for m, disks in d["results"].items():
-            for disk, lengths in disks.items():
-                for n, p in lengths.items():
-                    if n == "profile":
-                        continue
-                    grid = {k: v for k, v in p.items() if k.startswith("l=")}
-                    bk = min(grid, key=lambda k: grid[k]["ttft_s"])
-                    a = p["auto"]
-                    full = min(p["off"]["ttft_s"], p["l=0"]["ttft_s"])
-                    chosen = "SGLang's load (l = 0)" if a["l"] is None else f"l={a['l']}"
-                    out.append(f"| {m} | {disk} | {n} | {len(a['rows'])} | {p['off']['ttft_s']:.3f} | "
-                               f"{p['l=0']['ttft_s']:.3f} | {bk} ({grid[bk]['ttft_s']:.3f}) | {chosen} "
-                               f"({a['ttft_s']:.3f}) | {a['ttft_s'] / grid[bk]['ttft_s']:.2f} | "
-                               f"{a['ttft_s'] / full:.2f} | {a['ttft_s'] / p['off']['ttft_s']:.2f} |")
-        checks = d.get("checks", {})
-        out += ["", "Targets: " + "; ".join(f"{k}: {sum(c['pass'] for c in v)}/{len(v)}" for k, v in checks.items()),
-                "", "![kvpr](benchmarks/results/kvpr.png)", ""]
     d = _results("shared_store")
     if d is not None:
         out += ["## Replicas sharing one store (`benchmarks/shared_store.py`)", "",
@@ -328,25 +298,32 @@ def main() -> int:
         out += ["![blend](benchmarks/results/blend.png)", ""]
     d = _results("meet")
     if d is not None:
+        mha = d["models"]["smollm2-mha"]
         out += ["## Compute the front, load the back (`benchmarks/meet.py`)", "", *_reproduce("benchmarks/meet.py"),
-                f"Machine: {_machine(d['machine'])}; {_dtype(d)}; SmolLM2 (GQA: no activations), a stored span + "
-                f"{d['question']} new tokens, max_new_tokens = 1, the SSD tier's files evicted from the page cache "
-                f"before every request; medians of {d['repeats']} shuffled rounds. load = SGLang's own L3 load, "
-                "recompute = the same tokens under a fresh cache_salt (nothing stored matches), auto = the default "
-                "(two-sided where reading the span takes longer than computing 2 pages), race = two-sided always; "
-                "met = the pages race computed of the span's pages.", "",
-                "| disk | span tokens | load (s) | recompute (s) | auto (s) | race (s) | auto / min(load, recompute) "
-                "| met (race) | answers differing from load |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
-        for disk, lengths in d["results"].items():
-            for n, p in lengths.items():
-                if n == "profile":
-                    continue
-                best = min(p["load"]["ttft_s"], p["recompute"]["ttft_s"])
-                met = ", ".join(f"{r['met'][0]}/{r['met'][1]}" for r in p["race"]["rows"] if r["met"])
-                out.append(f"| {disk} | {n} | {p['load']['ttft_s']:.3f} | {p['recompute']['ttft_s']:.3f} | "
-                           f"{p['auto']['ttft_s']:.3f} | {p['race']['ttft_s']:.3f} | "
-                           f"{p['auto']['ttft_s'] / best:.2f} | {met} | {p['answers_differing']} |")
+                f"Machine: {_machine(d['machine'])}; {_dtype(d)}; smollm2 = SmolLM2-135M (GQA: no activations), "
+                f"smollm2-mha = its shape with {mha['kv_heads']} KV heads and random weights (activations stored); "
+                f"a stored span + {d['question']} new tokens, max_new_tokens = 1, the SSD tier's files evicted from "
+                f"the page cache before every request; medians of {d['repeats']} shuffled rounds (2 more for 1024 "
+                "tokens). load = SGLang's own L3 load, recompute = the same tokens under a fresh cache_salt (nothing "
+                "stored matches), loader = our loader reading the whole span (as activations where they pay), auto "
+                "= the default (two-sided where reading the span takes longer than computing 2 pages), race = "
+                "two-sided always; met = the pages race computed of the span's pages; x = span tokens race read as "
+                "activations (median).", "",
+                "| model | disk | span | load (s) | recompute (s) | loader (s) | auto (s) | race (s) | "
+                "auto / min(load, recompute) | met (race) | x | answers differing |",
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+        for model, disks in d["results"].items():
+            for disk, lengths in disks.items():
+                for n, p in lengths.items():
+                    if n == "profile":
+                        continue
+                    best = min(p["load"]["ttft_s"], p["recompute"]["ttft_s"])
+                    met = ", ".join(f"{r['met'][0]}/{r['met'][1]}" for r in p["race"]["rows"] if r["met"])
+                    x = sorted(r.get("from_activations", 0) for r in p["race"]["rows"])[len(p["race"]["rows"]) // 2]
+                    out.append(f"| {model} | {disk} | {n} | {p['load']['ttft_s']:.3f} | "
+                               f"{p['recompute']['ttft_s']:.3f} | {p['loader']['ttft_s']:.3f} | "
+                               f"{p['auto']['ttft_s']:.3f} | {p['race']['ttft_s']:.3f} | "
+                               f"{p['auto']['ttft_s'] / best:.2f} | {met} | {x} | {p['answers_differing']} |")
         out += ["", f"Verdict: {d['verdict']}.", "", "![meet](benchmarks/results/meet.png)", ""]
     d = _results("retention")
     if d is not None:

