@@ -20,7 +20,7 @@ token (max_new_tokens = 1). `--busy` adds, at one disk speed, a second client ke
 prefills during the measurements. Targets (issue #26): auto <= 1.03 x min(load, recompute) at every point, and
 <= 0.75 x min(load, recompute) wherever the two are within 1.5x of each other; no answer differing from `load`'s.
 
-    .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8192]
+    .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8064]
         [--slow-mbps 200 100 50 25] [--busy 100]
 
 Writes benchmarks/results/meet.json and .png and prints one verdict line.
@@ -153,9 +153,9 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
             "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", "--chunked-prefill-size", str(longest),
             "--enable-metrics"]
     mha = model == "smollm2-mha"
-    model_path = str(random_model_dir(tmp / "mha-model", MHA, seed=1)) if mha else None
+    checkpoint = {"model_path": str(random_model_dir(tmp / "mha-model", MHA, seed=1))} if mha else {}
     out: dict = {}
-    with ServerProcess(args, log_path=tmp / f"{tag}.log", wrapper=wrapper, model_path=model_path) as s:
+    with ServerProcess(args, log_path=tmp / f"{tag}.log", wrapper=wrapper, **checkpoint) as s:
         docs = {n: src.tok(src.take(n + 16))["input_ids"][:n] for n in lengths}
         question = src.tok(src.take(QUESTION + 8))["input_ids"][:QUESTION]
         for n, doc in docs.items():  # store the documents' pages (and, on the MHA model, their activations)
@@ -243,7 +243,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=["smollm2", "smollm2-mha"], default=["smollm2", "smollm2-mha"])
-    ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096, 8192])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096, 8064],
+                    help="stored span lengths (8064: the longest whole-page span + the question under SmolLM2's 8192)")
     ap.add_argument("--slow-mbps", nargs="*", type=int, default=[200, 100, 50, 25])
     ap.add_argument("--skip-native", action="store_true")
     ap.add_argument("--busy", nargs="*", type=int, default=[100], help="disk speeds measured again with a busy CPU")

@@ -22,10 +22,11 @@ whole span from a fast disk; so with `page_compute_s` (an estimate of one page's
 loader's first page (at most that long), then claims the largest chunk (at most `chunk` pages) that it will finish
 before the loader, at the rate it is reading now, gets there: k pages with k x page_compute_s <= (unclaimed pages - k)
 x seconds per read -- a large chunk prefills faster per page (wider matrix products), so the first claim is the
-biggest; when not even one page fits, it waits for the loader's next page and asks again (a kernel I/O throttle lets a
-first burst through fast, then reads slow down). Both rates are this load's own (the estimate is replaced by each
-computed chunk's time), so the rule follows a disk or a CPU that slows down under load. Without an estimate the two
-simply race (Cake's scheme).
+biggest; when reads are fast next to compute (below `min_read_share` of a page's compute: computing would gain little
+and, on a CPU, slow the loader's own work) or not even one page fits, it waits for the loader's next page and asks
+again (a kernel I/O throttle lets a first burst through fast, then reads slow down). Both rates are this load's own
+(the estimate is replaced by each computed chunk's time), so the rule follows a disk or a CPU that slows down under
+load. Without an estimate the two simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 """
@@ -80,10 +81,12 @@ class _Claims:
     """Which pages compute and the loader hold: [0, front) compute's, [low, pages) the loader's (shared, locked),
     and the rates compute decides by (see the module docstring)."""
 
-    def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float]) -> None:
+    def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float],
+                 min_read_share: float = 0.0) -> None:
         self.front, self.low = 0, pages
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
+        self.min_read_share = min_read_share  # compute joins only while a read takes this share of a page's compute
         self.reads: list[float] = []  # the loader's seconds per page so far
         self.last_read_at = time.perf_counter()  # when the loader's last read ended (or it started)
         self.lock = threading.Lock()
@@ -105,6 +108,8 @@ class _Claims:
                 recent = self.reads[-4:]
                 in_flight = time.perf_counter() - self.last_read_at
                 per_read = max(sum(recent) / len(recent), in_flight) if recent else in_flight
+                if per_read < self.min_read_share * self.page_compute_s:
+                    return range(0)  # reads are fast next to compute: computing would gain little and slow them
                 # k x compute <= (free - k) x per_read: the loader reads the other free pages meanwhile
                 take = min(take, int(free * per_read / (per_read + self.page_compute_s)))
                 if take < 1:
@@ -142,13 +147,15 @@ class _Claims:
 @torch.inference_mode()
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
-                 split: Optional[int] = None, page_compute_s: Optional[float] = None,
+                 split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
                  rope: Optional[Rope] = None, inputs: bool = False) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
     stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most pages compute takes at
     once (a forced split or a plain race takes this many).
     `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
-    compute, for the claim rule (None: a plain race). `rope`: the rotation (`LlamaModel.qkv`; a server passes its own
+    compute, for the claim rule (None: a plain race); with it, `min_read_share`: compute claims pages only while the
+    loader's reads take at least this share of a page's compute (else the loader takes the span alone). `rope`: the
+    rotation (`LlamaModel.qkv`; a server passes its own
     kernel, so that computed keys match the ones it stored). `inputs`: also return the new tokens' attention inputs
     (to store them as activations in turn)."""
     ps, pages = source.page_size, source.pages
@@ -160,7 +167,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     if split is not None and not 0 <= split <= pages:
         raise ValueError(f"split {split} outside 0..{pages}")
     out = model.empty_kv(s + n)
-    claims = _Claims(pages, split, page_compute_s)
+    claims = _Claims(pages, split, page_compute_s, min_read_share)
     errors: list[BaseException] = []
     recomputed = [0]
 

@@ -9,7 +9,7 @@ separator is removed by blend_prompt.py and the prefill is SGLang's own):
   concurrent marked requests are each blended instead of falling back. With `--enable-mixed-chunk` decode rows
   still share its batch: it falls back.
 * `BlendHandler` on the shared Llama forward hook (model_forward.py): an extend batch of exactly one marked
-  request (no input logprobs, TP = PP = 1, nothing our engine cannot compute: `model_forward.engine_declines`).
+  request (no prompt-token logprobs, TP = PP = 1, nothing our engine cannot compute: `model_forward.engine_declines`).
   Tokens already in the request's KV slots -- a radix-cache hit, or the earlier pieces of a chunked prefill -- are
   read from the KV pool and never recomputed; the span plan (`engine.blend_plan.plan_spans`) reuses a chunk cut by
   them from its first token after them, and a chunk cut by the end of a piece up to it. A chunk seen for the first
@@ -99,7 +99,7 @@ class BlendHandler(model_forward.ForwardHandler):
         declined = self.declines(req)
         if declined is not None:
             return declined
-        if req.return_logprob:
+        if model_forward.wants_input_logprobs(req):
             return "input logprobs were requested"
         if not model_forward.whole_model_in_rank(module):
             return "pipeline parallelism"

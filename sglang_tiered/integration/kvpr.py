@@ -4,12 +4,13 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
 
 * Admission -- a loader at the door (`door.py`, after gated sparse loading): for a request whose prompt continues,
   after its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, `plan` decides, from
-  the measured `Profile` (`policy/kvpr.py`): whether the loader reads pages as activations (`activations_pay`;
-  wherever stored when the request or server forces a load), and in `auto` whether to take the span at all -- only
-  where the loader alone takes longer than computing 2 of its pages (`meet_pays`); otherwise SGLang's own load is as
-  fast. A number of tokens (`custom_params.tiered_kvpr`) forces the meet point. A taken span's L3 prefetch is skipped:
-  its tokens become extend tokens, filled by the forward below. The request prefills alone and its KV is exact, so it
-  enters the radix tree as usual.
+  the measured `Profile` (`policy/kvpr.py`), whether the loader reads pages as activations (`activations_pay`;
+  wherever stored when the request or server forces a load), and in `auto` whether to take the span at all: only where
+  reading it takes longer than computing 2 of its pages (`meet_pays`), else SGLang's own load is as fast. Compute
+  joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute. A number of tokens
+  (`custom_params.tiered_kvpr`) forces the meet point. A taken span's L3 prefetch is skipped: its tokens become extend
+  tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree as
+  usual.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -67,6 +68,7 @@ from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
+    MEET_MIN_READ_SHARE,
     Profile,
     Shape,
     activations_pay,
@@ -369,7 +371,7 @@ class KVPRHandler(SpanHandler):
         s = source.pages * ps
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
-                           chunk=MEET_CHUNK_PAGES,
+                           chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
                            page_compute_s=plan.page_s, rope=sglang_rope(module), inputs=kvpr.writer is not None,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)

@@ -225,6 +225,13 @@ def too_long_for_one_extend(scheduler, req, start: int) -> Optional[int]:
     return limit if len(req.origin_input_ids) - start > limit else None
 
 
+def wants_input_logprobs(req) -> bool:
+    """Does `req` need log-probabilities of its prompt tokens? (They need every prompt row's hidden state, and our
+    handlers compute only the last; logprobs of the output tokens alone, SGLang's default for `return_logprob`, need
+    nothing more.)"""
+    return bool(req.return_logprob) and 0 <= req.logprob_start_len < len(req.origin_input_ids)
+
+
 def why_not_whole_prompt(fb, req) -> Optional[str]:
     """Why a handler that computes one request's whole remaining prompt itself cannot take this extend batch
     (None: it can)."""
@@ -234,7 +241,7 @@ def why_not_whole_prompt(fb, req) -> Optional[str]:
         return declined
     if fb.batch_size > 1:
         return f"its prefill batch holds {fb.batch_size} requests"
-    if req.return_logprob:
+    if wants_input_logprobs(req):
         return "input logprobs were requested"
     if prefix + ext < len(req.origin_input_ids):
         return "a piece of a chunked prefill (raise --chunked-prefill-size)"

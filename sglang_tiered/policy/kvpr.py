@@ -11,8 +11,11 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
   such as SmolLM2 store none);
 * `activations_pay`: whether the loader reads a page as X rather than KV at the measured read rate:
   x_bytes / v + recompute_s < kv_bytes / v (per token-layer);
-* `meet_pays`: whether to take the span at all (`auto`) rather than leave it to SGLang's own load: only where
-  reading it takes longer than computing MEET_MIN_PAGES of its pages.
+* `meet_pays`: whether to take the span at all (`auto`) rather than leave it to SGLang's own load (which reports
+  the hit in SGLang's own cached-token counts): only where reading it takes longer than computing MEET_MIN_PAGES of
+  its pages;
+* whether compute joins a load: only while a page reads in at least MEET_MIN_READ_SHARE of a page's compute (the
+  claim rule in engine/meet.py measures both as the load runs; the loader alone takes the span otherwise).
 """
 
 from __future__ import annotations
@@ -76,29 +79,36 @@ def page_read_s(shape: Shape, prof: Profile, page_size: int, activations: bool) 
 # first reads from a throttled disk were slow
 MEET_CHUNK_PAGES = 4
 
-# `auto` takes the two-sided loader only where reading the span takes longer than computing this many pages: below,
-# compute could take a page at most, and our path's fixed costs (the span's KV copied into the pool, the new tokens'
-# attention over it in our engine) outweigh it -- on this machine's own disk a 4096-token span loaded two-sided was
-# 1.23x SGLang's load (benchmarks/meet.py)
+# compute joins a load only while a page reads in at least this share of a page's compute: the two-sided load then
+# finishes in c / (c + t) of the loader's time (c, t: seconds per computed / read page), a gain below 20 % that the
+# two sides' contention for the CPU eats (measured in one run, SmolLM2 bf16: at 200 MB/s, a 4096-token span, a read
+# 9 ms against 45 ms of compute, two-sided 0.643 s vs the loader alone 0.584 s; at the disk's own speed 0.326 vs
+# 0.261 s)
+MEET_MIN_READ_SHARE = 0.25
+
+
+# `auto` takes a span only where reading it takes longer than computing this many pages: below, our loader could
+# gain a few milliseconds at most, and SGLang's own load keeps the hit in SGLang's cached-token counts
 MEET_MIN_PAGES = 2
 
 
 def meet_pays(pages: int, read_s: float, page_s: float) -> bool:
-    """`auto`: take a stored span of `pages` pages with the two-sided loader rather than SGLang's whole load only if
-    the loader alone (`read_s` per page) takes longer than computing MEET_MIN_PAGES pages (`page_s` each) --
-    otherwise it finishes about as soon as compute could start, and SGLang's own load is as fast."""
+    """`auto`: take a stored span of `pages` pages with our loader rather than SGLang's whole load only if reading it
+    (`read_s` per page) takes longer than computing MEET_MIN_PAGES pages (`page_s` each)."""
     return pages * read_s > MEET_MIN_PAGES * page_s
 
 
 def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096) -> str:
     """What `auto` does with a stored span of `tokens` tokens under `prof` (one line, for logs and the CLI)."""
-    pages = tokens // page_size
     use_x = activations_pay(shape, prof)
     read_s = page_read_s(shape, prof, page_size, use_x)
     page_s = page_compute_s(prof, shape.layers, page_size)
     how = "as activations" if use_x else "as KV"
-    if not meet_pays(pages, read_s, page_s):
-        return (f"a {tokens}-token span: SGLang's own load (reading it, {pages * read_s:.3f}s {how}, is faster than "
-                f"computing 2 pages, {2 * page_s:.3f}s)")
+    if not meet_pays(tokens // page_size, read_s, page_s):
+        return (f"a {tokens}-token span: SGLang's own load (reading it, {tokens // page_size * read_s:.3f}s {how}, "
+                f"is faster than computing {MEET_MIN_PAGES} pages, {MEET_MIN_PAGES * page_s:.3f}s)")
+    if read_s < MEET_MIN_READ_SHARE * page_s:
+        return (f"a {tokens}-token span: read by our loader alone, {how} ({read_s * 1e3:.1f} ms a page against "
+                f"{page_s * 1e3:.1f} ms to compute one), {tokens // page_size * read_s:.3f}s")
     return (f"a {tokens}-token span: two-sided, pages read {how} ({read_s * 1e3:.1f} ms each) from the back while "
             f"pages are computed ({page_s * 1e3:.1f} ms each) from the front")

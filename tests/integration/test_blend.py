@@ -183,6 +183,30 @@ def test_a_marked_request_in_a_mixed_batch_falls_back_counted(tmp_path):
     assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") >= 1
 
 
+def test_output_logprobs_are_blended_and_prompt_logprobs_fall_back(shared_server):
+    """Log-probabilities of the output tokens (SGLang's default for return_logprob) need only the last prompt row:
+    the request is blended and its first token is the top-1 of its own top log-probabilities; asking for the prompt
+    tokens' log-probabilities too gets SGLang's prefill, logged."""
+    s = shared_server
+    prompt = short_rag_prompt("Elena", "Juniper", "Porto")
+    params = {"max_new_tokens": 4, "temperature": 0}
+    mark = s.log_mark()
+    status, out = s.request("/generate", {"text": prompt, "return_logprob": True, "top_logprobs_num": 5,
+                                          "sampling_params": params})
+    assert status == 200, out
+    top = out["meta_info"]["output_top_logprobs"][0]
+    assert len(top) == 5 and top[0][1] == out["output_ids"][0] and top[0][0] >= top[1][0]
+    lines = blend_lines(s, mark)
+    assert len(lines) == 1 and "normal prefill" not in lines[0], lines
+    mark = s.log_mark()
+    status, out = s.request("/generate", {"text": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                          "sampling_params": params})
+    assert status == 200, out
+    assert len(out["meta_info"]["input_token_logprobs"]) == out["meta_info"]["prompt_tokens"]
+    lines = blend_lines(s, mark)
+    assert len(lines) == 1 and "input logprobs were requested" in lines[0], lines
+
+
 def test_full_mode_equals_sglang_prefill(tmp_path, fp32_server):
     """fp32: our engine writing every token's KV into SGLang's pool gives SGLang's own greedy tokens (the fp32
     reference server runs `--tiered-blend prefix`: separators removed, SGLang's prefill)."""

@@ -115,3 +115,15 @@ def test_smollm2_in_fp32_gives_the_same_greedy_tokens_at_every_meet_point():
         res, logits = run(model, ids, ref, span, PS, split=split)
         assert logits.argmax() == ref.logits.argmax(), split
         assert torch.allclose(logits, ref.logits, atol=1e-3, rtol=1e-3), split
+
+
+def test_compute_stays_out_while_reads_are_fast_next_to_it(model):
+    """min_read_share: with reads far quicker than a page's compute the loader takes the whole span; with slow reads
+    compute joins (the same span, the same answer)."""
+    ids, ref, span = case(model, 0, 6, 3)
+    fast, logits = run(model, ids, ref, span, 0, page_compute_s=1.0, min_read_share=0.25)
+    assert fast.computed_pages == 0 and fast.loaded_pages == 6
+    slow, slow_logits = run(model, ids, ref, MemoryPages(span.kv, PS, delay_s=0.2), 0, page_compute_s=0.05,
+                            min_read_share=0.25)
+    assert slow.computed_pages > 0
+    assert torch.allclose(logits, slow_logits, atol=1e-4, rtol=1e-4)
