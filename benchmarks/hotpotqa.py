@@ -11,12 +11,12 @@ question the paragraphs are first sent in their dataset order (`warm`: the chunk
 a shuffled order (`ask`, seeded per question) -- retrieval rarely returns the same order twice, so SGLang's prefix
 cache reuses only the system turn there, while fusion reuses every paragraph.
 
-Configurations, one server each, in this order on one SSD directory (the first blend server stores every chunk;
-the others find them on the SSD tier): `prefix` (separators removed: SGLang's own exact prefill and radix cache),
-`full` (the fusion machinery recomputing every token), `blend` at each `--ratios`, `single` (one check layer) and
-`reuse` (nothing recomputed) at the default ratio. The measured ask streams: TTFT = the first streamed chunk,
-client side; the answer = greedy text up to the first newline (at most 16 tokens); the first token's top-20
-log-probabilities.
+Configurations, one server each, on one SSD directory: a store pass first (the paragraphs in dataset order, so every
+chunk's KV is on the SSD tier), then, each measured from the SSD tier: `prefix` (separators removed: SGLang's own
+exact prefill and radix cache), `full` (the fusion machinery recomputing every token; every mode gets the same token
+ids), `blend` at each `--ratios`, `single` (one check layer) and `reuse` (nothing recomputed) at the default ratio.
+The measured ask streams: TTFT = the first streamed chunk, client side; the answer = greedy text up to the first
+newline (at most 16 tokens); the first token's top-20 log-probabilities.
 
 Per configuration: F1 and exact match with HotpotQA's official answer normalisation (lower case, punctuation and
 articles removed), bootstrap 95 % intervals; paired F1 difference to `prefix` with its interval; agreement with
@@ -68,10 +68,10 @@ def load_questions(start: int, n: int) -> list[dict]:
     return data[start : start + n]
 
 
-def prompt(q: dict, order: list[int], marked: bool = True) -> str:
-    sep = SEP if marked else ""
-    docs = "".join(f"{sep}{q['context'][i][0]}: {''.join(q['context'][i][1]).strip()}\n" for i in order)
-    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{docs}{sep}"
+def prompt(q: dict, order: list[int]) -> str:
+    """The marked prompt (every mode gets the same token ids: `prefix` removes the separators after splitting)."""
+    docs = "".join(f"{SEP}{q['context'][i][0]}: {''.join(q['context'][i][1]).strip()}\n" for i in order)
+    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{docs}{SEP}"
             f"Question: {q['question'].strip()}\nAnswer with a few words.<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -158,22 +158,24 @@ def stream(s: ServerProcess, text: str, max_new_tokens: int) -> dict:
 def run_config(name: str, mode: str, ratio: float, questions: list[dict], start: int, ssd: Path, tmp: Path,
                dtype: str, warm: bool) -> list[dict]:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", dtype, "--tiered-ssd-dir", str(ssd),
-            "--tiered-ssd-capacity", "8G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
+            "--tiered-ssd-capacity", "16G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
             "--tiered-blend-ratio", str(ratio), "--chunked-prefill-size", "8192"]
     rows = []
     t0 = time.monotonic()
     with ServerProcess(args, log_path=tmp / f"{name}.log") as s:
         for k, q in enumerate(questions):
             index = start + k
-            if warm:
+            if warm:  # the store pass: the paragraphs in dataset order, their chunks' KV stored
                 s.generate(prompt(q, list(range(len(q["context"])))), max_new_tokens=1)
-            got = stream(s, prompt(q, shuffled(q, index), marked=mode != "prefix"), MAX_ANSWER_TOKENS)
+                continue
+            got = stream(s, prompt(q, shuffled(q, index)), MAX_ANSWER_TOKENS)
             got.update(index=index, gold=q["answer"], f1=f1_score(got["answer"], q["answer"]),
                        em=exact_match(got["answer"], q["answer"]))
             rows.append(got)
             if (k + 1) % 25 == 0 or k + 1 == len(questions):
                 print(f"[hotpotqa] {name}: {k + 1}/{len(questions)} questions, F1 so far "
-                      f"{statistics.fmean(r['f1'] for r in rows):.3f}, {time.monotonic() - t0:.0f} s", flush=True)
+                      f"{statistics.fmean(r['f1'] for r in rows) if rows else 0:.3f}, {time.monotonic() - t0:.0f} s",
+                      flush=True)
         fallbacks = len(s.log_lines("runs a normal prefill"))
     for r in rows:
         r["fallbacks"] = fallbacks
@@ -232,15 +234,15 @@ def main() -> int:
     exit_cleanly_on_sigterm()
     dtype = a.dtype or auto_dtype()
     questions = load_questions(a.start, a.questions)
-    configs = [(f"blend {a.default_ratio:g}", "blend", a.default_ratio, True), ("prefix", "prefix", 0.15, False),
-               ("full", "full", 0.15, False)]
-    configs += [(f"blend {r:g}", "blend", r, False) for r in a.ratios if r != a.default_ratio]
+    configs = [("store", "reuse", 0.15, True), ("prefix", "prefix", 0.15, False), ("full", "full", 0.15, False)]
+    configs += [(f"blend {r:g}", "blend", r, False) for r in sorted({*a.ratios, a.default_ratio})]
     configs += [(f"single {a.default_ratio:g}", "single", a.default_ratio, False), ("reuse", "reuse", 0.15, False)]
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
         for name, mode, ratio, warm in configs:
-            results[name] = run_config(name, mode, ratio, questions, a.start, Path(tmp) / "ssd", Path(tmp), dtype,
-                                       warm)
+            rows = run_config(name, mode, ratio, questions, a.start, Path(tmp) / "ssd", Path(tmp), dtype, warm)
+            if not warm:
+                results[name] = rows
     summary = summarize(results)
     blend = summary[f"blend {a.default_ratio:g}"]
     ok = blend["f1"] >= summary["prefix"]["f1"] - 0.02 and summary["prefix"]["ttft_s"] >= 2.5 * blend["ttft_s"]

@@ -19,6 +19,7 @@ import json
 import mmap
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -96,14 +97,14 @@ def _median_s(fn, repeats: int) -> float:
 @torch.inference_mode()
 def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
                     repeats: int = 5) -> tuple[float, float, float]:
-    """(seconds to recompute K, V of one token-layer from activations, seconds of one layer per new token, seconds
-    per stored token-layer of a whole load from memory (every page loaded) beyond the new tokens' layers: assembling the
-    span's KV, attending over it)."""
+    """(seconds to recompute K, V of one token-layer from activations on the loader's one thread, seconds of one layer
+    per new token, seconds per stored token-layer of a whole load from memory (every page loaded) beyond the new
+    tokens' layers: assembling the span's KV, attending over it)."""
     c = model.cfg
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, c.hidden, generator=g).to(model.dtype)
     pos = torch.arange(tokens)
-    recompute = _median_s(lambda: model.kv_from_input(0, h, pos), repeats) / tokens
+    recompute = _on_loader_thread(lambda: _median_s(lambda: model.kv_from_input(0, h, pos), repeats)) / tokens
     x = torch.randn(new_tokens, c.hidden, generator=g).to(model.dtype)
     npos = torch.arange(new_tokens)
 
@@ -120,6 +121,21 @@ def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
                                            split=0), max(1, repeats // 2))
     stored = max(0.0, whole - c.layers * new_tokens * layer_s) / (c.layers * 2 * tokens)
     return recompute, layer_s, stored
+
+
+def _on_loader_thread(fn: Callable[[], float]) -> float:
+    """`fn()` on a thread that runs torch the way the two-sided loader does (one OpenMP thread, engine/meet.py)."""
+    out: list[float] = []
+
+    @torch.inference_mode()
+    def run() -> None:
+        torch.set_num_threads(1)
+        out.append(fn())
+
+    worker = threading.Thread(target=run, name="kvpr-profile-loader")
+    worker.start()
+    worker.join()
+    return out[0]
 
 
 def profile_key(model: str, dtype: str) -> str:

@@ -6,11 +6,12 @@ activations.py) when `activations` is on and they are stored -- the loader recom
 and as its KV otherwise, or when the activation page turns out missing or corrupt (counted). A KV page that is
 missing or corrupt ends the load (`SpanMiss`): the caller computes the span instead. Every segment is checked
 against its own checksum; the tier counts a miss and removes a corrupt file. Counters: `bytes_x`, `bytes_kv`,
-`act_misses`.
+`act_misses`, `read_s` (seconds in the tier's reads: the read rate without the loader's recomputes and copies).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,7 @@ class TierPages:
         self.x_shape = (layers, page_size, hidden)
         self.activations = activations and hidden > 0
         self.bytes_x = self.bytes_kv = self.act_misses = 0
+        self.read_s = 0.0
 
     @property
     def bytes_read(self) -> int:
@@ -52,4 +54,8 @@ class TierPages:
 
     def _fill(self, key: str, parts: list[torch.Tensor]) -> bool:
         """Read the stored file `key`'s segments into `parts` (contiguous views); False for a miss of any kind."""
-        return self.tier.read_pages([(key, [memoryview(t.view(torch.uint8).numpy()) for t in parts])])[0]
+        t0 = time.perf_counter()
+        try:
+            return self.tier.read_pages([(key, [memoryview(t.view(torch.uint8).numpy()) for t in parts])])[0]
+        finally:
+            self.read_s += time.perf_counter() - t0

@@ -228,10 +228,10 @@ class KVPR:
             return self.profile
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
-        """Fold a load's read rate (bytes over the loader thread's time: the read path as it really runs,
-        readahead, checksums and copies included) into the profile: v = min(startup measurement, moving average of
-        loads). The min keeps a burst or a page-cache-warm load from making the scheduler think the disk is faster
-        than measured."""
+        """Fold a load's read rate (bytes over the seconds its reads took: the read path as it really runs, readahead
+        and checksums included; the loader's recomputes and copies not) into the profile: v = min(startup
+        measurement, moving average of loads). The min keeps a burst or a page-cache-warm load from making the
+        scheduler think the disk is faster than measured."""
         if nbytes < _MIN_OBSERVED_BYTES or seconds <= 0 or self.profile is None:
             return "not updated"
         with self.lock:
@@ -380,7 +380,7 @@ class KVPRHandler(SpanHandler):
             keys = page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
             rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
             kvpr.writer.submit(keys, res.inputs[:, rows].clone())
-        read = kvpr.observe_read(source.bytes_read, res.load_s) if res.loaded_pages else "nothing read"
+        read = kvpr.observe_read(source.bytes_read, source.read_s) if res.loaded_pages else "nothing read"
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
         events.count("kvpr_loads")
         events.count("kvpr_tokens_computed", computed)
