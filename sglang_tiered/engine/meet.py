@@ -72,7 +72,7 @@ class MeetResult:
     loaded_pages: int  # pages [m, pages) read from storage
     recomputed_pages: int  # of those, the pages read as activations (K and V recomputed)
     compute_s: float  # seconds computing the span's front
-    load_s: float  # seconds the loader spent reading
+    load_s: float  # seconds the loader spent on its pages (reads, recomputes from activations, copies)
     wait_s: float  # seconds compute waited, at the meet, for loads in flight
     inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
 
@@ -155,9 +155,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
     compute, for the claim rule (None: a plain race); with it, `min_read_share`: compute claims pages only while the
     loader's reads take at least this share of a page's compute (else the loader takes the span alone). `rope`: the
-    rotation (`LlamaModel.qkv`; a server passes its own
-    kernel, so that computed keys match the ones it stored). `inputs`: also return the new tokens' attention inputs
-    (to store them as activations in turn)."""
+    rotation (`LlamaModel.qkv`; a server passes its own kernel, so that computed keys match the ones it stored).
+    `inputs`: also return the new tokens' attention inputs (to store them as activations in turn)."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:

@@ -3,14 +3,14 @@ computed from its token ids while its back is loaded -- as KV, or, on models whe
 activations from which K and V are recomputed (KVPR). One scheduler for all of it: `engine/meet.py`.
 
 * Admission -- a loader at the door (`door.py`, after gated sparse loading): for a request whose prompt continues,
-  after its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, `plan` decides, from
-  the measured `Profile` (`policy/kvpr.py`), whether the loader reads pages as activations (`activations_pay`;
-  wherever stored when the request or server forces a load), and in `auto` whether to take the span at all: only where
-  reading it takes longer than computing 2 of its pages (`meet_pays`), else SGLang's own load is as fast. Compute
-  joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute. A number of tokens
-  (`custom_params.tiered_kvpr`) forces the meet point. A taken span's L3 prefetch is skipped: its tokens become extend
-  tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree as
-  usual.
+  after its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, `plan` decides
+  (`decide`), from the measured `Profile` (`policy/kvpr.py`), whether the loader reads pages as activations
+  (`activations_pay`; wherever stored when the request or server forces a load), and in `auto` whether to take the
+  span at all: only where reading it takes longer than computing 2 of its pages (`meet_pays`), else SGLang's own load
+  is as fast. Compute joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute. A
+  number of tokens (`custom_params.tiered_kvpr`) forces the meet point. A taken span's L3 prefetch is skipped: its
+  tokens become extend tokens, filled by the forward below. The request prefills alone and its KV is exact, so it
+  enters the radix tree as usual.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -71,12 +71,9 @@ from sglang_tiered.policy.kvpr import (
     MEET_MIN_READ_SHARE,
     Profile,
     Shape,
-    activations_pay,
     auto_example,
+    decide,
     gate,
-    meet_pays,
-    page_compute_s,
-    page_read_s,
 )
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -175,12 +172,11 @@ class KVPR:
         profile = self._profile(scheduler)
         if profile is None:
             return None
-        page_s = page_compute_s(profile, self.shape.layers, ps)
-        use_x = self.writer is not None and (mode != "auto" or activations_pay(self.shape, profile))
-        if mode == "auto" and not meet_pays(n, page_read_s(self.shape, profile, ps, use_x), page_s):
+        d = decide(self.shape, profile, n, ps, stored_activations=self.writer is not None, forced=mode != "auto")
+        if not d.take:
             return None  # the disk is fast enough: SGLang's own load is as good
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        return Plan(start, tuple(keys[:n]), str(mode), forced, page_s, use_x)
+        return Plan(start, tuple(keys[:n]), str(mode), forced, d.page_s, d.activations)
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:

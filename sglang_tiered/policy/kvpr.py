@@ -98,17 +98,39 @@ def meet_pays(pages: int, read_s: float, page_s: float) -> bool:
     return pages * read_s > MEET_MIN_PAGES * page_s
 
 
-def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096) -> str:
-    """What `auto` does with a stored span of `tokens` tokens under `prof` (one line, for logs and the CLI)."""
-    use_x = activations_pay(shape, prof)
+@dataclass(frozen=True)
+class Decision:
+    """What the loader does with a stored span, decided from the profile before it starts."""
+
+    take: bool  # our loader takes the span (else SGLang's own load)
+    activations: bool  # it reads pages as activations where stored (else as KV)
+    read_s: float  # seconds to bring one page in, as it reads them
+    page_s: float  # seconds to compute one page from its token ids
+    compute_joins: bool  # reads are slow enough next to compute for compute to take pages (engine/meet.py decides
+    #                      again as the load runs, from the speeds it measures)
+
+
+def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_activations: bool,
+           forced: bool) -> Decision:
+    """The loader's plan for a span of `pages` pages: activations wherever stored when `forced`, else where they pay;
+    taken always when `forced`, else where `meet_pays`."""
+    use_x = stored_activations and (forced or activations_pay(shape, prof))
     read_s = page_read_s(shape, prof, page_size, use_x)
     page_s = page_compute_s(prof, shape.layers, page_size)
-    how = "as activations" if use_x else "as KV"
-    if not meet_pays(tokens // page_size, read_s, page_s):
-        return (f"a {tokens}-token span: SGLang's own load (reading it, {tokens // page_size * read_s:.3f}s {how}, "
-                f"is faster than computing {MEET_MIN_PAGES} pages, {MEET_MIN_PAGES * page_s:.3f}s)")
-    if read_s < MEET_MIN_READ_SHARE * page_s:
-        return (f"a {tokens}-token span: read by our loader alone, {how} ({read_s * 1e3:.1f} ms a page against "
-                f"{page_s * 1e3:.1f} ms to compute one), {tokens // page_size * read_s:.3f}s")
-    return (f"a {tokens}-token span: two-sided, pages read {how} ({read_s * 1e3:.1f} ms each) from the back while "
-            f"pages are computed ({page_s * 1e3:.1f} ms each) from the front")
+    return Decision(forced or meet_pays(pages, read_s, page_s), use_x, read_s, page_s,
+                    read_s >= MEET_MIN_READ_SHARE * page_s)
+
+
+def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096) -> str:
+    """What `auto` does with a stored span of `tokens` tokens under `prof` (one line, for logs and the CLI)."""
+    pages = tokens // page_size
+    d = decide(shape, prof, pages, page_size, stored_activations=gate(shape) is None, forced=False)
+    how = "as activations" if d.activations else "as KV"
+    if not d.take:
+        return (f"a {tokens}-token span: SGLang's own load (reading it, {pages * d.read_s:.3f}s {how}, is faster "
+                f"than computing {MEET_MIN_PAGES} pages, {MEET_MIN_PAGES * d.page_s:.3f}s)")
+    if not d.compute_joins:
+        return (f"a {tokens}-token span: read by our loader alone, {how} ({d.read_s * 1e3:.1f} ms a page against "
+                f"{d.page_s * 1e3:.1f} ms to compute one), {pages * d.read_s:.3f}s")
+    return (f"a {tokens}-token span: two-sided, pages read {how} ({d.read_s * 1e3:.1f} ms each) from the back while "
+            f"pages are computed ({d.page_s * 1e3:.1f} ms each) from the front")

@@ -17,6 +17,7 @@ from sglang_tiered.policy.kvpr import (
     Shape,
     activations_pay,
     auto_example,
+    decide,
     gate,
     meet_pays,
     page_compute_s,
@@ -64,6 +65,17 @@ def test_auto_reads_alone_where_reads_are_fast_next_to_compute():
     assert "read by our loader alone" in auto_example(smollm2, fast, 64, tokens=16384)  # 256 pages: 0.19 s
     assert not meet_pays(1, MEET_MIN_PAGES * page_s, page_s)  # exactly MEET_MIN_PAGES pages of compute: not yet
     assert "as activations" in auto_example(mha_shape(), prof, 64)
+
+
+def test_decide_forced_loads_read_activations_wherever_stored_and_take_every_span():
+    fast = Profile(20e9, 1e-6, 25e-6)  # activations do not pay, the span reads in no time
+    auto = decide(mha_shape(), fast, 16, 64, stored_activations=True, forced=False)
+    assert not auto.take and not auto.activations and not auto.compute_joins
+    forced = decide(mha_shape(), fast, 16, 64, stored_activations=True, forced=True)
+    assert forced.take and forced.activations
+    assert not decide(mha_shape(), fast, 16, 64, stored_activations=False, forced=True).activations
+    slow = decide(mha_shape(), Profile(50e6, 1e-6, 25e-6), 16, 64, stored_activations=True, forced=False)
+    assert slow.take and slow.activations and slow.compute_joins
 
 
 # ---------------------------------------------------------------------------------------------- the engine
