@@ -21,7 +21,7 @@ prefills during the measurements. Targets (issue #26): auto <= 1.03 x min(load, 
 <= 0.75 x min(load, recompute) wherever the two are within 1.5x of each other; no answer differing from `load`'s.
 
     .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8064]
-        [--slow-mbps 200 100 50 25] [--busy 100]
+        [--slow-mbps 200 100 50 25] [--busy 100] [--name meet]
 
 Writes benchmarks/results/meet.json and .png and prints one verdict line.
 """
@@ -250,6 +250,8 @@ def main() -> int:
     ap.add_argument("--busy", nargs="*", type=int, default=[100], help="disk speeds measured again with a busy CPU")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
+    ap.add_argument("--name", default="meet", help="results as benchmarks/results/NAME.json and .png (a partial "
+                    "re-run under another name keeps the full run's)")
     a = ap.parse_args()
     exit_cleanly_on_sigterm()
     dtype = a.dtype or auto_dtype()
@@ -270,8 +272,8 @@ def main() -> int:
             "question": QUESTION, "results": results, "checks": {k: [list(x) for x in v] for k, v in checks.items()}}
     met = {k: sum(ok for _, ok, _ in v) for k, v in checks.items()}
     data["verdict"] = "; ".join(f"{k}: {met[k]}/{len(v)}" for k, v in checks.items())
-    save("meet", data)
-    plot(results, RESULTS / "meet.png")
+    save(a.name, data)
+    plot(results, RESULTS / f"{a.name}.png")
     print("verdict:", data["verdict"])
     return 0
 

@@ -62,7 +62,11 @@ def test_auto_reads_alone_where_reads_are_fast_next_to_compute():
     fast = Profile(2e9, 1e-6, 25e-6, 1e-6)  # 0.7 ms a page: 16 pages read in less than 2 pages' compute
     assert not meet_pays(16, page_read_s(smollm2, fast, 64, False), page_s)
     assert "SGLang's own load" in auto_example(smollm2, fast, 64, tokens=1024)
-    assert "read by our loader alone" in auto_example(smollm2, fast, 64, tokens=16384)  # 256 pages: 0.19 s
+    # 256 pages read in 0.19 s, longer than 2 pages' compute, but compute would not join: our loader alone on KV is
+    # SGLang's load with more CPU work per byte, so SGLang loads it
+    big = decide(smollm2, fast, 256, 64, stored_activations=False, forced=False)
+    assert meet_pays(256, big.read_s, big.page_s) and not big.compute_joins and not big.take
+    assert "too fast" in auto_example(smollm2, fast, 64, tokens=16384)
     assert not meet_pays(1, MEET_MIN_PAGES * page_s, page_s)  # exactly MEET_MIN_PAGES pages of compute: not yet
     assert "as activations" in auto_example(mha_shape(), prof, 64)
 
@@ -76,6 +80,17 @@ def test_decide_forced_loads_read_activations_wherever_stored_and_take_every_spa
     assert not decide(mha_shape(), fast, 16, 64, stored_activations=False, forced=True).activations
     slow = decide(mha_shape(), Profile(50e6, 1e-6, 25e-6), 16, 64, stored_activations=True, forced=False)
     assert slow.take and slow.activations and slow.compute_joins
+
+
+def test_auto_lets_the_loader_alone_take_a_span_only_where_it_reads_activations():
+    # 400 MB/s, recompute 0.5 us: X pays (2.88 + 0.5 < 5.76 us per token-layer); a page reads in 6.5 ms against
+    # 49.9 ms of compute: compute stays out, but the loader alone still reads half the bytes SGLang's load would
+    prof = Profile(400e6, 0.5e-6, 25e-6, 1e-6)
+    with_x = decide(mha_shape(), prof, 64, 64, stored_activations=True, forced=False)
+    assert with_x.activations and not with_x.compute_joins and with_x.take
+    assert "read by our loader alone, as activations" in auto_example(mha_shape(), prof, 64)
+    without = decide(mha_shape(), prof, 64, 64, stored_activations=False, forced=False)
+    assert not without.activations and not without.compute_joins and not without.take
 
 
 # ---------------------------------------------------------------------------------------------- the engine
