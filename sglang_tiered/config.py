@@ -17,13 +17,15 @@ from sglang_tiered.policy.importance import GATES
 
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
+BLEND_SELECT_CHOICES = ("deviation", "importance")  # --tiered-blend-select (see engine/blend.py)
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
 IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-order (see storage/repacker.py)
 IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
-CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "placement": PLACEMENT_CHOICES,
+CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "blend_select": BLEND_SELECT_CHOICES,
+           "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
            "kvpr": KVPR_CHOICES}
@@ -79,6 +81,7 @@ class TieredConfig:
     blend: str = "blend"  # blending of chunk KV for prompts marked with the separator; BLEND_CHOICES
     blend_separator: str = "<|chunk|>"  # marks chunk boundaries in a text prompt; removed before the model
     blend_ratio: float = 0.15  # recompute ratio floor r* (the loading controller may go higher, never lower)
+    blend_select: str = "deviation"  # how recomputed tokens are ranked; BLEND_SELECT_CHOICES
     blend_memory: str = "1G"  # bytes of chunk KV kept in host memory (then the SSD directory)
     runahead_ranks: int = 1  # chained prefill (KV-Runahead) over this many CPU ranks; 1 = off
     runahead_min_tokens: int = 2048  # new prompt tokens from which a prefill goes through the chain
@@ -267,6 +270,9 @@ FLAG_HELP: dict[str, str] = {
     "the part after it (the question) is always computed. Default: <|chunk|>.",
     "blend_ratio": "Fraction of reused tokens recomputed per layer, the quality floor; the loading controller raises "
     "it when loading is slower than recomputing. Default: 0.15.",
+    "blend_select": "How 'blend' and 'single' rank the reused tokens they recompute: 'deviation' (CacheBlend: how far "
+    "a token's stored KV is from its fresh KV) or 'importance' (that and the attention the prompt's last "
+    "--tiered-importance-window tokens give it, each as a share of its total). Default: deviation.",
     "blend_memory": "Host memory for stored chunk KV (suffixes K/M/G); beyond it chunks live on the SSD directory "
     "only. Default: 1G.",
     "runahead_ranks": "Prefill long prompts by KV-Runahead: a chain of this many ranks (this scheduler plus N-1 helper "

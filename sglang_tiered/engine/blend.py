@@ -24,6 +24,11 @@ Selection (`mode`):
 KV deviation of a token = sum over heads and dims of (K_new - K_reused)^2 + (V_new - V_reused)^2 (fp32).
 Layer 0's input is the token embedding, so reused KV equals fresh KV there (up to re-rotation rounding); the
 deviation first shows at layer 1, which is why `check_layer` defaults to 1.
+
+Ranking (`select`): `deviation` (CacheBlend's) ranks the candidates by KV deviation alone; `importance` adds the
+attention each candidate receives at that layer from the prompt's last `window` tokens (the question; every query
+head, as `kernels.importance.window_scores`), each of the two scores as a share of its sum over the candidates, so
+a token the question reads closely is recomputed even where its KV moved little.
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ from sglang_tiered.engine.blend_plan import Span, check_spans
 from sglang_tiered.engine.layer_loader import LayerLoader
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.kernels.extend_attention import causal_attention, positioned_attention
+from sglang_tiered.kernels.importance import window_scores
 from sglang_tiered.policy.loading import DEFAULT_RATIO, LoadingController
 
 MODES = ("full", "prefix", "reuse", "single", "blend")
+SELECTS = ("deviation", "importance")
 
 # (layer, span index) -> that stored span's KV of that layer, [span tokens, 2, kv_heads, head_dim], computed at
 # positions offset .. offset + length - 1. Called only for spans with `stored=True`, possibly from a loader thread.
@@ -94,12 +101,26 @@ def filter_schedule(ratio: float, layers: int, check_layer: int, spread: float =
     return [hi + (lo - hi) * j / (m - 1) for j in range(m)]
 
 
+def deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """KV deviation per row [rows] (fp32): squared differences of K and of V, summed over heads and dims."""
+    return (k_new.float() - k_old.float()).pow(2).sum((1, 2)) + (v_new.float() - v_old.float()).pow(2).sum((1, 2))
+
+
+def top_rows(score: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices (ascending) of the `keep` rows with the highest `score`."""
+    keep = max(0, min(keep, score.shape[0]))
+    return torch.topk(score, keep).indices.sort().values
+
+
 def top_deviation(k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor,
                   keep: int) -> torch.Tensor:
     """Indices (into the given rows, ascending) of the `keep` rows whose KV deviates most."""
-    dev = (k_new.float() - k_old.float()).pow(2).sum((1, 2)) + (v_new.float() - v_old.float()).pow(2).sum((1, 2))
-    keep = max(0, min(keep, dev.shape[0]))
-    return torch.topk(dev, keep).indices.sort().values
+    return top_rows(deviation(k_new, v_new, k_old, v_old), keep)
+
+
+def shares(*scores: torch.Tensor) -> torch.Tensor:
+    """The sum of the scores, each as a share of its own total (an all-zero score adds nothing)."""
+    return sum(x / x.sum() if x.sum() > 0 else torch.zeros_like(x) for x in scores)
 
 
 def stored_kv_fetch(model: LlamaModel, spans: Sequence[Span], loader: SpanLoader) -> Callable[[int], torch.Tensor]:
@@ -127,6 +148,7 @@ class _Selection:
     ratio: float
     check_layer: int
     schedule: tuple[float, ...]  # blend: fraction selected at layers check_layer .. layers - 2
+    window: int = 0  # > 0: rank by deviation and the last `window` tokens' attention (select="importance")
 
     def fraction(self, layer: int) -> Optional[float]:
         """Fraction of reused tokens kept active after `layer`, or None if the selection does not change there."""
@@ -157,15 +179,22 @@ def blend_prefill(
     trace: Optional[Trace] = None,
     prefix_len: int = 0,
     prefix_loader: Optional[Callable[[int], torch.Tensor]] = None,
+    select: str = "deviation",
+    window: int = 32,
 ) -> BlendResult:
     """Prefill `ids` reusing stored span KV per `mode` (see module docstring). `ratio` is the fraction of reused
     tokens recomputed per selective layer, averaged over layers; 1.0 recomputes everything (= full prefill).
     `trace(layer, positions, attn)` sees each layer's attention output [n, Hq, D] of the computed tokens.
     `prefix_len` tokens at the start already have exact KV (a radix-cache hit): `prefix_loader(layer)` gives it
     ([prefix_len, 2, kv_heads, head_dim], at its real positions); they are never recomputed and `spans` tile
-    [prefix_len, len(ids))."""
+    [prefix_len, len(ids)). `select` ranks the tokens to recompute (`single`, `blend`): by KV deviation, or by
+    deviation and the attention of the prompt's last `window` tokens (see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     n, layers, p = ids.shape[0], model.cfg.layers, prefix_len
@@ -181,7 +210,7 @@ def blend_prefill(
     if not 0 <= check_layer < layers:
         raise ValueError(f"check_layer must be in [0, {layers}), got {check_layer}")
     schedule = tuple(filter_schedule(ratio, layers, check_layer, spread)) if mode == "blend" else ()
-    select = _Selection(mode, ratio, check_layer, schedule)
+    select = _Selection(mode, ratio, check_layer, schedule, window if select == "importance" else 0)
 
     reused_mask = torch.zeros(n, dtype=torch.bool)
     for s in spans:
@@ -205,28 +234,34 @@ def blend_prefill(
                 kv[layer, reused_idx] = stored.get(layer)
             computed.append(active.shape[0])
             x, active = _layer(model, layer, x, active, kv[layer], reused_mask, reused_idx.shape[0],
-                               select.fraction(layer), p, trace)
+                               select.fraction(layer), select.window, p, trace)
     if active[-1] != n - 1:
         raise AssertionError("the last prompt token must stay active (it is never part of a stored span)")
     return BlendResult(model.logits(x[-1:])[0], kv, computed, stored.wait_s, stored.load_s, hidden=x[-1])
 
 
 def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor, kv: torch.Tensor,
-           reused_mask: torch.Tensor, n_reused: int, fraction: Optional[float], prefix: int,
+           reused_mask: torch.Tensor, n_reused: int, fraction: Optional[float], window: int, prefix: int,
            trace: Optional[Trace]) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer over the `active` tokens (hidden states `x`); `kv` [tokens, 2, H, D] holds this layer's stored
     and prefix KV and receives the active tokens' fresh KV. If `fraction` is set, the active reused tokens are
-    re-ranked by KV deviation and only `fraction` of all reused tokens stay active (fresh tokens always do).
-    Returns the next layer's (x, active)."""
+    re-ranked (by KV deviation; with `window` > 0 also by the attention the last `window` tokens give them) and
+    only `fraction` of all reused tokens stay active (fresh tokens always do). Returns the next layer's (x, active)."""
     q, k, v = model.qkv(layer, x, active)
-    keep = None  # rows of `active` that stay active after this layer
     if fraction is not None:
         is_reused = reused_mask[active]
         rows = is_reused.nonzero().squeeze(1)
         at = active[rows]
-        chosen = rows[top_deviation(k[rows], v[rows], kv[at, 0], kv[at, 1], math.ceil(fraction * n_reused))]
-        keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values
+        score = deviation(k[rows], v[rows], kv[at, 0], kv[at, 1])
     kv[active, 0], kv[active, 1] = k, v
+    keep = None  # rows of `active` that stay active after this layer
+    if fraction is not None:
+        if window:
+            w = active >= kv.shape[0] - window  # the window's rows (the question: fresh, always active)
+            heard = window_scores(q[w], kv[:, 0], active[w], range(q.shape[1]))
+            score = shares(score, heard[at])
+        chosen = rows[top_rows(score, math.ceil(fraction * n_reused))]
+        keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values
     if active.shape[0] == kv.shape[0] - prefix:
         attn = causal_attention(q, kv[:, 0], kv[:, 1], prefix)
     else:

@@ -67,6 +67,7 @@ class _Runtime:
         self.controller = LoadingController(floor=cfg.blend_ratio)
         self.token_layer_bytes = c.geometry(dtype.itemsize).token_layer_bytes
         self.mode, self.ratio = cfg.blend, cfg.blend_ratio
+        self.select, self.window = cfg.blend_select, cfg.importance_window
 
 
 class BlendHandler(model_forward.ForwardHandler):
@@ -138,7 +139,8 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
 
     t1 = time.perf_counter()
     res = blend_prefill(eng, ids, spans, load, mode=rt.mode, ratio=ratio, prefix_len=prefix,
-                        prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
+                        prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
+                        select=rt.select, window=rt.window)
     t_blend = time.perf_counter() - t1
     observe(rt.controller, res, reused, rt.token_layer_bytes, t_blend)
 
@@ -149,9 +151,9 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     events.count("blend_reused_tokens", reused)
     events.count("blend_new_chunks", new_chunks)
     logger.info(
-        "tiered blend: rid %s tokens=%d extend=[%d,%d) chunks=%d (new %d) reused=%d mode=%s ratio=%.3f "
+        "tiered blend: rid %s tokens=%d extend=[%d,%d) chunks=%d (new %d) reused=%d mode=%s select=%s ratio=%.3f "
         "computed=%.3f load_wait=%.3fs blend=%.3fs total=%.3fs store_hits=%s",
-        req.rid, len(ids_list), prefix, end, sum(sp.stored for sp in spans), new_chunks, reused, rt.mode, ratio,
+        req.rid, len(ids_list), prefix, end, sum(sp.stored for sp in spans), new_chunks, reused, rt.mode, rt.select, ratio,
         res.recompute_fraction, res.load_wait_s, t_blend, time.perf_counter() - t0, store.hits)
     return hidden
 

@@ -15,7 +15,9 @@ from sglang_tiered.engine.blend import (
     filter_schedule,
     greedy_continue,
     rerotate_keys,
+    shares,
     top_deviation,
+    top_rows,
 )
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.tuning import load_model
@@ -137,6 +139,33 @@ def test_top_deviation_picks_the_most_deviating_rows():
     assert top_deviation(k_new, v_new, k_old, v, 2).tolist() == [1, 2]
     assert top_deviation(k_new, v_new, k_old, v, 3).tolist() == [1, 2, 4]
     assert top_deviation(k_new, v_new, k_old, v, 0).tolist() == []
+
+
+def test_importance_ranking_adds_the_question_attention_as_a_share():
+    dev = torch.tensor([10.0, 0.0, 0.0, 1.0])
+    heard = torch.tensor([0.0, 0.0, 0.9, 0.1])  # the question reads token 2, whose KV barely moved
+    assert top_rows(dev, 2).tolist() == [0, 3]
+    assert top_rows(shares(dev, heard), 2).tolist() == [0, 2]  # 10/11 + 0, 0 + 0.9 beat 1/11 + 0.1
+    assert torch.equal(shares(dev, torch.zeros(4)), dev / dev.sum())  # no attention: deviation alone
+
+
+def test_importance_selection_recomputes_as_many_tokens_but_other_ones(gqa):
+    ids, spans = prompt([30, 30, 30, 12], [True, True, True, False], GQA.vocab, seed=4)
+    picked = {}
+    for select in ("deviation", "importance"):
+        seen: dict[int, list[int]] = {}
+        r = run(gqa, ids, spans, mode="blend", ratio=0.2, select=select, window=8,
+                trace=lambda layer, pos, attn, seen=seen: seen.setdefault(layer, pos.tolist()))
+        picked[select] = (r.computed, seen)
+    assert picked["deviation"][0] == picked["importance"][0]  # the same number of tokens on every layer
+    assert picked["deviation"][1][2] != picked["importance"][1][2]  # after the check layer: other tokens
+    full = run(gqa, ids, spans, mode="full")
+    every = run(gqa, ids, spans, mode="blend", ratio=1.0, select="importance")
+    assert torch.allclose(every.logits, full.logits, atol=TOL)
+    with pytest.raises(ValueError, match="select"):
+        run(gqa, ids, spans, select="magic")
+    with pytest.raises(ValueError, match="window"):
+        run(gqa, ids, spans, select="importance", window=0)
 
 
 def test_overlapped_loading_gives_the_same_result(gqa):
