@@ -153,8 +153,8 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     logger.info(
         "tiered blend: rid %s tokens=%d extend=[%d,%d) chunks=%d (new %d) reused=%d mode=%s select=%s ratio=%.3f "
         "computed=%.3f load_wait=%.3fs blend=%.3fs total=%.3fs store_hits=%s",
-        req.rid, len(ids_list), prefix, end, sum(sp.stored for sp in spans), new_chunks, reused, rt.mode, rt.select, ratio,
-        res.recompute_fraction, res.load_wait_s, t_blend, time.perf_counter() - t0, store.hits)
+        req.rid, len(ids_list), prefix, end, sum(sp.stored for sp in spans), new_chunks, reused, rt.mode, rt.select,
+        ratio, res.recompute_fraction, res.load_wait_s, t_blend, time.perf_counter() - t0, store.hits)
     return hidden
 
 
