@@ -14,10 +14,12 @@ cache reuses only the system turn there, while fusion reuses every paragraph.
 Configurations, one server each: `prefix` (separators removed: SGLang's own exact prefill and radix cache) on its own
 SSD directory (its exact pages would be hits for the others); then, on one SSD directory, a store pass (the paragraphs
 in dataset order, so every chunk's KV is on the SSD tier) and, each measured from there, `blend` at each `--ratios`,
-`single` (one check layer) and `reuse` (nothing recomputed) at the default ratio, and `full` (the fusion machinery
-recomputing every token). Every mode gets the same token ids. Each server answers one warm-up request first. The
-measured ask streams: TTFT = the first streamed chunk, client side; the answer = greedy text up to the first newline
-(at most 32 tokens: the 135M model often restates the question first); the first token's top-20 log-probabilities.
+`single` (one check layer) and `reuse` (nothing recomputed) at the default ratio, `blend` with importance-informed
+selection (`--tiered-blend-select importance`: KV deviation plus the question window's attention) at each
+`--importance-ratios`, and `full` (the fusion machinery recomputing every token). Every mode gets the same token
+ids. Each server answers one warm-up request first. The measured ask streams: TTFT = the first streamed chunk,
+client side; the answer = greedy text up to the first newline (at most 32 tokens: the 135M model often restates the
+question first); the first token's top-20 log-probabilities.
 
 Per configuration: F1 and exact match with HotpotQA's official answer normalisation (lower case, punctuation and
 articles removed), bootstrap 95 % intervals; paired F1 difference to `prefix` with its interval; agreement with
@@ -159,11 +161,11 @@ def stream(s: ServerProcess, text: str, max_new_tokens: int) -> dict:
             "cached": last["meta_info"].get("cached_tokens", 0)}
 
 
-def run_config(name: str, mode: str, ratio: float, questions: list[dict], start: int, ssd: Path, tmp: Path,
-               dtype: str, warm: bool) -> list[dict]:
+def run_config(name: str, mode: str, ratio: float, select: str, questions: list[dict], start: int, ssd: Path,
+               tmp: Path, dtype: str, warm: bool) -> list[dict]:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", dtype, "--tiered-ssd-dir", str(ssd),
             "--tiered-ssd-capacity", "16G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
-            "--tiered-blend-ratio", str(ratio), "--chunked-prefill-size", "8192"]
+            "--tiered-blend-ratio", str(ratio), "--tiered-blend-select", select, "--chunked-prefill-size", "8192"]
     rows = []
     t0 = time.monotonic()
     with ServerProcess(args, log_path=tmp / f"{name}.log") as s:
@@ -210,6 +212,24 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     return out
 
 
+def importance_vs_deviation(results: dict[str, list[dict]]) -> dict:
+    """Per `blend R importance`, paired on the same questions against `blend R`: F1 and agreement with prefix."""
+    ref = {r["index"]: r for r in results["prefix"]}
+    out = {}
+    for name, rows in results.items():
+        base = results.get(name.removesuffix(" importance"))
+        if not name.endswith(" importance") or base is None:
+            continue
+        dev = {r["index"]: r for r in base}
+        f1 = [r["f1"] - dev[r["index"]]["f1"] for r in rows]
+        agree = [float(normalize_answer(r["answer"]) == normalize_answer(ref[r["index"]]["answer"])) -
+                 float(normalize_answer(dev[r["index"]]["answer"]) == normalize_answer(ref[r["index"]]["answer"]))
+                 for r in rows]
+        out[name] = {"f1_diff": statistics.fmean(f1), "f1_diff_ci": bootstrap(f1),
+                     "agreement_diff": statistics.fmean(agree), "agreement_diff_ci": bootstrap(agree)}
+    return out
+
+
 def plot(summary: dict, path: Path) -> None:
     import matplotlib
 
@@ -234,6 +254,8 @@ def main() -> int:
     ap.add_argument("--questions", type=int, default=300)
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.05, 0.15, 0.3])
     ap.add_argument("--default-ratio", type=float, default=0.15)
+    ap.add_argument("--importance-ratios", nargs="*", type=float, default=[0.05, 0.15],
+                    help="blend ratios measured again with --tiered-blend-select importance")
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     a = ap.parse_args()
     exit_cleanly_on_sigterm()
@@ -241,16 +263,19 @@ def main() -> int:
     questions = load_questions(a.start, a.questions)
     # prefix on its own SSD directory (its exact pages would be L3 hits for the others); the store pass, then the
     # fusion modes, most telling first (a run cut short keeps what it finished: saved after every configuration)
-    configs = [("prefix", "prefix", 0.15, False, "ssd-prefix"), ("store", "reuse", 0.15, True, "ssd"),
-               (f"blend {a.default_ratio:g}", "blend", a.default_ratio, False, "ssd"),
-               ("reuse", "reuse", 0.15, False, "ssd"),
-               (f"single {a.default_ratio:g}", "single", a.default_ratio, False, "ssd")]
-    configs += [(f"blend {r:g}", "blend", r, False, "ssd") for r in a.ratios if r != a.default_ratio]
-    configs.append(("full", "full", 0.15, False, "ssd"))
+    dev = "deviation"
+    configs = [("prefix", "prefix", 0.15, dev, False, "ssd-prefix"), ("store", "reuse", 0.15, dev, True, "ssd"),
+               (f"blend {a.default_ratio:g}", "blend", a.default_ratio, dev, False, "ssd"),
+               ("reuse", "reuse", 0.15, dev, False, "ssd"),
+               (f"single {a.default_ratio:g}", "single", a.default_ratio, dev, False, "ssd")]
+    configs += [(f"blend {r:g} importance", "blend", r, "importance", False, "ssd") for r in a.importance_ratios]
+    configs += [(f"blend {r:g}", "blend", r, dev, False, "ssd") for r in a.ratios if r != a.default_ratio]
+    configs.append(("full", "full", 0.15, dev, False, "ssd"))
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
-        for name, mode, ratio, warm, ssd in configs:
-            rows = run_config(name, mode, ratio, questions, a.start, Path(tmp) / ssd, Path(tmp), dtype, warm)
+        for name, mode, ratio, select, warm, ssd in configs:
+            rows = run_config(name, mode, ratio, select, questions, a.start, Path(tmp) / ssd, Path(tmp), dtype,
+                              warm)
             if not warm:
                 results[name] = rows
                 save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": a.start, "questions": len(questions),
@@ -264,8 +289,12 @@ def main() -> int:
                f"{blend['f1_minus_prefix_ci'][1]:+.3f}), agreement with prefix {blend['agreement']:.2f}, TTFT "
                f"{summary['prefix']['ttft_s'] / blend['ttft_s']:.2f}x lower: {'met' if ok else 'missed'} "
                "(target F1 >= prefix - 0.02 at >= 2.5x lower TTFT)")
+    versus = importance_vs_deviation(results)
+    for name, v in versus.items():
+        verdict += (f"; {name} vs deviation: F1 {v['f1_diff']:+.3f} (95 % {v['f1_diff_ci'][0]:+.3f} .. "
+                    f"{v['f1_diff_ci'][1]:+.3f}), agreement with prefix {v['agreement_diff']:+.3f}")
     save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": a.start, "questions": len(questions),
-                      "summary": summary, "rows": results, "verdict": verdict})
+                      "summary": summary, "importance_vs_deviation": versus, "rows": results, "verdict": verdict})
     print("verdict:", verdict)
     return 0
 

@@ -319,32 +319,45 @@ HISTORY_LOADS = TieredConfig().importance_probe_skip  # from here on the failing
 
 def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: list[str], codes: list[str],
                    modes: dict[str, str]) -> tuple[dict, list[str]]:
-    """One gated server on a fresh SSD directory: each document asked the warm-up question (its pages get scored and
-    repacked); then `HISTORY_LOADS` gated loads of the warm-up question (other requests a running server has
-    served: they give the gate history its steady state, `--tiered-importance-probe-skip`); then per document and
-    per mode (label -> `tiered_importance`), device and host flushed and the SSD files evicted from the page cache,
-    the code question. Rows per label, and the sparse-load log lines."""
+    """`ask_gated` with the code question on every document, `modes` (label -> `tiered_importance`)."""
+    return ask_gated(tmp, name, wrapper, args, texts, [(QUESTION, [code]) for code in codes],
+                     {label: {"tiered_importance": mode} for label, mode in modes.items()})
+
+
+def ask_gated(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: list[str],
+              asks: list[tuple[str, list[str]]], modes: dict[str, dict], max_new_tokens: int = 8,
+              warmup: str = WARMUP) -> tuple[dict, list[str]]:
+    """One gated server on a fresh SSD directory: each document asked the `warmup` question (its pages get scored
+    and repacked); then, per gated mode, `HISTORY_LOADS` loads of the warm-up question (other requests a running
+    server has served: they give that gate and ratio's history its steady state, `--tiered-importance-probe-skip`);
+    then per document and
+    per mode (label -> the request's custom_params), device and host flushed and the SSD files evicted from the
+    page cache, the document's question `asks[i][0]`, correct when the greedy continuation holds every string of
+    `asks[i][1]`. Rows per label, and the sparse-load log lines."""
     store = tmp / name
     rows: dict = {label: [] for label in modes}
     with ServerProcess([*args, "--tiered-ssd-dir", str(store)], log_path=tmp / f"{name}.log", wrapper=wrapper) as s:
         for i, text in enumerate(texts):
-            s.generate(text + WARMUP, max_new_tokens=1)
+            s.generate(text + warmup, max_new_tokens=1)
             deadline = time.monotonic() + 60
             while len(s.log_lines("tiered repack:")) <= i and time.monotonic() < deadline:
                 time.sleep(0.2)
-        for i in range(HISTORY_LOADS):
-            s.flush_cache()
-            s.generate(texts[i % len(texts)] + WARMUP, max_new_tokens=1)
-        for text, code in zip(texts, codes):
-            for label, mode in modes.items():
+        for custom in (c for c in modes.values() if c.get("tiered_importance", "gated") == "gated"):
+            for i in range(HISTORY_LOADS):
+                s.flush_cache()
+                s.request("/generate", {"text": texts[i % len(texts)] + warmup, "sampling_params": {
+                    "max_new_tokens": 1, "custom_params": custom}}, timeout=600)
+        for text, (question, expected) in zip(texts, asks):
+            for label, custom in modes.items():
                 s.flush_cache()
                 evict_from_page_cache(store)
                 before = server_read_bytes(s)
-                r = stream_generate(s, {"text": text + QUESTION, "sampling_params": {
-                    "max_new_tokens": 8, "temperature": 0, "custom_params": {"tiered_importance": mode}}})
+                r = stream_generate(s, {"text": text + question, "sampling_params": {
+                    "max_new_tokens": max_new_tokens, "temperature": 0, "custom_params": custom}})
                 rows[label].append({"ttft_s": r["ttft_s"], "latency_s": r["latency_s"],
                                     "read_bytes": server_read_bytes(s) - before, "output_ids": r["output_ids"],
-                                    "answer": answer(r["text"]), "correct": code in r["text"],
+                                    "answer": answer(r["text"]), "text": r["text"],
+                                    "correct": all(e.lower() in r["text"].lower() for e in expected),
                                     "cached": cached_details(r)})
         return rows, s.log_lines("tiered sparse: rid")
 

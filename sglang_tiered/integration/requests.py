@@ -29,6 +29,8 @@ CHUNKS_PARAM = "tiered_chunks"  # custom_params key of a marked prompt's part le
 SPARSE_PARAM = "tiered_importance"  # custom_params key of a request's gated sparse loading mode (sparse.py)
 SPARSE_MODES = ("gated", "off", "full")
 GATE_PARAM = "tiered_importance_gate"  # custom_params key of a request's gate, overriding --tiered-importance-gate
+RATIO_PARAM = "tiered_importance_ratio"  # custom_params key of a gated load's ratio, overriding
+#                                          --tiered-importance-ratio
 KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
 KVPR_MODES = ("off", "auto", "force")  # or a number of tokens to recompute
 RETAIN_PARAM = "tiered_retain"  # custom_params key: seconds to keep the prompt's pages (door.py)
@@ -52,6 +54,12 @@ def check_kvpr_mode(mode: Any) -> None:
         return
     raise ValueError(f"custom_params.{KVPR_PARAM} must be one of {KVPR_MODES} or a number of tokens >= 0, got "
                      f"{mode!r}")
+
+
+def check_ratio(value: Any) -> None:
+    """Raise ValueError unless `value` (custom_params.tiered_importance_ratio) is a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"custom_params.{RATIO_PARAM} must be a number in (0, 1], got {value!r}")
 
 
 def check_retain(seconds: Any, max_seconds: float) -> None:
@@ -114,6 +122,8 @@ class RequestCheck:
         custom = params.get("custom_params") if isinstance(params, dict) else None
         check_choice(custom, SPARSE_PARAM, SPARSE_MODES)
         check_choice(custom, GATE_PARAM, GATES)
+        if isinstance(custom, dict) and custom.get(RATIO_PARAM) is not None:
+            check_ratio(custom[RATIO_PARAM])
         if isinstance(custom, dict) and KVPR_PARAM in custom:
             check_kvpr_mode(custom[KVPR_PARAM])
         if isinstance(custom, dict) and custom.get(RETAIN_PARAM) is not None:

@@ -44,7 +44,7 @@ from sglang_tiered.engine.sparse import sparse_prefill
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
-from sglang_tiered.integration.requests import GATE_PARAM, SPARSE_MODES, SPARSE_PARAM, request_params
+from sglang_tiered.integration.requests import GATE_PARAM, RATIO_PARAM, SPARSE_MODES, SPARSE_PARAM, request_params
 from sglang_tiered.policy.importance import GATES, GateHistory
 from sglang_tiered.storage.group_file import GroupMeta
 
@@ -86,10 +86,9 @@ class Sparse:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        cfg = rt.settings.config
         self.handler = SparseHandler(rt, self)
         self._holes: OrderedDict[str, Holes] = OrderedDict()
-        self.histories = {gate: GateHistory(cfg.importance_probe_skip) for gate in GATES}
+        self.histories: dict[tuple[str, float], GateHistory] = {}  # per (gate, ratio): their pass rates differ
 
     # ------------------------------------------------------------------------------------- loader (door.py)
     def admit(self, req) -> None:
@@ -123,6 +122,19 @@ class Sparse:
         """The request's gate: custom_params.tiered_importance_gate, else `--tiered-importance-gate`."""
         gate = request_params(req).get(GATE_PARAM)
         return gate if gate in GATES else self.rt.settings.config.importance_gate
+
+    def ratio(self, req) -> float:
+        """The request's ratio: custom_params.tiered_importance_ratio (checked at the door), else
+        `--tiered-importance-ratio`."""
+        ratio = request_params(req).get(RATIO_PARAM)
+        return float(ratio) if ratio is not None else self.rt.settings.config.importance_ratio
+
+    def history(self, gate: str, ratio: float) -> GateHistory:
+        """The probe-skipping history of loads with this gate and ratio."""
+        key = (gate, ratio)
+        if key not in self.histories:
+            self.histories[key] = GateHistory(self.rt.settings.config.importance_probe_skip)
+        return self.histories[key]
 
     def stored_run(self, req, start: int) -> Optional[Plan]:
         """The pages of `req`'s prompt from token `start` (page-aligned) on that lie, in order, in one repacked
@@ -177,12 +189,12 @@ class SparseHandler(SpanHandler):
         span = GroupSpan(tier, run.group, run.first, run.pages)
         s = span.tokens
         ids = torch.tensor(req.origin_input_ids[prefix + s : prefix + ext], dtype=torch.int64)
-        mode, gate = self.sparse.mode(req), self.sparse.gate(req)
-        history = self.sparse.histories[gate]
+        mode, gate, ratio = self.sparse.mode(req), self.sparse.gate(req), self.sparse.ratio(req)
+        history = self.sparse.history(gate, ratio)
         skip = history.skip() if mode != "full" else frozenset()
         res = sparse_prefill(engine, ids, prefix_len=prefix, span=span,
                              prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
-                             heads=cfg.importance_heads, window=cfg.importance_window, ratio=cfg.importance_ratio,
+                             heads=cfg.importance_heads, window=cfg.importance_window, ratio=ratio,
                              alpha=cfg.importance_alpha, gate=gate, max_drop=cfg.importance_max_drop,
                              force="fail" if mode == "full" else None, skip=skip)
         if mode != "full":
@@ -208,14 +220,14 @@ class SparseHandler(SpanHandler):
         events.count("sparse_bytes_read", span.bytes_read)
         events.count("sparse_bytes_needed", needed)
         tier.stats.add(sparse_bytes_read=span.bytes_read, sparse_bytes_needed=needed)
-        logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, gate, passes, len(res.gates), len(skip),
+        logger.info(LOG_LINE, req.rid, prefix, s, ext - s, mode, gate, passes, len(res.gates), len(skip), ratio,
                     res.loaded_fraction, span.bytes_read / 2**20, span.bytes_read / max(1, needed),
                     time.perf_counter() - t0)
         return hidden
 
 
 LOG_LINE = ("tiered sparse: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s %s gate passed %d/%d "
-            "layers (%d unprobed), loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), "
+            "layers (%d unprobed), ratio %.2f, loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), "
             "total=%.3fs")
 # what `LOG_LINE` says, for readers of the server log (benchmarks): rid, stored tokens, MiB read, read amplification
 LOG_PATTERN = re.compile(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0-9.]+) MiB read \(read amplification "

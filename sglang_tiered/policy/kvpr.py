@@ -16,9 +16,9 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
   its pages;
 * whether compute joins a load: only while a page reads in at least MEET_MIN_READ_SHARE of a page's compute (the
   claim rule in engine/meet.py measures both as the load runs; the loader alone takes the span otherwise).
-  `auto` takes a span that compute would not join only where the loader reads activations: reading the same KV
-  alone, our loader is SGLang's load with more CPU work per byte (measured: 1.24x / 1.36x SGLang's load on the MHA
-  model at the disk's own speed, 4096 / 8064 tokens).
+  `auto` takes a span on which compute may not join (a page read below MEET_TAKE_READ_SHARE of a page's compute)
+  only where the loader reads activations: reading KV alone, our loader is SGLang's load with more CPU work per
+  byte (measured: 1.24x / 1.36x SGLang's load on the MHA model at the disk's own speed, 4096 / 8064 tokens).
 """
 
 from __future__ import annotations
@@ -89,6 +89,14 @@ MEET_CHUNK_PAGES = 4
 # 0.261 s)
 MEET_MIN_READ_SHARE = 0.25
 
+# `auto` takes a span that the loader would read as KV only where the profile puts a page's read at this share of a
+# page's compute or more: the profile's estimate is looser than the engine's rule above because the engine decides
+# on the load's own measured rates (compute chunks of 4 pages run 0.55-0.77x a page's time; measured in one run,
+# SmolLM2 bf16, 200 MB/s: the profile said 8.7 ms a read against 62.8 ms a page (0.14), the loads met at page 12 of
+# 126 and finished in 1.05 s against 1.31 s for SGLang's load); below it (the MHA model at the disk's own speed:
+# 0.04) SGLang loads the span
+MEET_TAKE_READ_SHARE = MEET_MIN_READ_SHARE / 2
+
 
 # `auto` takes a span only where reading it takes longer than computing this many pages: below, our loader could
 # gain a few milliseconds at most, and SGLang's own load keeps the hit in SGLang's cached-token counts
@@ -116,13 +124,14 @@ class Decision:
 def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_activations: bool,
            forced: bool) -> Decision:
     """The loader's plan for a span of `pages` pages: activations wherever stored when `forced`, else where they pay;
-    taken always when `forced`, else where `meet_pays` and either compute joins or the loader reads activations
-    (alone on KV it only repeats SGLang's load, slower)."""
+    taken always when `forced`, else where `meet_pays` and either the loader reads activations or compute may join
+    (a page read takes MEET_TAKE_READ_SHARE of a page's compute or more; alone on KV the loader only repeats
+    SGLang's load, slower)."""
     use_x = stored_activations and (forced or activations_pay(shape, prof))
     read_s = page_read_s(shape, prof, page_size, use_x)
     page_s = page_compute_s(prof, shape.layers, page_size)
     joins = read_s >= MEET_MIN_READ_SHARE * page_s
-    take = forced or (meet_pays(pages, read_s, page_s) and (joins or use_x))
+    take = forced or (meet_pays(pages, read_s, page_s) and (use_x or read_s >= MEET_TAKE_READ_SHARE * page_s))
     return Decision(take, use_x, read_s, page_s, joins)
 
 
@@ -138,7 +147,8 @@ def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096
         return (f"a {tokens}-token span: SGLang's own load (a page reads in {d.read_s * 1e3:.1f} ms {how}, too fast "
                 f"next to {d.page_s * 1e3:.1f} ms to compute one for compute to join)")
     if not d.compute_joins:
-        return (f"a {tokens}-token span: read by our loader alone, {how} ({d.read_s * 1e3:.1f} ms a page against "
-                f"{d.page_s * 1e3:.1f} ms to compute one), {pages * d.read_s:.3f}s")
+        return (f"a {tokens}-token span: read by our loader, {how} ({d.read_s * 1e3:.1f} ms a page against "
+                f"{d.page_s * 1e3:.1f} ms to compute one: compute joins if the load's own reads are slower), "
+                f"{pages * d.read_s:.3f}s")
     return (f"a {tokens}-token span: two-sided, pages read {how} ({d.read_s * 1e3:.1f} ms each) from the back while "
             f"pages are computed ({d.page_s * 1e3:.1f} ms each) from the front")

@@ -41,12 +41,15 @@ def server(tmp: Path, name: str, *extra: str) -> ServerProcess:
     return ServerProcess(args, log_path=tmp / f"{name}.log")
 
 
-def ask(s: ServerProcess, text: str, mode: str | None = None, gate: str | None = None) -> dict:
+def ask(s: ServerProcess, text: str, mode: str | None = None, gate: str | None = None,
+        ratio: float | None = None) -> dict:
     params: dict = {"max_new_tokens": 12, "temperature": 0, "custom_params": {}}
     if mode:
         params["custom_params"]["tiered_importance"] = mode
     if gate:
         params["custom_params"]["tiered_importance_gate"] = gate
+    if ratio is not None:
+        params["custom_params"]["tiered_importance_ratio"] = ratio
     status, body = s.request("/generate", {"text": text, "sampling_params": params})
     assert status == 200, body
     return body
@@ -130,6 +133,8 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         metrics = s.get("/metrics")
         s.flush_cache()
         per_request = ask(s, prompt, gate="jaccard")
+        s.flush_cache()
+        ask(s, prompt, gate="jaccard", ratio=0.5)
         mass_lines = s.log_lines("tiered sparse: rid")
 
         # 4. a `full` load reads every chunk of every layer: one corrupt chunk (layer 2) ends it
@@ -148,7 +153,7 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         computed = ask(s, prompt, "off")
         fallbacks = s.log_lines("tiered sparse: rid", since=mark)
     assert mass["meta_info"]["completion_tokens"] >= 1
-    assert len(mass_lines) == 2 and "mode=gated mass gate passed" in mass_lines[0], mass_lines
+    assert len(mass_lines) == 3 and "mode=gated mass gate passed" in mass_lines[0], mass_lines
     passed = metric_total(metrics, "sglang_tiered:sparse_gate_passes_total")
     assert 0 < passed < 30  # SmolLM2: 30 layers
     assert 0 < metric_total(metrics, "sglang_tiered:sparse_attention_dropped_total") <= 0.15 * passed
@@ -158,6 +163,10 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert "mode=gated jaccard gate passed" in mass_lines[1], mass_lines
     assert per_request["output_ids"] == gated["output_ids"]
     assert mass_lines[1].split("gate passed")[1].split(",")[0] == lines[1].split("gate passed")[1].split(",")[0]
+    # a request's own ratio (custom_params.tiered_importance_ratio): logged, with its own probe-skipping history --
+    # the Jaccard load at the default 0.2 just before it failed layers it would otherwise skip unprobed
+    assert "ratio 0.20" in mass_lines[1] and "(0 unprobed)" not in lines[2], (mass_lines, lines)
+    assert "ratio 0.50" in mass_lines[2] and "(0 unprobed)" in mass_lines[2], mass_lines
 
     assert recovered["output_ids"] == cold["output_ids"]
     assert any("stored span unreadable" in line and "SGLang computes the span" in line for line in fallbacks), \
