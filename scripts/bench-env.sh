@@ -8,7 +8,11 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "[bench-env] run scripts/setup.sh first (.venv/ is missing)" >&2; exit 1; }
 [ -x .venv-bench/bin/python ] || .venv/bin/python -m venv .venv-bench
 purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-purelib .venv/bin/python > "$(purelib .venv-bench/bin/python)/_server_env.pth"
+site="$(purelib .venv-bench/bin/python)"
+purelib .venv/bin/python > "$site/_server_env.pth"
+# the server's interpreter-start guard for `import torchvision` on a CPU torch (sglang_tiered_boot.py): SGLang's
+# client imports it too; .pth files run in name order, so this one sees the server's packages on the path
+cp "$(purelib .venv/bin/python)/sglang_tiered_boot.pth" "$site/"
 if ! .venv-bench/bin/python -c "import datasets" 2> /dev/null; then
     echo "[bench-env] installing datasets into .venv-bench (pip's output: .venv-bench/install.log)"
     .venv-bench/bin/python -m pip install --disable-pip-version-check --progress-bar off datasets \
