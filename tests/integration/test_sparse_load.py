@@ -86,12 +86,13 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
         s.flush_cache()
         exact = ask(s, prompt, "full")
         assert exact["output_ids"] == cold["output_ids"]
-        before = s.get("/metrics")
+        # counters are published once a second: wait for each load's count (full, gated, gated again) to show
+        before = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 1)
         s.flush_cache()
         gated = ask(s, prompt)
-        mid = s.get("/metrics")
+        mid = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 2)
         gated_again = ask(s, prompt)
-        after = s.get("/metrics")
+        after = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 3)
         lines = s.log_lines("tiered sparse: rid")
 
     assert gated["meta_info"]["completion_tokens"] >= 1
@@ -130,7 +131,7 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
 
     with server(tmp_path, "mass", "--tiered-importance-gate", "mass") as s:
         mass = ask(s, prompt)
-        metrics = s.get("/metrics")
+        metrics = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 1)
         s.flush_cache()
         per_request = ask(s, prompt, gate="jaccard")
         s.flush_cache()
@@ -172,8 +173,8 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert any("stored span unreadable" in line and "SGLang computes the span" in line for line in fallbacks), \
         fallbacks
     assert metric_total(after_corruption, "sglang_tiered:sparse_fallbacks_total") == 1
-    # the mass and the Jaccard loads; the `full` one ended before it was counted
-    assert metric_total(after_corruption, "sglang_tiered:sparse_requests_total") == 2
+    # the mass and the two Jaccard loads; the `full` one ended before it was counted
+    assert metric_total(after_corruption, "sglang_tiered:sparse_requests_total") == 3
     assert not group.exists()
     assert cached_details(computed)["storage"] == 0 and computed["output_ids"] == cold["output_ids"]
 
