@@ -227,8 +227,8 @@ class SparseHandler(SpanHandler):
 
 
 LOG_LINE = ("tiered sparse: rid %s sparse load: prefix=%d stored=%d computed=%d mode=%s %s gate passed %d/%d "
-            "layers (%d unprobed), ratio %.2f, loaded %.3f of the stored token-layers, %.1f MiB read (read amplification %.2f), "
-            "total=%.3fs")
+            "layers (%d unprobed), ratio %.2f, loaded %.3f of the stored token-layers, %.1f MiB read (read "
+            "amplification %.2f), total=%.3fs")
 # what `LOG_LINE` says, for readers of the server log (benchmarks): rid, stored tokens, MiB read, read amplification
 LOG_PATTERN = re.compile(r"rid (\S+) sparse load: prefix=\d+ stored=(\d+) .* ([0-9.]+) MiB read \(read amplification "
                          r"([0-9.]+)")
