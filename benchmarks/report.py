@@ -296,35 +296,10 @@ def main() -> int:
                                f"| {sp[m]['ratio']:.3f} |")
             out.append("")
         out += ["![blend](benchmarks/results/blend.png)", ""]
-    d = _results("meet")
-    if d is not None:
-        mha = d["models"]["smollm2-mha"]
-        out += ["## Compute the front, load the back (`benchmarks/meet.py`)", "", *_reproduce("benchmarks/meet.py"),
-                f"Machine: {_machine(d['machine'])}; {_dtype(d)}; smollm2 = SmolLM2-135M (GQA: no activations), "
-                f"smollm2-mha = its shape with {mha['kv_heads']} KV heads and random weights (activations stored); "
-                f"a stored span + {d['question']} new tokens, max_new_tokens = 1, the SSD tier's files evicted from "
-                f"the page cache before every request; medians of {d['repeats']} shuffled rounds (2 more for 1024 "
-                "tokens). load = SGLang's own L3 load, recompute = the same tokens under a fresh cache_salt (nothing "
-                "stored matches), loader = our loader reading the whole span (as activations where they pay), auto "
-                "= the default (two-sided where reading the span takes longer than computing 2 pages), race = "
-                "two-sided always; met = the pages race computed of the span's pages; x = span tokens race read as "
-                "activations (median).", "",
-                "| model | disk | span | load (s) | recompute (s) | loader (s) | auto (s) | race (s) | "
-                "auto / min(load, recompute) | met (race) | x | answers differing |",
-                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
-        for model, disks in d["results"].items():
-            for disk, lengths in disks.items():
-                for n, p in lengths.items():
-                    if n == "profile":
-                        continue
-                    best = min(p["load"]["ttft_s"], p["recompute"]["ttft_s"])
-                    met = ", ".join(f"{r['met'][0]}/{r['met'][1]}" for r in p["race"]["rows"] if r["met"])
-                    x = sorted(r.get("from_activations", 0) for r in p["race"]["rows"])[len(p["race"]["rows"]) // 2]
-                    out.append(f"| {model} | {disk} | {n} | {p['load']['ttft_s']:.3f} | "
-                               f"{p['recompute']['ttft_s']:.3f} | {p['loader']['ttft_s']:.3f} | "
-                               f"{p['auto']['ttft_s']:.3f} | {p['race']['ttft_s']:.3f} | "
-                               f"{p['auto']['ttft_s'] / best:.2f} | {met} | {x} | {p['answers_differing']} |")
-        out += ["", f"Verdict: {d['verdict']}.", "", "![meet](benchmarks/results/meet.png)", ""]
+    out += meet_section()
+    out += hotpotqa_section()
+    out += retrieval_section()
+    out += serving_section()
     d = _results("retention")
     if d is not None:
         out += ["## Retention (`benchmarks/retention.py`)", "", *_reproduce("benchmarks/retention.py"),
@@ -354,6 +329,126 @@ def main() -> int:
         out += [f"Verdict: {d['verdict']}.", "", "![retention](benchmarks/results/retention.png)", ""]
     print("\n".join(out))
     return 0
+
+
+def meet_rows(d: dict) -> list[str]:
+    """The rows of one benchmarks/meet.py run (a full run or a partial re-run)."""
+    out = ["| model | disk | span | load (s) | recompute (s) | loader (s) | auto (s) | race (s) | "
+           "auto / min(load, recompute) | met (race) | x | answers differing |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for model, disks in d["results"].items():
+        for disk, lengths in disks.items():
+            for n, p in lengths.items():
+                if n == "profile":
+                    continue
+                best = min(p["load"]["ttft_s"], p["recompute"]["ttft_s"])
+                met = ", ".join(f"{r['met'][0]}/{r['met'][1]}" for r in p["race"]["rows"] if r["met"])
+                x = sorted(r.get("from_activations", 0) for r in p["race"]["rows"])[len(p["race"]["rows"]) // 2]
+                out.append(f"| {model} | {disk} | {n} | {p['load']['ttft_s']:.3f} | "
+                           f"{p['recompute']['ttft_s']:.3f} | {p['loader']['ttft_s']:.3f} | "
+                           f"{p['auto']['ttft_s']:.3f} | {p['race']['ttft_s']:.3f} | "
+                           f"{p['auto']['ttft_s'] / best:.2f} | {met} | {x} | {p['answers_differing']} |")
+    return out
+
+
+# partial re-runs of benchmarks/meet.py after a change of `auto`'s rule (--name), oldest first: (name, what changed)
+MEET_RERUNS = [
+    ("meet-native", "`auto` leaves a span the loader would read alone as KV to SGLang (`--slow-mbps 200 --busy` "
+     "with no speed: the disk's own speed and 200 MB/s)"),
+    ("meet-200", "`auto` takes a KV-only span where the profile puts a page read at >= 1/8 of a page's compute "
+     "(`--models smollm2 --skip-native --slow-mbps 200 --busy`: the current rule)"),
+]
+
+
+def meet_section() -> list[str]:
+    d = _results("meet")
+    if d is None:
+        return []
+    mha = d["models"]["smollm2-mha"]
+    out = ["## Compute the front, load the back (`benchmarks/meet.py`)", "", *_reproduce("benchmarks/meet.py"),
+           f"Machine: {_machine(d['machine'])}; {_dtype(d)}; smollm2 = SmolLM2-135M (GQA: no activations), "
+           f"smollm2-mha = its shape with {mha['kv_heads']} KV heads and random weights (activations stored); "
+           f"a stored span + {d['question']} new tokens, max_new_tokens = 1, the SSD tier's files evicted from "
+           f"the page cache before every request; medians of {d['repeats']} shuffled rounds (2 more for 1024 "
+           "tokens). load = SGLang's own L3 load, recompute = the same tokens under a fresh cache_salt (nothing "
+           "stored matches), loader = our loader reading the whole span (as activations where they pay), auto "
+           "= the default, race = two-sided always; met = the pages race computed of the span's pages; x = span "
+           "tokens race read as activations (median).", "", *meet_rows(d),
+           "", f"Verdict: {d['verdict']}.", "", "![meet](benchmarks/results/meet.png)", ""]
+    for name, what in MEET_RERUNS:
+        r = _results(name)
+        if r is not None:
+            out += [f"Partial re-run after a change: {what}; same machine class, {_dtype(r)}:", "", *meet_rows(r),
+                    "", f"Verdict of this re-run: {r['verdict']}.", ""]
+    return out
+
+
+def hotpotqa_section() -> list[str]:
+    d = _results("hotpotqa")
+    if d is None:
+        return []
+    out = ["## Chunk fusion on HotpotQA (`benchmarks/hotpotqa.py`)", "", *_reproduce("benchmarks/hotpotqa.py"),
+           f"Machine: {_machine(d['machine'])}; {_dtype(d)}; HotpotQA dev (distractor), questions {d['start']}.."
+           f"{d['start'] + d['questions'] - 1}, 10 paragraphs as chunks in a shuffled order after a store pass in "
+           "dataset order; F1 / EM with HotpotQA's normalisation, 95 % bootstrap intervals; agreement = the same "
+           "normalised answer as `prefix`; KL = first-token KL(prefix || mode) over the top-20 union; TTFT = the "
+           "shuffled ask, median.", "",
+           "| configuration | F1 [95 %] | EM | F1 - prefix [95 %] | agreement with prefix | first token = prefix's "
+           "| first-token KL | TTFT (s) | prefix TTFT / TTFT |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ref = d["summary"]["prefix"]["ttft_s"]
+    for name, m in d["summary"].items():
+        kl = f"{m['first_token_kl']:.3f}" if m["first_token_kl"] is not None else "n/a"
+        out.append(f"| {name} | {m['f1']:.3f} [{m['f1_ci'][0]:.3f}, {m['f1_ci'][1]:.3f}] | {m['em']:.3f} | "
+                   f"{m['f1_minus_prefix']:+.3f} [{m['f1_minus_prefix_ci'][0]:+.3f}, "
+                   f"{m['f1_minus_prefix_ci'][1]:+.3f}] | {m['agreement']:.3f} | {m['first_token_agreement']:.3f} | "
+                   f"{kl} | {m['ttft_s']:.3f} | {ref / m['ttft_s']:.2f} |")
+    for name, v in d.get("importance_vs_deviation", {}).items():
+        out.append(f"\n{name} against deviation-only selection at the same ratio, paired: F1 {v['f1_diff']:+.3f} "
+                   f"[{v['f1_diff_ci'][0]:+.3f}, {v['f1_diff_ci'][1]:+.3f}], agreement with prefix "
+                   f"{v['agreement_diff']:+.3f} [{v['agreement_diff_ci'][0]:+.3f}, {v['agreement_diff_ci'][1]:+.3f}].")
+    return out + ["", f"Verdict: {d['verdict']}.", "", "![hotpotqa](benchmarks/results/hotpotqa.png)", ""]
+
+
+def retrieval_section() -> list[str]:
+    d = _results("retrieval")
+    if d is None:
+        return []
+    tasks = list(next(iter(d["summary"].values()))["per_task"])
+    out = ["## Gated sparse loading on retrieval tasks (`benchmarks/retrieval.py`)", "",
+           *_reproduce("benchmarks/retrieval.py"),
+           f"Machine: {_machine(d['machine'])}; {_dtype(d)}; haystacks of {' and '.join(map(str, d['lengths']))} "
+           f"tokens, {len(d['cases'])} documents, reads throttled to {d['slow_mbps']} MB/s; MiB read and TTFT are "
+           "medians per request; agreement = the same answer (first sentence) as `off`, SGLang's full load.", "",
+           "| mode | accuracy | " + " | ".join(tasks) + " | agreement with off | MiB read | TTFT (s) |",
+           "| --- | ---: | " + " | ".join("---:" for _ in tasks) + " | ---: | ---: | ---: |"]
+    for mode, m in d["summary"].items():
+        out.append(f"| {mode} | {m['accuracy']:.2f} | " + " | ".join(f"{m['per_task'][t]:.2f}" for t in tasks) +
+                   f" | {m.get('answer_agreement', 1.0):.2f} | {m['read_mib']:.1f} | {m['ttft_s']:.3f} |")
+    return out + ["", f"Verdict: {d['verdict']}.", "", "![retrieval](benchmarks/results/retrieval.png)", ""]
+
+
+def serving_section() -> list[str]:
+    d = _results("serving")
+    if d is None:
+        return []
+    out = ["## Serving with SGLang's own client (`benchmarks/serving.py`)", "",
+           "Reproduce: `bash scripts/bench-env.sh && .venv/bin/python benchmarks/serving.py`, then "
+           "`.venv/bin/python benchmarks/report.py > BENCHMARKS.md`.", "",
+           f"Machine: {_machine(d['machine'])}; {_dtype(d)}; device pool {d['device_tokens']} tokens; "
+           "`python -m sglang.benchmark.serving` (its numbers: req/s, TTFT); queue = the server's mean "
+           "`sglang:queue_time_seconds`; cached = the client's cache report (prompt tokens served from any tier).", "",
+           "| workload | configuration | req/s | TTFT median (s) | TTFT p90 (s) | queue mean (s) | cached | "
+           "blend fallbacks |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for workload, points in d["results"].items():
+        for config, p in points.items():
+            cached = (p.get("cache") or {}).get("cache_hit_rate_pct")
+            queue = f"{p['queue_mean_s']:.2f}" if p.get("queue_mean_s") is not None else "n/a"
+            out.append(f"| {workload} | {config} | {p['request_throughput']:.3f} | {p['median_ttft_ms'] / 1e3:.2f} | "
+                       f"{p['p90_ttft_ms'] / 1e3:.2f} | {queue} | "
+                       f"{'n/a' if cached is None else f'{cached:.0f} %'} | {p.get('blend_fallbacks', 0)} |")
+    return out + ["", f"Verdict: {d.get('verdict', 'partial')}.", "", "![serving](benchmarks/results/serving.png)",
+                  ""]
 
 
 if __name__ == "__main__":
