@@ -22,7 +22,8 @@ def test_help_lists_our_flags():
                  "--tiered-namespace", "--tiered-prefetch-threshold",
                  "--tiered-blend {off,full,prefix,reuse,single,blend}", "--tiered-blend-separator",
                  "--tiered-blend-ratio", "--tiered-blend-select {deviation,importance}", "--tiered-blend-memory",
-                 "--tiered-runahead-ranks", "--tiered-runahead-min-tokens", "--tiered-runahead-timeout", "--tiered-runahead-threads",
+                 "--tiered-runahead-ranks", "--tiered-runahead-min-tokens", "--tiered-runahead-timeout",
+                 "--tiered-runahead-threads",
                  "--tiered-runahead-partitions", "--tiered-remote", "--tiered-remote-metadata",
                  "--tiered-remote-segment", "--tiered-remote-host", "--tiered-importance-repack-memory",
                  "--tiered-importance-gate {jaccard,mass}", "--tiered-importance-max-drop"):
