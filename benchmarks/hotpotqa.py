@@ -30,6 +30,7 @@ TTFT median. Verdict: blend F1 >= prefix F1 - 0.02 at >= 2.5x lower TTFT (issue 
     .venv/bin/python benchmarks/hotpotqa.py [--start 1000] [--questions 300] [--ratios 0.05 0.15 0.3]
 
 Writes benchmarks/results/hotpotqa.json and .png (TTFT against F1 per configuration) and prints one verdict line.
+`--finish` summarises a run stopped early from the rows it saved after each configuration (naming what it lacks).
 """
 
 from __future__ import annotations
@@ -257,10 +258,10 @@ def main() -> int:
     ap.add_argument("--importance-ratios", nargs="*", type=float, default=[0.05, 0.15],
                     help="blend ratios measured again with --tiered-blend-select importance")
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
+    ap.add_argument("--finish", action="store_true", help="summarise the rows a stopped run saved, run nothing")
     a = ap.parse_args()
     exit_cleanly_on_sigterm()
     dtype = a.dtype or auto_dtype()
-    questions = load_questions(a.start, a.questions)
     # prefix on its own SSD directory (its exact pages would be L3 hits for the others); the store pass, then the
     # fusion modes, most telling first (a run cut short keeps what it finished: saved after every configuration)
     dev = "deviation"
@@ -271,6 +272,10 @@ def main() -> int:
     configs += [(f"blend {r:g} importance", "blend", r, "importance", False, "ssd") for r in a.importance_ratios]
     configs += [(f"blend {r:g}", "blend", r, dev, False, "ssd") for r in a.ratios if r != a.default_ratio]
     configs.append(("full", "full", 0.15, dev, False, "ssd"))
+    if a.finish:
+        finish_saved(a.default_ratio, [c[0] for c in configs if not c[4]])
+        return 0
+    questions = load_questions(a.start, a.questions)
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
         for name, mode, ratio, select, warm, ssd in configs:
@@ -280,11 +285,18 @@ def main() -> int:
                 results[name] = rows
                 save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": a.start, "questions": len(questions),
                                   "summary": summarize(results), "rows": results, "verdict": "partial"})
+    finish(results, a.default_ratio, dtype, a.start, len(questions), [])
+    return 0
+
+
+def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, start: int, questions: int,
+           not_measured: list[str]) -> None:
+    """Summary, paired importance-vs-deviation comparison, plot and verdict of the measured configurations."""
     summary = summarize(results)
     plot(summary, RESULTS / "hotpotqa.png")
-    blend = summary[f"blend {a.default_ratio:g}"]
+    blend = summary[f"blend {default_ratio:g}"]
     ok = blend["f1"] >= summary["prefix"]["f1"] - 0.02 and summary["prefix"]["ttft_s"] >= 2.5 * blend["ttft_s"]
-    verdict = (f"blend {a.default_ratio:g}: F1 {blend['f1']:.3f} vs prefix {summary['prefix']['f1']:.3f} "
+    verdict = (f"blend {default_ratio:g}: F1 {blend['f1']:.3f} vs prefix {summary['prefix']['f1']:.3f} "
                f"(difference {blend['f1_minus_prefix']:+.3f}, 95 % {blend['f1_minus_prefix_ci'][0]:+.3f} .. "
                f"{blend['f1_minus_prefix_ci'][1]:+.3f}), agreement with prefix {blend['agreement']:.2f}, TTFT "
                f"{summary['prefix']['ttft_s'] / blend['ttft_s']:.2f}x lower: {'met' if ok else 'missed'} "
@@ -293,11 +305,20 @@ def main() -> int:
     for name, v in versus.items():
         verdict += (f"; {name} vs deviation: F1 {v['f1_diff']:+.3f} (95 % {v['f1_diff_ci'][0]:+.3f} .. "
                     f"{v['f1_diff_ci'][1]:+.3f}), agreement with prefix {v['agreement_diff']:+.3f}")
-    save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": a.start, "questions": len(questions),
-                      "summary": summary, "importance_vs_deviation": versus, "rows": results, "verdict": verdict})
+    if not_measured:
+        verdict += f"; not measured in this run: {', '.join(not_measured)}"
+    save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": start, "questions": questions,
+                      "summary": summary, "importance_vs_deviation": versus, "not_measured": not_measured,
+                      "rows": results, "verdict": verdict})
     print("verdict:", verdict)
-    return 0
 
+
+def finish_saved(default_ratio: float, planned: list[str]) -> None:
+    """`--finish`: summarise a run that was stopped early from the rows it saved (benchmarks/results/hotpotqa.json)."""
+    saved = json.loads((RESULTS / "hotpotqa.json").read_text())
+    results = saved["rows"]
+    finish(results, default_ratio, saved["dtype"], saved["start"], saved["questions"],
+           [name for name in planned if name not in results])
 
 if __name__ == "__main__":
     sys.exit(main())
