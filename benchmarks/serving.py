@@ -6,7 +6,7 @@ Workloads:
   * `gsp`: SGLang's `generated-shared-prefix` dataset, Zipf groups (alpha 1.0): 16 groups x 6 prompts, 1,536-token
     shared system prompts, 128-token questions, 32 output tokens, 4 concurrent clients; device pool 4,096 tokens
     (three or so groups fit: the others come from host memory or storage).
-  * `gsp-multiturn`: the same with 3 turns per conversation (16 groups x 2 conversations).
+  * `gsp-multiturn`: the same with 3 turns per conversation (16 conversations, one per group draw).
   * `rag`: a custom dataset from HotpotQA dev (questions 1000 on; 0-999 are reserved): each request is one
     question's 10 paragraphs, each marked with the chunk separator, in an order shuffled per request, then the
     question; every question is asked `--rag-repeats` times (retrieval returns the same paragraphs in another
@@ -55,7 +55,7 @@ GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-group-distribution", 
        "--gsp-output-len", "32"]
 WORKLOADS = {
     "gsp": GSP + ["--gsp-prompts-per-group", "6", "--num-prompts", "96"],
-    "gsp-multiturn": GSP + ["--gsp-prompts-per-group", "2", "--gsp-num-turns", "3", "--num-prompts", "32"],
+    "gsp-multiturn": GSP + ["--gsp-prompts-per-group", "1", "--gsp-num-turns", "3", "--num-prompts", "16"],
 }
 
 
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", default=["radix", "hicache-file", "tiered", "tiered-native"])
     ap.add_argument("--concurrency", type=int, default=4, help="clients for the gsp workloads")
     ap.add_argument("--rag-start", type=int, default=1000)
-    ap.add_argument("--rag-questions", type=int, default=20)
+    ap.add_argument("--rag-questions", type=int, default=12)
     ap.add_argument("--rag-repeats", type=int, default=3)
     ap.add_argument("--rag-concurrency", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
