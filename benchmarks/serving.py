@@ -26,7 +26,8 @@ server's /metrics the mean time requests waited in the queue (`sglang:queue_time
 
     bash scripts/bench-env.sh && .venv/bin/python benchmarks/serving.py [--workloads gsp gsp-multiturn rag]
 
-Writes benchmarks/results/serving.json and .png and prints one verdict line.
+Writes benchmarks/results/serving.json (workloads not run keep their last results) and .png and prints one verdict
+line.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def rag_dataset(path: Path, start: int, questions: int, repeats: int) -> int:
 
 
 def run_client(s: ServerProcess, workload: list[str], concurrency: int, out: Path, log: Path) -> dict:
-    """One `sglang.benchmark.serving` run against `s`; its JSONL result line plus the per-request TTFTs."""
-    cmd = [str(CLIENT), "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", "127.0.0.1",
+    """One `sglang.benchmark.serving` run against `s`; its JSONL result line plus the per-request TTFTs. Multi-turn
+    workloads go through SGLang's OpenAI chat endpoint (the client's only multi-turn backend for SGLang)."""
+    backend = "sglang-oai-chat" if "--gsp-num-turns" in workload else "sglang"
+    cmd = [str(CLIENT), "-m", "sglang.benchmark.serving", "--backend", backend, "--host", "127.0.0.1",
            "--port", str(s.port), "--model", "smollm2", "--tokenizer", str(default_model_path()),
            "--max-concurrency", str(concurrency), "--output-file", str(out), "--output-details", "--cache-report",
            "--disable-tqdm", "--seed", "1", "--ready-check-timeout-sec", "0", "--warmup-requests", "1", *workload]
@@ -102,7 +105,8 @@ def run_client(s: ServerProcess, workload: list[str], concurrency: int, out: Pat
         done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=3600, cwd=ROOT,
                               start_new_session=True)
     if done.returncode != 0 or not out.exists():
-        raise RuntimeError(f"the benchmark client failed ({done.returncode}); its output: {log}")
+        raise RuntimeError(f"the benchmark client failed ({done.returncode}); the end of its output:\n"
+                           + "\n".join(log.read_text(errors="replace").splitlines()[-25:]))
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
@@ -171,6 +175,11 @@ def main() -> int:
     dtype = a.dtype or auto_dtype()
     results: dict[str, dict] = {}
     data = {"machine": machine(), "dtype": dtype, "device_tokens": DEVICE_TOKENS, "workloads": {}, "results": results}
+    earlier = RESULTS / "serving.json"
+    if earlier.exists():  # a run of some workloads keeps the other workloads' last results
+        old = json.loads(earlier.read_text())
+        for name in (w for w in old.get("results", {}) if w not in a.workloads):
+            results[name], data["workloads"][name] = old["results"][name], old["workloads"].get(name)
 
     def keep() -> None:
         save("serving", data)
