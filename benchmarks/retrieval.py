@@ -194,7 +194,7 @@ def main() -> int:
     longest = max(len(source.tok(c.text + c.question)["input_ids"]) for c in cases)
     args = ["--kv-backend", "tiered", "--max-total-tokens", str(2 * longest + 1024), "--dtype", dtype,
             "--tiered-stats-interval", "0", "--tiered-importance-load", "gated", "--chunked-prefill-size",
-            str(longest + 64)]
+            str((longest // 64 + 2) * 64)]
     wrapper = [str(SLOW_DISK), str(a.slow_mbps), "--"]
     print(f"[retrieval] {len(cases)} documents (longest {longest} tokens), {len(modes)} modes, {a.slow_mbps} MB/s",
           flush=True)
