@@ -210,7 +210,7 @@ def blend_prefill(
     if not 0 <= check_layer < layers:
         raise ValueError(f"check_layer must be in [0, {layers}), got {check_layer}")
     schedule = tuple(filter_schedule(ratio, layers, check_layer, spread)) if mode == "blend" else ()
-    select = _Selection(mode, ratio, check_layer, schedule, window if select == "importance" else 0)
+    selection = _Selection(mode, ratio, check_layer, schedule, window if select == "importance" else 0)
 
     reused_mask = torch.zeros(n, dtype=torch.bool)
     for s in spans:
@@ -219,8 +219,8 @@ def blend_prefill(
     reused_idx = reused_mask.nonzero().squeeze(1)
     fresh_mask = ~reused_mask
     fresh_mask[:p] = False
-    active = torch.arange(p, n) if select.full_layers else fresh_mask.nonzero().squeeze(1)
-    first_loaded = check_layer if select.full_layers else 0  # the deviation needs the check layer's stored KV
+    active = torch.arange(p, n) if selection.full_layers else fresh_mask.nonzero().squeeze(1)
+    first_loaded = check_layer if selection.full_layers else 0  # the deviation needs the check layer's stored KV
 
     kv = model.empty_kv(n)
     x = model.embed(ids[active])
@@ -234,7 +234,7 @@ def blend_prefill(
                 kv[layer, reused_idx] = stored.get(layer)
             computed.append(active.shape[0])
             x, active = _layer(model, layer, x, active, kv[layer], reused_mask, reused_idx.shape[0],
-                               select.fraction(layer), select.window, p, trace)
+                               selection.fraction(layer), selection.window, p, trace)
     if active[-1] != n - 1:
         raise AssertionError("the last prompt token must stay active (it is never part of a stored span)")
     return BlendResult(model.logits(x[-1:])[0], kv, computed, stored.wait_s, stored.load_s, hidden=x[-1])
