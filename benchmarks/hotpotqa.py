@@ -185,7 +185,7 @@ def run_config(name: str, mode: str, ratio: float, select: str, questions: list[
                       f"{statistics.fmean(r['f1'] for r in rows) if rows else 0:.3f}, {time.monotonic() - t0:.0f} s",
                       flush=True)
         fallbacks = len(s.log_lines("runs a normal prefill"))
-        attach_new_chunks(rows, s.log_lines("tiered blend: rid"))
+        attach_blend_log(rows, s.log_lines("tiered blend: rid"))
         if warm:
             settle(ssd)
     for r in rows:
@@ -193,16 +193,21 @@ def run_config(name: str, mode: str, ratio: float, select: str, questions: list[
     return rows
 
 
-NEW_CHUNKS = re.compile(r"chunks=\d+ \(new (\d+)\)")
+BLEND_LOG = re.compile(r"chunks=\d+ \(new (?P<new_chunks>\d+)\).* ratio=(?P<ratio>[\d.]+) "
+                       r"computed=(?P<computed>[\d.]+) load_wait=(?P<load_wait_s>[\d.]+)s "
+                       r"blend=(?P<blend_s>[\d.]+)s total=(?P<server_s>[\d.]+)s")
 
 
-def attach_new_chunks(rows: list[dict], lines: list[str]) -> None:
-    """Each measured ask's count of chunks that were not stored (computed and stored on the spot), from the blend
-    log lines -- one per marked request, in order; none in `prefix` mode."""
+def attach_blend_log(rows: list[dict], lines: list[str]) -> None:
+    """Per measured ask, from the blend log lines (one per marked request, in order; none in `prefix` mode): the
+    count of chunks that were not stored (computed and stored on the spot), the recompute ratio the loading
+    controller chose, the fraction of tokens recomputed, and the server's time waiting for loads, in the blended
+    prefill and in all (seconds)."""
     if len(lines) == len(rows):
         for r, line in zip(rows, lines):
-            m = NEW_CHUNKS.search(line)
-            r["new_chunks"] = int(m.group(1)) if m else None
+            m = BLEND_LOG.search(line)
+            r.update({k: (int(v) if k == "new_chunks" else float(v)) for k, v in m.groupdict().items()} if m else
+                     {"new_chunks": None})
 
 
 def settle(ssd: Path, quiet_s: float = 5.0, timeout: float = 300.0) -> None:
@@ -239,9 +244,12 @@ def summarize(results: dict[str, list[dict]]) -> dict:
                      "first_token_agreement": statistics.fmean(first),
                      "first_token_kl": statistics.fmean(kls) if kls else None,
                      "ttft_s": statistics.median(r["ttft_s"] for r in rows), "questions": len(rows)}
-        stored = [r["ttft_s"] for r in rows if r.get("new_chunks") == 0]
+        stored = [r for r in rows if r.get("new_chunks") == 0]
         if stored:  # asks whose every chunk was stored: the repeated ask blending is for
-            out[name].update(ttft_stored_s=statistics.median(stored), stored_asks=len(stored))
+            out[name].update(ttft_stored_s=statistics.median(r["ttft_s"] for r in stored), stored_asks=len(stored))
+            out[name].update({f"{k}_stored": statistics.median(r[k] for r in stored)  # where the server's time goes
+                              for k in ("ratio", "computed", "load_wait_s", "blend_s", "server_s")
+                              if all(k in r for r in stored)})
     return out
 
 
@@ -292,6 +300,8 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--finish", action="store_true", help="summarise the rows a stopped run saved, run nothing")
     ap.add_argument("--logs", type=Path, default=None, help="with --finish: a copy of that run's server logs")
+    ap.add_argument("--resume", action="store_true", help="run only the configurations the saved results lack "
+                    "(same --start, --questions and dtype; the store pass again) and keep the saved rows")
     a = ap.parse_args()
     exit_cleanly_on_sigterm()
     dtype = a.dtype or auto_dtype()
@@ -310,6 +320,13 @@ def main() -> int:
         return 0
     questions = load_questions(a.start, a.questions)
     results: dict[str, list[dict]] = {}
+    if a.resume:
+        results = resumed(a.start, len(questions), dtype)
+        configs = [c for c in configs if c[0] not in results]
+        if all(c[4] for c in configs):
+            configs = []  # nothing left but the store pass
+        print(f"[hotpotqa] resuming: kept {', '.join(results)}; running {', '.join(c[0] for c in configs)}",
+              flush=True)
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
         for name, mode, ratio, select, warm, ssd in configs:
             rows = run_config(name, mode, ratio, select, questions, a.start, Path(tmp) / ssd, Path(tmp), dtype,
@@ -320,6 +337,15 @@ def main() -> int:
                                   "summary": summarize(results), "rows": results, "verdict": "partial"})
     finish(results, a.default_ratio, dtype, a.start, len(questions), [])
     return 0
+
+
+def resumed(start: int, questions: int, dtype: str) -> dict[str, list[dict]]:
+    """The rows of the saved run, refused unless it asked the same questions in the same dtype."""
+    saved = json.loads((RESULTS / "hotpotqa.json").read_text())
+    if (saved["start"], saved["questions"], saved["dtype"]) != (start, questions, dtype):
+        raise SystemExit(f"--resume: the saved run asked {saved['questions']} questions from {saved['start']} in "
+                         f"{saved['dtype']}, not {questions} from {start} in {dtype}")
+    return saved["rows"]
 
 
 def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, start: int, questions: int,
@@ -356,7 +382,7 @@ def finish_saved(default_ratio: float, planned: list[str], logs: Path | None) ->
     for name, rows in results.items():
         log = logs / f"{name}.log" if logs else None
         if log is not None and log.exists():
-            attach_new_chunks(rows, [x for x in log.read_text().splitlines() if "tiered blend: rid" in x])
+            attach_blend_log(rows, [x for x in log.read_text().splitlines() if "tiered blend: rid" in x])
     finish(results, default_ratio, saved["dtype"], saved["start"], saved["questions"],
            [name for name in planned if name not in results])
 

@@ -66,8 +66,8 @@ MHA = LlamaConfig(hidden=576, layers=30, heads=9, kv_heads=9, head_dim=64, inter
 
 
 def request(s: ServerProcess, ids: list[int], mode, salt: str | None = None) -> tuple[float, dict]:
-    payload: dict = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0,
-                                                           "custom_params": {"tiered_kvpr": mode}}}
+    payload: dict = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+                     "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {"tiered_kvpr": mode}}}
     if salt is not None:
         payload["cache_salt"] = salt
     t0 = time.perf_counter()
@@ -129,9 +129,26 @@ def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt:
     line = (s.log_lines("tiered kvpr: rid", since=mark) or [""])[-1]
     met = re.search(r"met at page (\d+) of (\d+)", line)
     x = re.search(r"\((\d+) from activations", line)
+    top = (body["meta_info"].get("output_top_logprobs") or [[]])[0] or []
     return {"ttft_s": ttft, "output": body["output_ids"], "cached": cached_details(body),
+            "top": [[int(tok), float(lp)] for lp, tok, *_ in top],
             "met": [int(met.group(1)), int(met.group(2))] if met else None,
             "from_activations": int(x.group(1)) if x else 0}
+
+
+def compare(rows: dict, n: int) -> dict:
+    """Answers of our loaders against SGLang's load -- or, where SGLang's load read nothing (its prefetch gave up on
+    a slow disk and it computed the span), against that computed answer. A differing answer is counted, and its
+    margin recorded: the reference's log-probability of its own token minus that of the differing token (None when
+    the differing token is not in the reference's top 2): a small margin is a near-tie that rounding can flip."""
+    loaded = [x for x in rows["load"] if x["cached"]["storage"] >= n]
+    reference = (loaded or rows["recompute"])[0]
+    ref_lp = dict((tok, lp) for tok, lp in reference["top"])
+    differing = [x for c in ("loader", "auto", "race") for x in rows[c] if x["output"] != reference["output"]]
+    margins = [round(ref_lp[reference["output"][0]] - ref_lp[x["output"][0]], 4)
+               if x["output"][0] in ref_lp and reference["output"][0] in ref_lp else None for x in differing]
+    return {"reference": "load" if loaded else "recompute (SGLang's load read nothing)",
+            "answers_differing": len(differing), "differing_margins": margins}
 
 
 def wait_for_activations(s: ServerProcess, pages: int) -> None:
@@ -179,9 +196,7 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                         rows[c].append(measure_once(s, ssd, ids, c, f"fresh-{tag}-{n}-{r}", noise))
                 point = {c: {"ttft_s": statistics.median(x["ttft_s"] for x in rs), "rows": rs} for c, rs in
                          rows.items()}
-                reference = rows["load"][0]["output"]
-                point["answers_differing"] = sum(x["output"] != reference for c in ("loader", "auto", "race")
-                                                 for x in rows[c])
+                point.update(compare(rows, n))
                 out[str(n)] = point
                 print(f"[meet] {model} {disk}{' busy' if busy else ''} {n} tokens: " +
                       ", ".join(f"{c} {point[c]['ttft_s']:.3f}s" for c in CONFIGS) +
@@ -272,6 +287,10 @@ def main() -> int:
             "question": QUESTION, "results": results, "checks": {k: [list(x) for x in v] for k, v in checks.items()}}
     met = {k: sum(ok for _, ok, _ in v) for k, v in checks.items()}
     data["verdict"] = "; ".join(f"{k}: {met[k]}/{len(v)}" for k, v in checks.items())
+    ties = [f"{model}/{disk}/{n} vs {p['reference'].split()[0]}: margins {p['differing_margins']}"
+            for model, disk, n, p in points(results) if p["answers_differing"]]
+    if ties:
+        data["verdict"] += " (differing: " + "; ".join(ties) + ")"
     save(a.name, data)
     plot(results, RESULTS / f"{a.name}.png")
     print("verdict:", data["verdict"])

@@ -347,8 +347,19 @@ def meet_rows(d: dict) -> list[str]:
                 out.append(f"| {model} | {disk} | {n} | {p['load']['ttft_s']:.3f} | "
                            f"{p['recompute']['ttft_s']:.3f} | {p['loader']['ttft_s']:.3f} | "
                            f"{p['auto']['ttft_s']:.3f} | {p['race']['ttft_s']:.3f} | "
-                           f"{p['auto']['ttft_s'] / best:.2f} | {met} | {x} | {p['answers_differing']} |")
+                           f"{p['auto']['ttft_s'] / best:.2f} | {met} | {x} | {differing(p)} |")
     return out
+
+
+def differing(p: dict) -> str:
+    """A point's count of answers differing from the reference, with the reference where it is not SGLang's load
+    and the reference's log-probability margins over the differing tokens (runs that recorded them)."""
+    n = str(p["answers_differing"])
+    if p.get("reference", "load") != "load":
+        n += " vs recompute (SGLang's load read nothing)"
+    if p.get("differing_margins"):
+        n += f", margins {p['differing_margins']}"
+    return n
 
 
 # partial re-runs of benchmarks/meet.py after a change of `auto`'s rule (--name), oldest first: (name, what changed)
@@ -357,6 +368,9 @@ MEET_RERUNS = [
      "with no speed: the disk's own speed and 200 MB/s)"),
     ("meet-200", "`auto` takes a KV-only span where the profile puts a page read at >= 1/8 of a page's compute "
      "(`--models smollm2 --skip-native --slow-mbps 200 --busy`: the current rule)"),
+    ("meet-cross", "none since `meet-200`: the crossover points of SmolLM2 again, 5 rounds (7 at 1024 tokens), the "
+     "reference answer SGLang's load where it read the span, else the recomputed one, with log-probability margins "
+     "(`--models smollm2 --skip-native --slow-mbps 50 25 --busy --lengths 1024 8064 --repeats 5`)"),
 ]
 
 
