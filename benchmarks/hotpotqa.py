@@ -302,6 +302,8 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None, help="with --finish: a copy of that run's server logs")
     ap.add_argument("--resume", action="store_true", help="run only the configurations the saved results lack "
                     "(same --start, --questions and dtype; the store pass again) and keep the saved rows")
+    ap.add_argument("--configs", nargs="+", default=None, help="run only these configurations (names as in the "
+                    "results, e.g. prefix 'blend 0.15' full) and keep the saved rows of the others")
     a = ap.parse_args()
     exit_cleanly_on_sigterm()
     dtype = a.dtype or auto_dtype()
@@ -320,12 +322,19 @@ def main() -> int:
         return 0
     questions = load_questions(a.start, a.questions)
     results: dict[str, list[dict]] = {}
-    if a.resume:
-        results = resumed(a.start, len(questions), dtype)
-        configs = [c for c in configs if c[0] not in results]
+    measured: dict[str, str] = {}  # configuration -> when it was measured (the UTC date of its run)
+    if a.resume or a.configs:
+        results, measured = resumed(a.start, len(questions), dtype)
+        wanted = set(a.configs) if a.configs else {c[0] for c in configs} - set(results)
+        unknown = wanted - {c[0] for c in configs}
+        if unknown:
+            raise SystemExit(f"--configs: no configuration named {', '.join(sorted(unknown))}")
+        store_needed = any(c[5] == "ssd" for c in configs if c[0] in wanted)
+        configs = [c for c in configs if c[0] in wanted or (c[4] and store_needed)]
+        results = {k: v for k, v in results.items() if k not in wanted}
         if all(c[4] for c in configs):
             configs = []  # nothing left but the store pass
-        print(f"[hotpotqa] resuming: kept {', '.join(results)}; running {', '.join(c[0] for c in configs)}",
+        print(f"[hotpotqa] kept {', '.join(results) or 'nothing'}; running {', '.join(c[0] for c in configs)}",
               flush=True)
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
         for name, mode, ratio, select, warm, ssd in configs:
@@ -333,23 +342,26 @@ def main() -> int:
                               warm)
             if not warm:
                 results[name] = rows
+                measured[name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": a.start, "questions": len(questions),
-                                  "summary": summarize(results), "rows": results, "verdict": "partial"})
-    finish(results, a.default_ratio, dtype, a.start, len(questions), [])
+                                  "summary": summarize(results), "measured": measured, "rows": results,
+                                  "verdict": "partial"})
+    finish(results, a.default_ratio, dtype, a.start, len(questions), [], measured)
     return 0
 
 
-def resumed(start: int, questions: int, dtype: str) -> dict[str, list[dict]]:
-    """The rows of the saved run, refused unless it asked the same questions in the same dtype."""
+def resumed(start: int, questions: int, dtype: str) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """The rows of the saved run and when each configuration was measured, refused unless it asked the same
+    questions in the same dtype."""
     saved = json.loads((RESULTS / "hotpotqa.json").read_text())
     if (saved["start"], saved["questions"], saved["dtype"]) != (start, questions, dtype):
         raise SystemExit(f"--resume: the saved run asked {saved['questions']} questions from {saved['start']} in "
                          f"{saved['dtype']}, not {questions} from {start} in {dtype}")
-    return saved["rows"]
+    return saved["rows"], saved.get("measured", {})
 
 
 def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, start: int, questions: int,
-           not_measured: list[str]) -> None:
+           not_measured: list[str], measured: dict[str, str]) -> None:
     """Summary, paired importance-vs-deviation comparison, plot and verdict of the measured configurations."""
     summary = summarize(results)
     plot(summary, RESULTS / "hotpotqa.png")
@@ -370,7 +382,7 @@ def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, sta
         verdict += f"; not measured in this run: {', '.join(not_measured)}"
     save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": start, "questions": questions,
                       "summary": summary, "importance_vs_deviation": versus, "not_measured": not_measured,
-                      "rows": results, "verdict": verdict})
+                      "measured": measured, "rows": results, "verdict": verdict})
     print("verdict:", verdict)
 
 
@@ -384,7 +396,7 @@ def finish_saved(default_ratio: float, planned: list[str], logs: Path | None) ->
         if log is not None and log.exists():
             attach_blend_log(rows, [x for x in log.read_text().splitlines() if "tiered blend: rid" in x])
     finish(results, default_ratio, saved["dtype"], saved["start"], saved["questions"],
-           [name for name in planned if name not in results])
+           [name for name in planned if name not in results], saved.get("measured", {}))
 
 if __name__ == "__main__":
     sys.exit(main())

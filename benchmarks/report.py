@@ -362,14 +362,15 @@ def differing(p: dict) -> str:
     return n
 
 
-# partial re-runs of benchmarks/meet.py after a change of `auto`'s rule (--name), oldest first: (name, what changed)
+# partial runs of benchmarks/meet.py under other names (--name), oldest first: (name, what it measured). The full run
+# (meet.json) is the latest, under the current rule of `auto`.
 MEET_RERUNS = [
-    ("meet-native", "`auto` leaves a span the loader would read alone as KV to SGLang (`--slow-mbps 200 --busy` "
-     "with no speed: the disk's own speed and 200 MB/s)"),
-    ("meet-200", "`auto` takes a KV-only span where the profile puts a page read at >= 1/8 of a page's compute "
-     "(`--models smollm2 --skip-native --slow-mbps 200 --busy`: the current rule)"),
-    ("meet-cross", "none since `meet-200`: the crossover points of SmolLM2 again, 5 rounds (7 at 1024 tokens), the "
-     "reference answer SGLang's load where it read the span, else the recomputed one, with log-probability margins "
+    ("meet-native", "before the full run, under an earlier rule (`auto` left every span the loader would read as KV "
+     "to SGLang; `--slow-mbps 200 --busy`: the disk's own speed and 200 MB/s)"),
+    ("meet-200", "before the full run, under the current rule (`--models smollm2 --skip-native --slow-mbps 200 "
+     "--busy`)"),
+    ("meet-cross", "before the full run, under the current rule: SmolLM2's crossover points with 5 rounds (7 at 1024 "
+     "tokens), the reference answer SGLang's load where it read the span, else the recomputed one "
      "(`--models smollm2 --skip-native --slow-mbps 50 25 --busy --lengths 1024 8064 --repeats 5`)"),
 ]
 
@@ -392,8 +393,8 @@ def meet_section() -> list[str]:
     for name, what in MEET_RERUNS:
         r = _results(name)
         if r is not None:
-            out += [f"Partial re-run after a change: {what}; same machine class, {_dtype(r)}:", "", *meet_rows(r),
-                    "", f"Verdict of this re-run: {r['verdict']}.", ""]
+            out += [f"Partial run {name}, {what}; same machine class, {_dtype(r)}:", "", *meet_rows(r),
+                    "", f"Verdict of this partial run: {r['verdict']}.", ""]
     return out
 
 
@@ -408,9 +409,11 @@ def hotpotqa_section() -> list[str]:
            "normalised answer as `prefix`; KL = first-token KL(prefix || mode) over the top-20 union; TTFT = the "
            "shuffled ask, median.", "",
            "| configuration | F1 [95 %] | EM | F1 - prefix [95 %] | agreement with prefix | first token = prefix's "
-           "| first-token KL | TTFT, all asks (s) | TTFT, asks with every chunk stored (s) | prefix TTFT / that |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| first-token KL | TTFT, all asks (s) | TTFT, asks with every chunk stored (s) | prefix TTFT / that | "
+           "server: ratio chosen / recomputed / blend s (median, stored asks) | measured |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     ref = d["summary"]["prefix"]["ttft_s"]
+    measured = d.get("measured", {})
     for name, m in d["summary"].items():
         kl = f"{m['first_token_kl']:.3f}" if m["first_token_kl"] is not None else "n/a"
         out.append(f"| {name} | {m['f1']:.3f} [{m['f1_ci'][0]:.3f}, {m['f1_ci'][1]:.3f}] | {m['em']:.3f} | "
@@ -418,7 +421,10 @@ def hotpotqa_section() -> list[str]:
                    f"{m['f1_minus_prefix_ci'][1]:+.3f}] | {m['agreement']:.3f} | {m['first_token_agreement']:.3f} | "
                    f"{kl} | {m['ttft_s']:.3f} | "
                    + (f"{m['ttft_stored_s']:.3f} ({m['stored_asks']}) | " if "ttft_stored_s" in m else "n/a | ")
-                   + f"{ref / m.get('ttft_stored_s', m['ttft_s']):.2f} |")
+                   + f"{ref / m.get('ttft_stored_s', m['ttft_s']):.2f} | "
+                   + (f"{m['ratio_stored']:.3f} / {m['computed_stored']:.3f} / {m['blend_s_stored']:.3f} | "
+                      if "blend_s_stored" in m else "n/a | ")
+                   + f"{measured.get(name, 'the first run')} |")
     for name, v in d.get("importance_vs_deviation", {}).items():
         out.append(f"\n{name} against deviation-only selection at the same ratio, paired: F1 {v['f1_diff']:+.3f} "
                    f"[{v['f1_diff_ci'][0]:+.3f}, {v['f1_diff_ci'][1]:+.3f}], agreement with prefix "

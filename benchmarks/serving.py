@@ -17,8 +17,11 @@ Configurations (same run, same dtype, `--max-total-tokens 4096`, host memory 3x 
   hicache-file   SGLang HiCache with its `file` storage backend
   tiered         --kv-backend tiered (prefix-aware CPU attention)
   tiered-native  --kv-backend tiered --tiered-cpu-attention torch_native (SGLang's attention: isolates the store)
-and for `rag`: `blend` (--tiered-blend blend: chunk KV reused in any order) against `prefix` (--tiered-blend prefix:
-the separators removed, SGLang's exact prefill and radix cache).
+and for `rag` (`--rag-configs`): `blend` (--tiered-blend blend: chunk KV reused in any order) against `prefix`
+(--tiered-blend prefix: the separators removed, SGLang's exact prefill and radix cache), and `prefix-alone`: `prefix`
+with SGLang admitting one request per prefill batch (chunked prefill off, a 1,024-token prefill budget: a second
+request never fits) -- what prefilling one request at a time, as blend does with marked requests, costs SGLang's
+own path on this machine. A rag run keeps the rag points it does not measure (same questions and repeats).
 
 Per point: req/s, TTFT median / p90 (the client's), cached tokens (the client's --cache-report), and from the
 server's /metrics the mean time requests waited in the queue (`sglang:queue_time_seconds`) -- where marked
@@ -77,6 +80,8 @@ def server_args(config: str, store: Path, dtype: str) -> list[str]:
         return tiered + ["--tiered-cpu-attention", "torch_native"]
     if config in ("blend", "prefix"):
         return tiered + ["--tiered-blend", config, "--chunked-prefill-size", "8192"]
+    if config == "prefix-alone":
+        return tiered + ["--tiered-blend", "prefix", "--chunked-prefill-size", "-1", "--max-prefill-tokens", "1024"]
     raise ValueError(config)
 
 
@@ -167,6 +172,8 @@ def main() -> int:
     ap.add_argument("--rag-questions", type=int, default=12)
     ap.add_argument("--rag-repeats", type=int, default=3)
     ap.add_argument("--rag-concurrency", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--rag-configs", nargs="+", default=["prefix", "blend", "prefix-alone"],
+                    choices=["prefix", "blend", "prefix-alone"])
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     a = ap.parse_args()
     if not CLIENT.exists():
@@ -178,7 +185,7 @@ def main() -> int:
     earlier = RESULTS / "serving.json"
     if earlier.exists():  # a run of some workloads keeps the other workloads' last results
         old = json.loads(earlier.read_text())
-        for name in (w for w in old.get("results", {}) if w not in a.workloads):
+        for name in (w for w in old.get("results", {}) if w not in a.workloads or w == "rag"):
             results[name], data["workloads"][name] = old["results"][name], old["workloads"].get(name)
 
     def keep() -> None:
@@ -199,12 +206,16 @@ def main() -> int:
             n = rag_dataset(path, a.rag_start, a.rag_questions, a.rag_repeats)
             workload = ["--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", str(n),
                         "--sharegpt-output-len", "16"]
-            data["workloads"]["rag"] = {"questions": [a.rag_start, a.rag_start + a.rag_questions],
-                                        "repeats": a.rag_repeats, "requests": n, "separator": SEP,
-                                        "concurrency": a.rag_concurrency}
-            results["rag"] = {}
+            same = {"questions": [a.rag_start, a.rag_start + a.rag_questions], "repeats": a.rag_repeats,
+                    "requests": n, "separator": SEP}
+            old = data["workloads"].get("rag") or {}
+            if {k: old.get(k) for k in same} != same:
+                results["rag"] = {}  # another workload: its points are not comparable
+            data["workloads"]["rag"] = {**same, "concurrency": sorted(set(old.get("concurrency", [])) |
+                                                                      set(a.rag_concurrency))}
+            results.setdefault("rag", {})
             for c in a.rag_concurrency:
-                for config in ("prefix", "blend"):
+                for config in a.rag_configs:
                     results["rag"][f"{config} x{c}"] = measure(config, workload, c, tmp, dtype, f"rag-{config}-{c}")
                     keep()
     data["verdict"] = verdict(results)
@@ -231,6 +242,10 @@ def verdict(results: dict) -> str:
             parts.append(f"rag x{key}: blend {b['request_throughput']:.2f} req/s, TTFT median "
                          f"{b['median_ttft_ms'] / 1e3:.2f} s vs prefix {p['request_throughput']:.2f} req/s, "
                          f"{p['median_ttft_ms'] / 1e3:.2f} s")
+            alone = rag.get(f"prefix-alone x{key}")
+            if alone:
+                parts[-1] += (f", prefix one request per prefill {alone['request_throughput']:.2f} req/s, "
+                              f"{alone['median_ttft_ms'] / 1e3:.2f} s")
     return "; ".join(parts)
 
 

@@ -14,7 +14,8 @@ Contracts
 * `get` must be called with consecutive layers starting at `first`; the fetch of layer l + 1 is submitted when
   layer l is handed out, so at most two layers are in memory at once (the one in use and the next).
 * `fetch` runs on the loader thread (or on the caller's thread with `overlap=False`); an exception it raises is
-  raised again by the `get` of that layer.
+  raised again by the `get` of that layer. The loader thread runs torch with one OpenMP thread: a team of its own
+  would spin on the cores the caller's layers compute on.
 * `load_s` sums the seconds spent in `fetch` (overlapped or not); `wait_s` sums the seconds `get` blocked the
   caller (0 when loading hides entirely behind compute).
 * `close()` (or leaving the `with` block) waits for a running fetch and drops queued ones.
@@ -27,7 +28,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, Optional, TypeVar
 
+import torch
+
 T = TypeVar("T")
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # this thread's OpenMP team only
 
 
 class LayerLoader(Generic[T]):
@@ -37,7 +44,8 @@ class LayerLoader(Generic[T]):
         self.load_s = 0.0
         self.wait_s = 0.0
         self._next_layer = first
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name) if overlap else None
+        self._pool = (ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_one_thread) if overlap
+                      else None)
         self._pending: Optional[Future] = None
         if overlap and first < layers:
             self._pending = self._pool.submit(self._timed, first)
