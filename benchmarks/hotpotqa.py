@@ -30,7 +30,9 @@ TTFT median. Verdict: blend F1 >= prefix F1 - 0.02 at >= 2.5x lower TTFT (issue 
     .venv/bin/python benchmarks/hotpotqa.py [--start 1000] [--questions 300] [--ratios 0.05 0.15 0.3]
 
 Writes benchmarks/results/hotpotqa.json and .png (TTFT against F1 per configuration) and prints one verdict line.
-`--finish` summarises a run stopped early from the rows it saved after each configuration (naming what it lacks).
+`--finish` summarises a run stopped early from the rows it saved after each configuration (naming what it lacks);
+`--resume` runs only the configurations the saved results lack, `--configs NAME...` only those named (the others'
+saved rows kept; the results record when each configuration was measured).
 """
 
 from __future__ import annotations
