@@ -334,8 +334,6 @@ def main() -> int:
         store_needed = any(c[5] == "ssd" for c in configs if c[0] in wanted)
         configs = [c for c in configs if c[0] in wanted or (c[4] and store_needed)]
         results = {k: v for k, v in results.items() if k not in wanted}
-        if all(c[4] for c in configs):
-            configs = []  # nothing left but the store pass
         print(f"[hotpotqa] kept {', '.join(results) or 'nothing'}; running {', '.join(c[0] for c in configs)}",
               flush=True)
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
@@ -357,8 +355,8 @@ def resumed(start: int, questions: int, dtype: str) -> tuple[dict[str, list[dict
     questions in the same dtype."""
     saved = json.loads((RESULTS / "hotpotqa.json").read_text())
     if (saved["start"], saved["questions"], saved["dtype"]) != (start, questions, dtype):
-        raise SystemExit(f"--resume: the saved run asked {saved['questions']} questions from {saved['start']} in "
-                         f"{saved['dtype']}, not {questions} from {start} in {dtype}")
+        raise SystemExit(f"--resume/--configs: the saved run asked {saved['questions']} questions from "
+                         f"{saved['start']} in {saved['dtype']}, not {questions} from {start} in {dtype}")
     return saved["rows"], saved.get("measured", {})
 
 

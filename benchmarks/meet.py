@@ -143,7 +143,7 @@ def compare(rows: dict, n: int) -> dict:
     the differing token is not in the reference's top 2): a small margin is a near-tie that rounding can flip."""
     loaded = [x for x in rows["load"] if x["cached"]["storage"] >= n]
     reference = (loaded or rows["recompute"])[0]
-    ref_lp = dict((tok, lp) for tok, lp in reference["top"])
+    ref_lp = dict(reference["top"])  # token -> log-probability
     differing = [x for c in ("loader", "auto", "race") for x in rows[c] if x["output"] != reference["output"]]
     margins = [round(ref_lp[reference["output"][0]] - ref_lp[x["output"][0]], 4)
                if x["output"][0] in ref_lp and reference["output"][0] in ref_lp else None for x in differing]
