@@ -19,7 +19,6 @@ import json
 import mmap
 import os
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -29,6 +28,7 @@ from typing import Optional
 import torch
 
 from sglang_tiered.engine.llama import LlamaModel
+from sglang_tiered.engine.one_thread import one_thread_pool
 from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.policy.kvpr import Profile
 from sglang_tiered.storage.files import write_atomic
@@ -125,17 +125,8 @@ def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
 
 def _on_loader_thread(fn: Callable[[], float]) -> float:
     """`fn()` on a thread that runs torch the way the two-sided loader does (one OpenMP thread, engine/meet.py)."""
-    out: list[float] = []
-
-    @torch.inference_mode()
-    def run() -> None:
-        torch.set_num_threads(1)
-        out.append(fn())
-
-    worker = threading.Thread(target=run, name="kvpr-profile-loader")
-    worker.start()
-    worker.join()
-    return out[0]
+    with one_thread_pool("kvpr-profile-loader") as pool:
+        return pool.submit(torch.inference_mode()(fn)).result()
 
 
 def profile_key(model: str, dtype: str) -> str:

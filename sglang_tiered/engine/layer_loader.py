@@ -14,8 +14,9 @@ Contracts
 * `get` must be called with consecutive layers starting at `first`; the fetch of layer l + 1 is submitted when
   layer l is handed out, so at most two layers are in memory at once (the one in use and the next).
 * `fetch` runs on the loader thread (or on the caller's thread with `overlap=False`); an exception it raises is
-  raised again by the `get` of that layer. The loader thread runs torch with one OpenMP thread: a team of its own
-  would spin on the cores the caller's layers compute on.
+  raised again by the `get` of that layer. The loader thread runs torch with one OpenMP thread (a team of its own
+  would spin on the cores the caller's layers compute on); the caller's count is left as it was
+  (engine/one_thread.py).
 * `load_s` sums the seconds spent in `fetch` (overlapped or not); `wait_s` sums the seconds `get` blocked the
   caller (0 when loading hides entirely behind compute).
 * `close()` (or leaving the `with` block) waits for a running fetch and drops queued ones.
@@ -25,16 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Generic, Optional, TypeVar
 
-import torch
+from sglang_tiered.engine.one_thread import one_thread_pool
 
 T = TypeVar("T")
-
-
-def _one_thread() -> None:
-    torch.set_num_threads(1)  # this thread's OpenMP team only
 
 
 class LayerLoader(Generic[T]):
@@ -44,8 +41,7 @@ class LayerLoader(Generic[T]):
         self.load_s = 0.0
         self.wait_s = 0.0
         self._next_layer = first
-        self._pool = (ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_one_thread) if overlap
-                      else None)
+        self._pool = one_thread_pool(name) if overlap else None
         self._pending: Optional[Future] = None
         if overlap and first < layers:
             self._pending = self._pool.submit(self._timed, first)

@@ -42,6 +42,7 @@ from typing import Optional, Protocol
 import torch
 
 from sglang_tiered.engine.llama import LlamaModel, Rope
+from sglang_tiered.engine.one_thread import one_thread_pool
 from sglang_tiered.kernels.extend_attention import causal_attention
 
 
@@ -172,7 +173,6 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
 
     @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
     def load() -> None:
-        torch.set_num_threads(1)  # (this thread's OpenMP team only) spinning workers would slow compute's
         while not errors:
             page = claims.next_load()
             if page is None:
@@ -186,8 +186,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                 return
             claims.loaded(time.perf_counter() - t0)
 
-    loader = threading.Thread(target=load, name="meet-load", daemon=True)
-    loader.start()
+    pool = one_thread_pool("meet-load")  # torch on one thread there: spinning workers would slow compute's
+    loader = pool.submit(load)
     t0 = time.perf_counter()
     computed = 0
     try:
@@ -203,11 +203,11 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
             computed = pages_now.stop
         compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        loader.join()
+        loader.result()
         wait_s = time.perf_counter() - t1
     finally:
-        errors.append(RuntimeError("stopped"))  # (a no-op once joined) the loader stops at its next page
-        loader.join()
+        errors.append(RuntimeError("stopped"))  # (a no-op once done) the loader stops at its next page
+        pool.shutdown(wait=True)
     if len(errors) > 1:
         raise errors[0]
     x = model.embed(new_ids)

@@ -24,15 +24,19 @@ def test_a_layer_out_of_order_is_refused():
 
 def test_the_fetch_runs_one_layer_ahead_on_the_loader_thread():
     fetched: list[tuple[int, str]] = []
+    second_fetched = threading.Event()
 
     def fetch(layer: int) -> int:
         fetched.append((layer, threading.current_thread().name))
+        if layer == 2:
+            second_fetched.set()
         return layer
 
     with LayerLoader(fetch, 5, name="test-load") as loads:
         loads.get(0)
         loads.get(1)  # hands out 1 and submits 2
-    assert [x[0] for x in fetched] == [0, 1, 2]
+        assert second_fetched.wait(5)
+        assert [x[0] for x in fetched] == [0, 1, 2]
     assert all(name.startswith("test-load") for _, name in fetched)
 
 
@@ -53,3 +57,18 @@ def test_the_loader_thread_runs_torch_on_one_thread_and_leaves_the_callers():
     with LayerLoader(lambda layer: torch.get_num_threads(), 2) as loads:
         assert [loads.get(0), loads.get(1)] == [1, 1]
     assert torch.get_num_threads() == before
+
+
+def test_threads_started_after_a_loader_keep_the_callers_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with LayerLoader(lambda layer: layer, 2) as loads:
+            loads.get(0)
+        out: list[int] = []
+        later = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+        later.start()
+        later.join()
+        assert out == [2]
+    finally:
+        torch.set_num_threads(before)
