@@ -6,9 +6,11 @@ any other span (the question, new text) is *fresh* and always computed fully. Pe
   1. the reused spans' stored KV of this layer is loaded and its keys re-rotated to their real offsets
      (RoPE: R(p + delta) = R(delta) R(p)), by the engine's `LayerLoader` one layer ahead of the compute;
   2. the *active* tokens (fresh tokens + the reused tokens still selected) get new Q, K, V; their new K, V replace
-     the reused ones; they attend to all tokens at or before their position;
-  3. the selection shrinks for the next layer (see below). Tokens that leave the selection keep their hidden state
-     frozen; from the next layer on their reused KV stands in for them.
+     the reused ones;
+  3. on a selective layer the selection shrinks (see below), ranked by this layer's new K, V. Tokens that leave
+     keep this layer's new K, V, skip its attention and MLP (their output would feed nothing), and from the next
+     layer on their reused KV stands in for them;
+  4. the tokens still active attend to all tokens at or before their position, then the layer's MLP.
 
 Selection (`mode`):
   full    every token, every layer: plain prefill (the quality reference).
@@ -246,7 +248,9 @@ def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor,
     """One layer over the `active` tokens (hidden states `x`); `kv` [tokens, 2, H, D] holds this layer's stored
     and prefix KV and receives the active tokens' fresh KV. If `fraction` is set, the active reused tokens are
     re-ranked (by KV deviation; with `window` > 0 also by the attention the last `window` tokens give them) and
-    only `fraction` of all reused tokens stay active (fresh tokens always do). Returns the next layer's (x, active)."""
+    only `fraction` of all reused tokens stay active (fresh tokens always do). A token that leaves has its fresh KV
+    of this layer written, and nothing more: its attention and MLP here would only feed a hidden state no later
+    layer reads. Returns the next layer's (x, active)."""
     q, k, v = model.qkv(layer, x, active)
     if fraction is not None:
         is_reused = reused_mask[active]
@@ -254,14 +258,15 @@ def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor,
         at = active[rows]
         score = deviation(k[rows], v[rows], kv[at, 0], kv[at, 1])
     kv[active, 0], kv[active, 1] = k, v
-    keep = None  # rows of `active` that stay active after this layer
     if fraction is not None:
         if window:
             w = active >= kv.shape[0] - window  # the window's rows (the question: fresh, always active)
             heard = window_scores(q[w], kv[:, 0], active[w], range(q.shape[1]))
             score = shares(score, heard[at])
         chosen = rows[top_rows(score, math.ceil(fraction * n_reused))]
-        keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values
+        keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values  # rows of `active` kept
+        if keep.shape[0] < active.shape[0]:
+            q, x, active = q[keep], x[keep], active[keep]
     if active.shape[0] == kv.shape[0] - prefix:
         attn = causal_attention(q, kv[:, 0], kv[:, 1], prefix)
     else:
@@ -270,8 +275,7 @@ def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor,
         attn = positioned_attention(q, kv[:, 0], kv[:, 1], active, block=64)
     if trace is not None:
         trace(layer, active, attn)
-    x = model.finish_layer(layer, x, attn)
-    return (x, active) if keep is None else (x[keep], active[keep])
+    return model.finish_layer(layer, x, attn), active
 
 
 def _prefix_extend(model: LlamaModel, ids: torch.Tensor, spans: Sequence[Span], loader: SpanLoader,

@@ -121,6 +121,7 @@ class LlamaModel:
         ]
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
+        self._rope_table = self._rope_rows(0)  # (cos, sin) [positions, head_dim] fp32, grown on demand
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -142,14 +143,22 @@ class LlamaModel:
         return self.embed_tokens[ids]
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate [n, H, D] by absolute `positions` (Hugging Face's rotate-half convention)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None, :]
-        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None, :]
+        """Rotate [n, H, D] by absolute `positions` (Hugging Face's rotate-half convention). The cos/sin rows come
+        from a table (the same fp32 values as computing them per call)."""
+        table = self._rope_table  # (one read: a loader thread may swap in a grown table meanwhile)
+        if positions.numel() and int(positions.max()) >= table[0].shape[0]:
+            table = self._rope_table = self._rope_rows(int(positions.max()) + 1)
+        cos, sin = table[0][positions][:, None, :], table[1][positions][:, None, :]
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
         return (xf * cos + rotated * sin).to(x.dtype)
+
+    def _rope_rows(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [P, head_dim] for positions 0 .. P - 1, P = the next power of two >= needed (>= 4096)."""
+        rows = max(4096, 1 << max(0, needed - 1).bit_length())
+        freqs = torch.arange(rows, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        return torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([freqs.sin(), freqs.sin()], -1)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -128,6 +128,26 @@ def test_gradual_filter_schedule_and_bookkeeping(gqa):
     assert single.computed == [97, 97] + [fresh + math.ceil(0.3 * n_reused)] * (GQA.layers - 2)
 
 
+@pytest.mark.parametrize("mode", ["single", "blend"])
+def test_a_token_leaving_the_selection_skips_that_layers_attention_and_mlp(gqa, mode):
+    """Its K, V of the layer are written (they ranked it); its attention output would feed a hidden state no later
+    layer reads, so none is computed: the attention of layer l covers exactly the tokens computed on layer l + 1."""
+    ids, spans = prompt([30, 25, 35, 7], [True, True, True, False], GQA.vocab, seed=5)
+    attended: dict[int, list[int]] = {}
+    res = run(gqa, ids, spans, mode=mode, ratio=0.3, check_layer=1,
+              trace=lambda layer, pos, attn: attended.__setitem__(layer, pos.tolist()))
+    assert len(attended[0]) == 97  # layer 0: every token (the check layer needs everyone's hidden state)
+    for layer in range(1, GQA.layers - 1):
+        assert len(attended[layer]) == res.computed[layer + 1] < 97
+        assert 96 in attended[layer]  # the last prompt token always
+    kvs = standalone(gqa, ids, spans)
+    kept = set(attended[1])
+    dropped = [t for t in range(90) if t not in kept]
+    stored = torch.cat([kvs[i][1] for i in range(3)])
+    assert not torch.equal(res.kv[1, dropped], stored[dropped])  # layer 1's fresh KV of the dropped tokens is kept
+    assert torch.equal(res.kv[2, dropped, 1], torch.cat([kvs[i][2] for i in range(3)])[dropped, 1])  # then reused
+
+
 def test_top_deviation_picks_the_most_deviating_rows():
     k_old = torch.zeros(6, 2, 4)
     k_new = k_old.clone()
