@@ -11,6 +11,8 @@ Contracts
   (entry `c.<key>`, kind "chunk": counted against the tier's one capacity, evicted in its one order) with one
   segment per layer, so a loader reads layer by layer and every layer is checksummed on read. A corrupt or vanished
   layer is a `ChunkMiss` (the tier counts and removes the file).
+* A chunk read from the SSD (its last layer read) is copied into memory on the background thread if it fits: the
+  next blend that reuses it reads memory. Nothing is lost when memory evicts it (the SSD copy stays).
 * `layer()` returns a tensor the caller may keep; memory hits are views of the stored tensor (do not write to them).
 """
 
@@ -82,6 +84,12 @@ class ChunkStore:
             raise ValueError(f"chunk KV must be [layers, tokens, 2, kv_heads, head_dim] with {expect}, got "
                              f"{tuple(kv.shape)}")
         kv = kv.detach().to(self.dtype, copy=True).contiguous()
+        self._keep(key, kv)
+        if self._writer is not None:
+            self._writer.submit(self._write_ssd, key, kv)
+
+    def _keep(self, key: str, kv: torch.Tensor) -> None:
+        """`kv` into the memory LRU as its newest entry, evicting the oldest, unless it is there or cannot fit."""
         nbytes = kv.numel() * kv.element_size()
         with self._lock:
             if key not in self._mem and nbytes <= self.memory_bytes:
@@ -90,8 +98,6 @@ class ChunkStore:
                     self._used -= old.numel() * old.element_size()
                 self._mem[key] = kv
                 self._used += nbytes
-        if self._writer is not None:
-            self._writer.submit(self._write_ssd, key, kv)
 
     def _write_ssd(self, key: str, kv: torch.Tensor) -> None:
         self.ssd.write_pages([(CHUNK_PREFIX + key, [_view(kv[i]) for i in range(self.layers)])], kind="chunk")
@@ -111,6 +117,8 @@ class ChunkStore:
             out = self._read_ssd(key, layer, tokens)
             if out is not None:
                 self._count("ssd", layer)
+                if layer == self.layers - 1 and self._writer is not None:
+                    self._writer.submit(self._promote, key, tokens)
                 return out
         with self._lock:
             self.misses += 1
@@ -130,6 +138,14 @@ class ChunkStore:
         finally:
             reader.close()
         return out
+
+    def _promote(self, key: str, tokens: int) -> None:
+        """The SSD copy of a chunk into memory (whole, every layer verified), if it fits and is not there."""
+        kv = torch.empty(self.layers, tokens, 2, self.kv_heads, self.head_dim, dtype=self.dtype)
+        if kv.numel() * kv.element_size() > self.memory_bytes or self.in_memory(key):
+            return
+        if self.ssd.read_pages([(CHUNK_PREFIX + key, [_view(kv[i]) for i in range(self.layers)])])[0]:
+            self._keep(key, kv)
 
     def _count(self, tier: str, layer: int) -> None:
         if layer == self.layers - 1:  # one hit per chunk load (every mode loads the last layer)

@@ -265,10 +265,26 @@ def test_chunk_store_round_trip_memory_and_ssd(tmp_path):
     assert not again.in_memory(key) and again.contains(key)
     assert all(torch.equal(again.layer(key, i, 7), kv[i]) for i in range(3))
     assert again.hits == {"memory": 0, "ssd": 1}
+    again.flush()  # the SSD read was copied into memory: the next reuse reads memory
+    assert again.in_memory(key)
+    assert all(torch.equal(again.layer(key, i, 7), kv[i]) for i in range(3))
+    assert again.hits == {"memory": 1, "ssd": 1}
     with pytest.raises(ChunkMiss):
         again.layer(key, 0, 8)  # wrong length: never served
     with pytest.raises(ChunkMiss):
         again.layer(chunk_key([1]), 0, 1)
+
+
+def test_a_chunk_read_from_ssd_stays_there_when_memory_cannot_hold_it(tmp_path):
+    kv, key = torch.randn(3, 7, 2, 2, 4), chunk_key([9])
+    first = _store(tmp_path, memory_bytes=1 << 20)
+    first.put(key, kv)
+    first.close()
+    small = _store(tmp_path, memory_bytes=3 * 7 * 2 * 2 * 4 * 4 - 1)  # one byte short of the chunk
+    assert all(torch.equal(small.layer(key, i, 7), kv[i]) for i in range(3))
+    small.flush()
+    assert not small.in_memory(key) and small.used_memory_bytes == 0
+    assert small.hits == {"memory": 0, "ssd": 1}
 
 
 def test_chunk_store_memory_is_bounded_lru_and_corrupt_layers_are_misses(tmp_path):
