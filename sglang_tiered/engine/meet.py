@@ -19,14 +19,16 @@ would. Exact by construction: every token's KV is either computed from the true 
 
 On a CPU a chunk cannot be abandoned halfway, and one page's prefill (tens of milliseconds) can outlast reading the
 whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for the
-loader's first page (at most that long), then claims the largest chunk (at most `chunk` pages) that it will finish
-before the loader, at the rate it is reading now, gets there: k pages with k x page_compute_s <= (unclaimed pages - k)
-x seconds per read -- a large chunk prefills faster per page (wider matrix products), so the first claim is the
-biggest; when reads are fast next to compute (below `min_read_share` of a page's compute: computing would gain little
-and, on a CPU, slow the loader's own work) or not even one page fits, it waits for the loader's next page and asks
-again (a kernel I/O throttle lets a first burst through fast, then reads slow down). Both rates are this load's own
-(the estimate is replaced by each computed chunk's time), so the rule follows a disk or a CPU that slows down under
-load. Without an estimate the two simply race (Cake's scheme).
+loader's first page, at most `min_read_share` of a page's compute (a read quicker than that keeps compute out anyway;
+one page's compute without a share). Then it claims the chunk (at most `chunk` pages) that ends the span soonest: k
+pages such that max(k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a large chunk
+prefills faster per page (wider matrix products), so the first claim is the biggest. Seconds per read: the loader's
+recent reads, the read in flight if it has taken longer, and before the first read the caller's `page_read_s`
+estimate (the profile's). When reads are fast next to compute (below `min_read_share` of a page's compute: computing
+would gain little and, on a CPU, slow the loader's own work) or no page is worth taking, compute waits for the
+loader's next page and asks again (a kernel I/O throttle lets a first burst through fast, then reads slow down). Both
+rates are this load's own (the estimates are replaced by each computed chunk's time and each read's), so the rule
+follows a disk or a CPU that slows down under load. Without an estimate the two simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 """
@@ -78,16 +80,24 @@ class MeetResult:
     inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
 
 
+def best_claim(free: int, compute_s: float, read_s: float) -> int:
+    """Pages compute should take of `free` unclaimed ones, computing one in `compute_s` while the loader reads one in
+    `read_s`: the k that ends the span soonest, max(k x compute_s, (free - k) x read_s) (the smaller k on a tie)."""
+    k = int(free * read_s / (read_s + compute_s))  # where the two lines cross, rounded down
+    return min((k, k + 1), key=lambda j: (max(j * compute_s, (free - j) * read_s), j)) if k < free else free
+
+
 class _Claims:
     """Which pages compute and the loader hold: [0, front) compute's, [low, pages) the loader's (shared, locked),
     and the rates compute decides by (see the module docstring)."""
 
     def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float],
-                 min_read_share: float = 0.0) -> None:
+                 min_read_share: float = 0.0, page_read_s: float = 0.0) -> None:
         self.front, self.low = 0, pages
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
         self.min_read_share = min_read_share  # compute joins only while a read takes this share of a page's compute
+        self.page_read_s = page_read_s  # the estimate of a read until the loader's first one is in
         self.reads: list[float] = []  # the loader's seconds per page so far
         self.last_read_at = time.perf_counter()  # when the loader's last read ended (or it started)
         self.lock = threading.Lock()
@@ -108,11 +118,10 @@ class _Claims:
                 # read in flight has taken longer than that already
                 recent = self.reads[-4:]
                 in_flight = time.perf_counter() - self.last_read_at
-                per_read = max(sum(recent) / len(recent), in_flight) if recent else in_flight
+                per_read = max(sum(recent) / len(recent) if recent else self.page_read_s, in_flight)
                 if per_read < self.min_read_share * self.page_compute_s:
                     return range(0)  # reads are fast next to compute: computing would gain little and slow them
-                # k x compute <= (free - k) x per_read: the loader reads the other free pages meanwhile
-                take = min(take, int(free * per_read / (per_read + self.page_compute_s)))
+                take = min(take, best_claim(free, self.page_compute_s, per_read))
                 if take < 1:
                     return range(0)
             pages = range(self.front, self.front + take)
@@ -149,13 +158,14 @@ class _Claims:
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
                  split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
-                 rope: Optional[Rope] = None, inputs: bool = False) -> MeetResult:
+                 page_read_s: float = 0.0, rope: Optional[Rope] = None, inputs: bool = False) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
     stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most pages compute takes at
     once (a forced split or a plain race takes this many).
     `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
     compute, for the claim rule (None: a plain race); with it, `min_read_share`: compute claims pages only while the
-    loader's reads take at least this share of a page's compute (else the loader takes the span alone). `rope`: the
+    loader's reads take at least this share of a page's compute (else the loader takes the span alone), and
+    `page_read_s`: an estimate of one page's read, used until the loader's first read is in. `rope`: the
     rotation (`LlamaModel.qkv`; a server passes its own kernel, so that computed keys match the ones it stored).
     `inputs`: also return the new tokens' attention inputs (to store them as activations in turn)."""
     ps, pages = source.page_size, source.pages
@@ -167,7 +177,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     if split is not None and not 0 <= split <= pages:
         raise ValueError(f"split {split} outside 0..{pages}")
     out = model.empty_kv(s + n)
-    claims = _Claims(pages, split, page_compute_s, min_read_share)
+    claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s)
     errors: list[BaseException] = []
     recomputed = [0]
 
@@ -192,7 +202,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     computed = 0
     try:
         if split is None and page_compute_s is not None:
-            claims.wait_read(page_compute_s)  # measure the loader before deciding, at most one page's compute
+            claims.wait_read(page_compute_s * (min_read_share or 1.0))  # the loader's first read, if it is quick
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
             if not pages_now:  # the loader would get there first at its current rate: look again after its next page
                 claims.wait_read(page_compute_s or 0.1)

@@ -91,14 +91,16 @@ _MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the ba
 @dataclass(frozen=True)
 class Plan:
     """A load decided at admission: the stored pages `keys` from token `start`. `pages`: the forced meet point (the
-    pages computed from token ids; None lets compute and the loader meet); `page_s`: the compute estimate of one
-    page; `activations`: the loader reads pages as activations where stored (else as KV)."""
+    pages computed from token ids; None lets compute and the loader meet); `page_s` and `read_s`: the profile's
+    estimates of one page's compute and read; `activations`: the loader reads pages as activations where stored
+    (else as KV)."""
 
     start: int
     keys: tuple[str, ...]
     mode: str
     pages: Optional[int]
     page_s: float
+    read_s: float
     activations: bool
 
 
@@ -176,7 +178,7 @@ class KVPR:
         if not d.take:
             return None  # the disk is fast enough: SGLang's own load is as good
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        return Plan(start, tuple(keys[:n]), str(mode), forced, d.page_s, d.activations)
+        return Plan(start, tuple(keys[:n]), str(mode), forced, d.page_s, d.read_s, d.activations)
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:
@@ -368,7 +370,8 @@ class KVPRHandler(SpanHandler):
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
                            chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
-                           page_compute_s=plan.page_s, rope=sglang_rope(module), inputs=kvpr.writer is not None,
+                           page_compute_s=plan.page_s, page_read_s=plan.read_s, rope=sglang_rope(module),
+                           inputs=kvpr.writer is not None,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
         new_pages = _pages_of(req, prefix + s, prefix + ext, ps)

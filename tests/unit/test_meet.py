@@ -12,7 +12,7 @@ import torch
 
 from sglang_tiered.engine.group_span import SpanMiss
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
-from sglang_tiered.engine.meet import MemoryPages, meet_prefill
+from sglang_tiered.engine.meet import MemoryPages, _Claims, best_claim, meet_prefill
 
 PS = 16
 SHAPES = {
@@ -127,3 +127,24 @@ def test_compute_stays_out_while_reads_are_fast_next_to_it(model):
                             min_read_share=0.25)
     assert slow.computed_pages > 0
     assert torch.allclose(logits, slow_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("free, compute_s, read_s, want", [
+    (16, 0.028, 0.029, 8),  # the lines cross at 8.1: 8 ends at 0.232 s, 9 at 0.252 s
+    (8, 0.028, 0.029, 4),
+    (3, 0.040, 0.010, 0),  # one page's compute (0.04 s) outlasts reading all three (0.03 s): none
+    (2, 0.010, 0.030, 2),  # rounding down would take 1 and leave the loader 0.03 s; both: 0.02 s
+    (5, 0.010, 0.010, 2),  # a tie (2 and 3 pages both end at 0.03 s): the smaller
+    (1, 0.010, 1.000, 1),
+])
+def test_the_claim_is_the_chunk_that_ends_the_span_soonest(free, compute_s, read_s, want):
+    assert best_claim(free, compute_s, read_s) == want
+
+
+def test_before_the_first_read_compute_claims_by_the_read_estimate():
+    """With the profile's estimate of a read, compute starts on the span at once (no wait for a first read that
+    takes 29 ms); without one, a read in flight for next to no time counts as fast and compute stays out."""
+    estimated = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.029)
+    assert estimated.next_chunk(4) == range(0, 4)
+    blind = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25)
+    assert blind.next_chunk(4) == range(0)
