@@ -136,13 +136,19 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout} s; log: {self.log_path}")
 
-    def stop(self) -> None:
+    def stop(self, graceful: float = 0.0) -> None:
+        """Stop the server: SIGKILL to its process group (see the module docstring). `graceful` > 0: first SIGTERM
+        to the launcher alone, SGLang's own graceful shutdown (its schedulers exit, what they queued for the SSD
+        written), waiting up to `graceful` seconds for it."""
         if self.proc is None:
             return
-        if self.wrapper:
-            signal_group(self.proc, signal.SIGTERM)
+        if self.wrapper or graceful > 0:
+            if self.wrapper:
+                signal_group(self.proc, signal.SIGTERM)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=max(graceful, 20 if self.wrapper else 0))
             except subprocess.TimeoutExpired:
                 pass
         signal_group(self.proc, signal.SIGKILL)  # children (scheduler, detokenizer) share the group: none survives

@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from sglang_tiered.config import (
     CHOICES,
@@ -27,8 +27,10 @@ from sglang_tiered.config import (
 )
 from sglang_tiered.integration import cpu_shims, settings
 from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve_model_path
-from sglang_tiered.policy.cpu_dtype import choose_dtype
+from sglang_tiered.policy import cpu_dtype
+from sglang_tiered.storage.files import write_atomic
 from sglang_tiered.storage.geometry import KVGeometry
+from sglang_tiered.storage.ssd_tier import DTYPE_FILE
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -95,18 +97,56 @@ def _hf_config(model_path: str) -> dict | None:
 
 
 _GENERIC_SHAPES = {"hidden_size": 2048, "num_attention_heads": 16, "intermediate_size": 8192}  # without config.json
+_DTYPE_RECORDS = 8  # machine/model signatures kept in DTYPE_FILE (the newest)
 _ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
-def choose_cpu_dtype(ns: argparse.Namespace, hf: dict | None) -> None:
-    """`--dtype auto` on a CPU-only server: the fastest dtype of this machine for this model, measured now
-    (policy/cpu_dtype.py) and logged with the times; an explicit `--dtype` is obeyed."""
+def choose_cpu_dtype(ns: argparse.Namespace, hf: dict | None, ssd_dir: str) -> Optional[dict]:
+    """`--dtype auto` on a CPU-only server: the dtype chosen for this machine and model before, as recorded in
+    `<ssd_dir>/cpu-dtype.json` (a restart that chose another dtype would find every stored page foreign), else the
+    fastest dtype measured now (policy/cpu_dtype.py); logged with the times. An explicit `--dtype` is obeyed.
+    Returns the records to write back once the directory is known to be usable (None: nothing new)."""
     if getattr(ns, "dtype", "auto") != "auto":
         logger.info("sglang-tiered: --dtype %s (explicit)", ns.dtype)
-        return
-    choice = choose_dtype(hf or _GENERIC_SHAPES)
+        return None
+    key = cpu_dtype.signature(model_fingerprint(ns.model_path))
+    path = Path(ssd_dir) / DTYPE_FILE
+    records = _dtype_records(path)
+    try:
+        choice = cpu_dtype.DtypeChoice.from_record(records[key])
+    except (KeyError, ValueError):
+        choice = None
+    if choice is not None:
+        ns.dtype = choice.dtype
+        logger.info("sglang-tiered: --dtype auto on this CPU: %s, as measured on this machine at %s (kept in %s; "
+                    "remove it to measure again)", choice.describe(), choice.measured_at or "?", path)
+        return None
+    choice = cpu_dtype.choose_dtype(hf or _GENERIC_SHAPES)
     ns.dtype = choice.dtype
-    logger.info("sglang-tiered: --dtype auto on this CPU: %s", choice.describe())
+    logger.info("sglang-tiered: --dtype auto on this CPU: %s (measured now; kept in %s for restarts)",
+                choice.describe(), path)
+    records[key] = choice.record()
+    return dict(list(records.items())[-_DTYPE_RECORDS:])
+
+
+def _dtype_records(path: Path) -> dict:
+    """The dtype records kept in `path` (signature -> record); {} if there are none or the file is unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("sglang-tiered: %s unreadable (%s): the dtype is measured again", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _keep_dtype_records(ssd_dir: str, records: dict) -> None:
+    try:
+        write_atomic(Path(ssd_dir) / DTYPE_FILE, json.dumps(records, indent=1).encode())
+    except OSError as exc:
+        logger.warning("sglang-tiered: cannot keep the dtype choice in %s (%s): a restart measures again", ssd_dir,
+                       exc)
 
 
 def translate(ns: argparse.Namespace) -> None:
@@ -147,9 +187,10 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--page-size: must be >= 1, got {ns.page_size}")
     hf = _hf_config(ns.model_path)
     cpu_only = cpu_shims.cuda_absent()
+    dtype_records = None
     if cpu_only:
         _cpu_settings(ns)
-        choose_cpu_dtype(ns, hf)
+        dtype_records = choose_cpu_dtype(ns, hf, cfg.ssd_dir)
     elif cfg.importance_load == "gated":
         raise ConfigError("--tiered-importance-load: 'gated' runs on CPU servers only in this version")
     if not cpu_only and cfg.kvpr == "force":
@@ -163,6 +204,8 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         except (KeyError, TypeError, ZeroDivisionError):
             page_bytes = None
     cfg.validate(page_bytes)
+    if dtype_records is not None:
+        _keep_dtype_records(cfg.ssd_dir, dtype_records)
     if cfg.remote:
         from sglang_tiered.storage.mooncake_store import import_client
 

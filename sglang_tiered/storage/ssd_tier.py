@@ -3,8 +3,9 @@
 Files (under `<root>/<namespace id>/` unless said otherwise), by the index's kinds:
 * page: `<key[:2]>/<key>.kvp`; activation: `<key[:2]>/<key>.x.kvp` (`activations.py`); chunk: `chunks/<hash>.kvp`
   (one segment per layer, `chunk_store.py`); group: `groups/<gid>.kvg` (`group_file.py`);
-* meta: `NAMESPACE.json`, `importance.log`, and `<root>/stats/<namespace id>.json`, `<root>/kvpr-profile.json`,
-  probe files (`write_meta`, `reserve_meta`, `scratch`);
+* meta: `NAMESPACE.json`, `importance.log`, and `<root>/stats/<namespace id>.json`, the root's own files
+  (`ROOT_FILES`: the compute-or-load profile, the launcher's `--dtype auto` choice), probe files (`write_meta`,
+  `reserve_meta`, `scratch`);
 * foreign (`scan_foreign=True`, rank 0): any other file under the root that is not another rank's of this server.
 
 Contracts
@@ -74,6 +75,8 @@ GROUP_PREFIX = "g."  # group entries: "g.<gid>"
 META_PREFIX = "m:"  # meta entries: "m:<path relative to the root>"
 FOREIGN_PREFIX = "f:"  # foreign files: "f:<path relative to the root>"
 NAMESPACE_FILE = "NAMESPACE.json"
+DTYPE_FILE = "cpu-dtype.json"  # the launcher's `--dtype auto` choice, kept for restarts (integration/server_flags.py)
+ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE)  # files of the whole server at the root, counted as meta
 
 
 class SSDTier:
@@ -605,7 +608,7 @@ class SSDTier:
                 own.append((st.st_mtime, stem, st.st_size, kind))
                 continue
             own.append((st.st_mtime, FOREIGN_PREFIX + f"{self.ns_id}/{rel}", st.st_size, "foreign"))
-        for name in (f"stats/{self.ns_id}.json", "kvpr-profile.json"):
+        for name in (f"stats/{self.ns_id}.json", *ROOT_FILES):
             path = self.root / name
             if path.is_file():
                 own.append((path.stat().st_mtime, META_PREFIX + name, path.stat().st_size, "meta"))
@@ -670,7 +673,7 @@ class SSDTier:
         out = []
         for entry in _walk(self.root, skip=siblings):  # (this rank's own directory was indexed already)
             rel = Path(entry.path).relative_to(self.root)
-            if str(rel) == "kvpr-profile.json":
+            if str(rel) in ROOT_FILES:
                 continue
             if rel.parts[0] == "stats" and len(rel.parts) == 2 and rel.stem in siblings:
                 continue

@@ -141,6 +141,45 @@ def test_translation_into_sglang_fields(tmp_path):
     assert settings.current() is None  # and no tiered settings reach its processes
 
 
+def test_dtype_auto_is_kept_in_the_ssd_directory_for_restarts(tmp_path):
+    """`--dtype auto` is measured once per machine and model and kept in `<ssd dir>/cpu-dtype.json`: a restart
+    reuses it (the dtype is in every page's namespace: a restart that measured the other dtype would find the whole
+    tier foreign -- seen on a CPU where bf16 and fp32 time within noise of each other). An unreadable file is
+    measured again and rewritten; records of other machines or models are kept beside."""
+    import argparse
+    import json
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_tiered.storage.ssd_tier import DTYPE_FILE
+
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+
+    def dtype() -> str:
+        argv = ["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp_path)]
+        return ServerArgs.from_cli_args(parser.parse_args(argv)).dtype
+
+    path = tmp_path / DTYPE_FILE
+    first = dtype()
+    records = json.loads(path.read_text())
+    assert len(records) == 1 and first in ("bfloat16", "float32")
+    (signature, record), = records.items()
+    assert record["dtype"] == first and set(record["seconds"]) == {"bfloat16", "float32"}
+    other = "float32" if first == "bfloat16" else "bfloat16"
+    path.write_text(json.dumps({"another machine|model": {**record, "dtype": other},
+                                signature: {**record, "dtype": other}}))
+    assert dtype() == other  # the kept choice decides, not a new measurement
+    path.write_text("{not json")
+    assert dtype() in ("bfloat16", "float32")
+    assert list(json.loads(path.read_text())) == [signature]  # measured again, rewritten
+    path.write_text(json.dumps({"another machine|model": record}))
+    dtype()
+    assert list(json.loads(path.read_text())) == ["another machine|model", signature]
+
+
 @pytest.mark.slow
 def test_runahead_tune_writes_the_table_the_server_picks_up(tmp_path, monkeypatch):
     """`sglang-tiered runahead-tune` measures splits on real ranks (progress on stdout; a small random checkpoint

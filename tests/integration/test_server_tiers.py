@@ -1,6 +1,8 @@
 """Against real SGLang servers on CPU with the embedded SmolLM2: device 2048 tokens, host tier 2x, 64-token pages.
 
-(a) served; (b) evicted from device and host -> SSD hit, identical greedy output; (c) the same after a full restart;
+(a) served; (b) evicted from device and host -> SSD hit, identical greedy output; (c) the same after a full restart
+(server 1 stopped gracefully right after its last request: that request's pages are all kept; `--dtype auto` is
+the dtype server 1 chose, kept in the SSD directory);
 (d) a corrupted page file -> identical output, corrupt counter up; (e) a small capacity -> still serving, the whole
 directory within the capacity, the first model's files included (counted as foreign, evicted first); (f) a
 different model on the same SSD directory -> nothing served from the first model's pages; (g) the same model in
@@ -24,6 +26,7 @@ from tests.integration.helpers import chosen_dtype, metric, wait_for_metric
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 DEVICE_TOKENS = 2048
+LATE = "A late request. "  # a prefix that gives every page of the text after it other keys
 
 
 def page_bytes(dtype: str) -> int:
@@ -80,8 +83,10 @@ def first_run(tmp_path_factory, essays):
         metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", 1)
         stats = ssd_stats(ssd)  # written on the same publishing tick as the metrics
         dtype = chosen_dtype(server)
+        late = server.generate(LATE + essays[0])  # then stopped at once, gracefully: its pages must be kept
+        server.stop(graceful=30)
     return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,
-            "stats": stats, "dtype": dtype}
+            "stats": stats, "dtype": dtype, "late": late}
 
 
 def test_a_prompt_is_served(first_run):
@@ -129,6 +134,10 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
         d = cached_details(again)
         assert d["storage"] >= 640 and d["device"] == 0, d
         assert again["text"] == first_run["cold_a"]["text"]
+        late = server.generate(LATE + essays[0])  # sent just before server 1's graceful stop
+        assert cached_details(late)["storage"] == (late["meta_info"]["prompt_tokens"] - 1) // 64 * 64, late["meta_info"]
+        assert late["text"] == first_run["late"]["text"]
+        assert server.log_lines("as measured on this machine at") or server.log_lines("(explicit)")  # dtype kept
         dtype = first_run["dtype"]
         hits = wait_for_stats(ssd, lambda s: s["hit_pages"] >= 10, dtype=dtype)["hit_pages"]
 

@@ -17,7 +17,7 @@ from sglang_tiered.storage.page_file import (
     read_page,
     write_page,
 )
-from sglang_tiered.storage.ssd_tier import NAMESPACE_FILE, SSDTier
+from sglang_tiered.storage.ssd_tier import NAMESPACE_FILE, ROOT_FILES, SSDTier
 from tests.dirsize import sample_bytes
 
 PAGE = 4096  # payload bytes per test page, split in segments like a layer_first host page
@@ -350,6 +350,17 @@ def test_another_rank_of_the_same_server_is_not_foreign(tmp_path):
     rank1.write_pages([(key(1), page(1))])
     rank0 = SSDTier(tmp_path, ns(tp_rank=0, tp_size=2), capacity_bytes=10 * PAGE, scan_foreign=True)
     assert rank0.bytes_by_kind()["foreign"] == 0 and rank1.contains(key(1))
+
+
+def test_the_servers_root_files_count_as_meta_not_foreign(tmp_path):
+    """The compute-or-load profile and the launcher's dtype choice sit at the root: counted, never evicted as
+    another server's files."""
+    for i, name in enumerate(ROOT_FILES):
+        (tmp_path / name).write_bytes(b"{}" * (50 + i))
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE, scan_foreign=True)
+    kinds = tier.bytes_by_kind()
+    assert kinds["foreign"] == 0
+    assert kinds["meta"] == disk_bytes(tmp_path) == tier.used_bytes  # theirs and NAMESPACE.json
 
 
 def test_meta_files_count_and_a_write_without_room_is_refused(tmp_path):
