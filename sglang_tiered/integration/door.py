@@ -56,7 +56,7 @@ class Loader(Protocol):
     name: str
     handler: ForwardHandler  # its forward handler (a `SpanHandler`): counts the loader's fallbacks
 
-    def admit(self, req) -> None:
+    def admit(self, scheduler, req) -> None:
         """Every request at admission, before the decision (forget what an earlier admission left)."""
         ...
 
@@ -161,7 +161,7 @@ class Door:
 
     def _decide(self, scheduler, req) -> Optional[Load]:
         for loader in self.loaders:
-            loader.admit(req)
+            loader.admit(scheduler, req)
         loader = next((x for x in self.loaders if x.wants(req)), None)
         if loader is None or CHUNKS_PARAM in request_params(req):
             return None

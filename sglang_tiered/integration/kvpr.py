@@ -25,11 +25,14 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   pages the forward computes (and our loader hands over the new tokens' own), and written to the SSD tier beside
   their KV pages (storage/activations.py; kind "activation" in the tier's one budget, leaving with their KV page)
   by one background thread (a full queue drops the batch's activations, counted).
-* Profile -- the SSD read bandwidth (in the background, from the first request on: at startup the weights are
-  still being read from the same disk; until it is known SGLang loads as usual; the probe file counts against the
-  SSD capacity, smaller where it leaves less room), K/V recompute and layer times (`engine/kvpr_profile.py`,
-  persisted); after each load the read bandwidth becomes min(measured, moving average of the loads' own read
-  rates). The meet itself follows the speeds of the moment; the profile only decides whether to start it.
+* Profile -- measured once per process: the SSD read bandwidth on a background thread from the first admission
+  on (SGLang's warm-up request: the weights are in memory by then, no longer being read from the same disk; the
+  probe file counts against the SSD capacity, smaller where it leaves less room), then K/V recompute and layer
+  times on the served model at the scheduler's first fully idle moment after that (seam `Scheduler.on_idle`,
+  BEFORE: on the thread that runs the forwards; `engine/kvpr_profile.py`, persisted). Until it is known SGLang
+  loads as usual (a forced load waits for it). After each load the read bandwidth becomes min(measured, moving
+  average of the loads' own read rates). The meet itself follows the speeds of the moment; the profile only
+  decides whether to start it.
 
 Counters: `sglang_tiered:kvpr_loads_total`, `..._kvpr_tokens_computed_total` (span tokens computed from token ids),
 `..._kvpr_tokens_loaded_total` (read, as KV or activations), `..._kvpr_tokens_recomputed_total` (of those, from
@@ -86,6 +89,7 @@ logger = logging.getLogger("sglang_tiered")
 _WRITE_QUEUE = 8  # batches of activations waiting to be written
 _MIN_PROBE_BYTES = 1 << 20  # a read-bandwidth probe smaller than this says nothing (then the stored profile is used)
 _MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the bandwidth
+PROFILE_WAIT_S = 60.0  # the longest a forced load waits for the read bandwidth being measured (64 MiB at 1 MB/s)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class KVPR:
         self.read_bps: Optional[float] = None  # measured once, from the first request on
         self.observed: Optional[float] = None  # moving average of the loads' read rates
         self.measuring = False
+        self.read_measured = threading.Event()  # set once the read bandwidth is measured (or could not be)
+        self.compute_failed = False
         self.profile: Optional[Profile] = None
         self.key = ""
         self.lock = threading.Lock()
@@ -146,7 +152,7 @@ class KVPR:
                     s.x_bytes / s.kv_bytes)
 
     # ------------------------------------------------------------------------------------- loader (door.py)
-    def admit(self, req) -> None:
+    def admit(self, scheduler, req) -> None:
         if self.tier is not None:
             self._start_measuring()
 
@@ -171,7 +177,7 @@ class KVPR:
             n += 1
         if n * ps < self.rt.settings.config.kvpr_min_tokens:
             return None
-        profile = self._profile(scheduler)
+        profile = self._profile(scheduler, forced=mode != "auto")
         if profile is None:
             return None
         d = decide(self.shape, profile, n, ps, stored_activations=self.writer is not None, forced=mode != "auto")
@@ -182,6 +188,12 @@ class KVPR:
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:
+        try:
+            self._probe_read()
+        finally:
+            self.read_measured.set()
+
+    def _probe_read(self) -> None:
         tier = self.tier
         room = min(PROBE_BYTES, tier.capacity_bytes // 8)
         try:
@@ -200,30 +212,54 @@ class KVPR:
                 self.read_bps = stored.read_bytes_per_s
 
     def _start_measuring(self) -> None:
-        """Measure the read bandwidth in the background, once (from the first request's admission on)."""
+        """Measure the read bandwidth in the background, once, from the first admission on (SGLang's own warm-up
+        request, once the weights are in memory and no longer read from the same disk)."""
         if not self.measuring:
             self.measuring = True
             threading.Thread(target=self._measure_read, name="tiered-kvpr-profile", daemon=True).start()
+
+    def on_idle(self, scheduler) -> None:
+        """`Scheduler.on_idle` (BEFORE): the compute part of the profile, at the scheduler's first fully idle moment
+        once the read bandwidth is known -- on the thread that runs the forwards (see `measure_compute`), off every
+        request's path (about 0.1-0.4 s, once)."""
+        try:
+            if self.profile is None and self.read_measured.is_set() and scheduler.is_fully_idle():
+                self._measure_compute(scheduler)
+        except Exception:  # noqa: BLE001 -- never the scheduler's problem
+            self.compute_failed = True
+            self.rt.events.count("hook_errors")
+            logger.exception("tiered kvpr: the idle-time profile failed")
+
+    def _measure_compute(self, scheduler) -> None:
+        """Time the served model's compute and complete the profile (on the scheduler's thread; once: a failure
+        leaves the profile unmeasured and SGLang loading every stored span)."""
+        if self.profile is not None or self.read_bps is None or self.compute_failed:
+            return
+        try:
+            compute = measure_compute(self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model))
+        except Exception:  # noqa: BLE001 -- no profile: SGLang keeps loading every stored span
+            self.compute_failed = True
+            self.rt.events.count("hook_errors")
+            logger.exception("tiered kvpr: measuring the compute profile failed; SGLang loads every stored span")
+            return
+        with self.lock:
+            self.profile = Profile(self.read_bps, *compute)
+        path = self._save()
+        logger.info("tiered kvpr: profile %s (saved to %s); %s", describe(self.profile), path,
+                    auto_example(self.shape, self.profile, self.tier.namespace.page_size))
 
     def _save(self) -> Any:
         return save_profile(self.tier.root, self.key, self.profile, shape=self.shape.__dict__,
                             write=lambda data: self.tier.write_meta(PROFILE_FILE, data))
 
-    def _profile(self, scheduler) -> Optional[Profile]:
-        """The measured profile, or None while the read bandwidth is being measured (until then SGLang loads as
-        usual). The compute part is timed on the served model at the first call after that."""
-        with self.lock:
-            if self.profile is not None:
-                return self.profile
-            if self.read_bps is None:
-                self._start_measuring()
-                return None
-            engine = self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model)
-            self.profile = Profile(self.read_bps, *measure_compute(engine))
-            path = self._save()
-            logger.info("tiered kvpr: profile %s (saved to %s); %s", describe(self.profile), path,
-                        auto_example(self.shape, self.profile, self.tier.namespace.page_size))
-            return self.profile
+    def _profile(self, scheduler, forced: bool) -> Optional[Profile]:
+        """The measured profile, or None while it is being measured: then SGLang loads as usual, except for a
+        forced load, which waits for the read bandwidth (at most PROFILE_WAIT_S) and measures the compute part
+        now if the scheduler has not been idle since."""
+        if self.profile is None and forced:
+            self.read_measured.wait(PROFILE_WAIT_S)
+            self._measure_compute(scheduler)
+        return self.profile
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
         """Fold a load's read rate (bytes over the seconds its reads took: the read path as it really runs, readahead
@@ -415,7 +451,7 @@ def sglang_rope(module):
 # ---------------------------------------------------------------------------------------------- registration
 def register_hooks(rt: Runtime) -> bool:
     """In scheduler processes of a CPU server with `--tiered-kvpr auto|force`: the door's loader (after gated
-    sparse loading), the activation capture and a forward handler."""
+    sparse loading), the activation capture, a forward handler and the idle-time profile."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     current = rt.settings
@@ -433,6 +469,7 @@ def register_hooks(rt: Runtime) -> bool:
     if rt.kvpr.gate_reason is None or current.config.kvpr == "force":  # activations stored
         HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", rt.kvpr.around_attention,
                               HookType.AROUND)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", rt.kvpr.on_idle, HookType.BEFORE)
     rt.door.add(rt.kvpr)
     rt.forward.add_handler(rt.kvpr.handler)
     return True

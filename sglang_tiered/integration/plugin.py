@@ -29,6 +29,8 @@ the process's `runtime.Runtime`):
   retention pins (`custom_params.tiered_retain`).
 * `layers.radix_attention.RadixAttention.forward` (AROUND, `importance.py`): scores prompt tokens for importance
   after SGLang's attention ran (read-only), with `--tiered-importance-heads` >= 1 (the default).
+* `Scheduler.on_idle` (BEFORE, `kvpr.py`, with `--tiered-kvpr auto|force` on CPU servers): the compute part of
+  the compute-or-load profile, timed once at the scheduler's first fully idle moment.
 * `models.llama.LlamaAttention.forward` (AROUND, `kvpr.py`, read-only: copies the attention inputs to store them)
   and `TorchNativeAttnBackend.forward_decode` (AROUND, `cpu_attention.py`: the layer and requests of a decode step,
   so decoding skips the prefix positions a sparse load did not fill), with their mechanisms.

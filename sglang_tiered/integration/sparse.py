@@ -91,7 +91,7 @@ class Sparse:
         self.histories: dict[tuple[str, float], GateHistory] = {}  # per (gate, ratio): their pass rates differ
 
     # ------------------------------------------------------------------------------------- loader (door.py)
-    def admit(self, req) -> None:
+    def admit(self, scheduler, req) -> None:
         self._holes.pop(req.rid, None)
 
     def wants(self, req) -> bool:

@@ -38,6 +38,10 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
     from transformers import AutoTokenizer
 
     s = fp32_server
+    deadline = time.monotonic() + 30  # the profile is measured at the first idle moment after startup: no request
+    while not s.log_lines("tiered kvpr: profile") and time.monotonic() < deadline:  # of ours needed
+        time.sleep(0.3)
+    assert s.log_lines("tiered kvpr: profile"), s.log_tail()
     text = essays[11] + "\n\nQuestion: What is the point?\nAnswer:"
     ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
     cold = ask(s, ids)
