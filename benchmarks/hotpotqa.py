@@ -361,8 +361,9 @@ def resumed(start: int, questions: int, dtype: str) -> tuple[dict[str, list[dict
 
 
 def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, start: int, questions: int,
-           not_measured: list[str], measured: dict[str, str]) -> None:
-    """Summary, paired importance-vs-deviation comparison, plot and verdict of the measured configurations."""
+           not_measured: list[str], measured: dict[str, str], measured_on: dict | None = None) -> None:
+    """Summary, paired importance-vs-deviation comparison, plot and verdict of the measured configurations.
+    `measured_on`: the machine the rows were measured on (default: this one)."""
     summary = summarize(results)
     plot(summary, RESULTS / "hotpotqa.png")
     blend = summary[f"blend {default_ratio:g}"]
@@ -380,7 +381,7 @@ def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, sta
                     f"{v['f1_diff_ci'][1]:+.3f}), agreement with prefix {v['agreement_diff']:+.3f}")
     if not_measured:
         verdict += f"; not measured in this run: {', '.join(not_measured)}"
-    save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": start, "questions": questions,
+    save("hotpotqa", {"machine": measured_on or machine(), "dtype": dtype, "start": start, "questions": questions,
                       "summary": summary, "importance_vs_deviation": versus, "not_measured": not_measured,
                       "measured": measured, "rows": results, "verdict": verdict})
     print("verdict:", verdict)
@@ -396,7 +397,7 @@ def finish_saved(default_ratio: float, planned: list[str], logs: Path | None) ->
         if log is not None and log.exists():
             attach_blend_log(rows, [x for x in log.read_text().splitlines() if "tiered blend: rid" in x])
     finish(results, default_ratio, saved["dtype"], saved["start"], saved["questions"],
-           [name for name in planned if name not in results], saved.get("measured", {}))
+           [name for name in planned if name not in results], saved.get("measured", {}), saved["machine"])
 
 if __name__ == "__main__":
     sys.exit(main())
