@@ -99,6 +99,7 @@ class Runtime:
         self.kvpr: Optional[KVPR] = None  # partial-recompute loading
         self.cpu_attention: Optional[CPUAttention] = None
         self.chat: Optional[ChatChunks] = None  # launcher: chunk lengths of rendered chat prompts
+        self.directory_claims: dict[str, int] = {}  # launcher: SSD directory -> the descriptor holding its claim
 
     @property
     def settings(self) -> Optional[settings_mod.Settings]:

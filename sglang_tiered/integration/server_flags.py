@@ -25,9 +25,10 @@ from sglang_tiered.config import (
     default_partitions_path,
     parse_size,
 )
-from sglang_tiered.integration import cpu_shims, settings
+from sglang_tiered.integration import cpu_shims, runtime, settings
 from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve_model_path
 from sglang_tiered.policy import cpu_dtype
+from sglang_tiered.storage import directory_lock
 from sglang_tiered.storage.files import write_atomic
 from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.ssd_tier import DTYPE_FILE
@@ -204,6 +205,7 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         except (KeyError, TypeError, ZeroDivisionError):
             page_bytes = None
     cfg.validate(page_bytes)
+    _claim_directory(cfg.ssd_dir)
     if dtype_records is not None:
         _keep_dtype_records(cfg.ssd_dir, dtype_records)
     if cfg.remote:
@@ -235,6 +237,20 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         "sglang-tiered: hierarchical cache on, SSD tier %s (capacity %d bytes), page size %d, prefetch threshold %d",
         cfg.ssd_dir, cfg.ssd_capacity, ns.page_size, extra["prefetch_threshold"],
     )
+
+
+def _claim_directory(ssd_dir: str) -> None:
+    """One server per SSD directory (storage/directory_lock.py): this launcher holds the claim while it runs."""
+    claims = runtime.process().directory_claims
+    if ssd_dir in claims:  # (this process parsed the flags before)
+        return
+    try:
+        claims[ssd_dir] = directory_lock.claim(ssd_dir)
+    except directory_lock.DirectoryInUse as exc:
+        raise ConfigError(f"--tiered-ssd-dir: {exc}; give each server its own directory (its capacity and "
+                          "eviction cover every file under it)") from None
+    except OSError as exc:
+        raise ConfigError(f"--tiered-ssd-dir: cannot claim {ssd_dir}: {exc.strerror or exc}") from None
 
 
 def _cpu_settings(ns: argparse.Namespace) -> None:

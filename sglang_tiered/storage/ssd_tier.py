@@ -4,7 +4,8 @@ Files (under `<root>/<namespace id>/` unless said otherwise), by the index's kin
 * page: `<key[:2]>/<key>.kvp`; activation: `<key[:2]>/<key>.x.kvp` (`activations.py`); chunk: `chunks/<hash>.kvp`
   (one segment per layer, `chunk_store.py`); group: `groups/<gid>.kvg` (`group_file.py`);
 * meta: `NAMESPACE.json`, `importance.log`, and `<root>/stats/<namespace id>.json`, the root's own files
-  (`ROOT_FILES`: the compute-or-load profile, the launcher's `--dtype auto` choice), probe files (`write_meta`,
+  (`ROOT_FILES`: the compute-or-load profile, the launcher's `--dtype auto` choice, the server's claim on the
+  directory), probe files (`write_meta`,
   `reserve_meta`, `scratch`);
 * foreign (`scan_foreign=True`, rank 0): any other file under the root that is not another rank's of this server.
 
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Optional, TypeVar
 
 from sglang_tiered.storage import activations, group_file
+from sglang_tiered.storage.directory_lock import LOCK_FILE
 from sglang_tiered.storage.disk_index import DiskIndex, Victim
 from sglang_tiered.storage.files import make_dir, unlink_quiet, write_atomic
 from sglang_tiered.storage.groups import ITEMSIZE, assemble, pages_from_group
@@ -76,7 +78,7 @@ META_PREFIX = "m:"  # meta entries: "m:<path relative to the root>"
 FOREIGN_PREFIX = "f:"  # foreign files: "f:<path relative to the root>"
 NAMESPACE_FILE = "NAMESPACE.json"
 DTYPE_FILE = "cpu-dtype.json"  # the launcher's `--dtype auto` choice, kept for restarts (integration/server_flags.py)
-ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE)  # files of the whole server at the root, counted as meta
+ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE, LOCK_FILE)  # files of the whole server at the root, counted as meta
 
 
 class SSDTier:

@@ -141,6 +141,31 @@ def test_translation_into_sglang_fields(tmp_path):
     assert settings.current() is None  # and no tiered settings reach its processes
 
 
+def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(tmp_path):
+    """One server per `--tiered-ssd-dir` (storage/directory_lock.py): the flags parsed here claim the directory for
+    this process, as a launcher does; a server started on it meanwhile stops at once with one line naming this
+    process, and another directory starts past that check."""
+    import argparse
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ssd = tmp_path / "ssd"
+    ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered",
+                                                "--tiered-ssd-dir", str(ssd), "--dtype", "float32"]))
+    ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered",
+                                                "--tiered-ssd-dir", str(ssd), "--dtype", "float32"]))  # same process
+    r = launch("--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(ssd),
+               "--max-total-tokens", "1024", "--dtype", "float32")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
+    assert len(lines) == 1 and lines[0].startswith("sglang-tiered: --tiered-ssd-dir:"), r.stderr[-2000:]
+    assert f"in use by another server (pid {os.getpid()})" in lines[0] and "Traceback" not in r.stderr
+
+
 def test_dtype_auto_is_kept_in_the_ssd_directory_for_restarts(tmp_path):
     """`--dtype auto` is measured once per machine and model and kept in `<ssd dir>/cpu-dtype.json`: a restart
     reuses it (the dtype is in every page's namespace: a restart that measured the other dtype would find the whole
