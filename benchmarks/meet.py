@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -180,6 +181,18 @@ def compare(rows: dict, n: int) -> dict:
             "answers_differing": len(differing), "differing_margins": margins}
 
 
+def wait_for_pages(s: ServerProcess, pages: int, since: float) -> None:
+    """Until the SSD tier's written-pages counter is `pages` above `since` (the write-through of a prefill that
+    stored new pages has ended: the next measurement should not share the disk and the CPU with it); at most 120 s."""
+    deadline = time.monotonic() + 120
+    while written_pages(s) < since + pages and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def written_pages(s: ServerProcess) -> float:
+    return metric_total(s.get("/metrics"), "sglang_tiered:ssd_written_pages_total")
+
+
 def wait_for_activations(s: ServerProcess, pages: int) -> None:
     """Until `pages` more activation pages reached the SSD tier (written asynchronously after the KV); at most 120 s."""
     name = "sglang_tiered:kvpr_activation_pages_written_total"
@@ -190,7 +203,8 @@ def wait_for_activations(s: ServerProcess, pages: int) -> None:
 
 
 def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeats: int, max_repeats: int,
-             point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: bool) -> dict:
+             point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: bool,
+             logs: Path | None = None) -> dict:
     tag = model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + ("-busy" if busy else "")
     ssd = tmp / f"ssd-{tag}"
     wrapper = [] if mbps is None else [str(SLOW_DISK), "--dir", str(tmp), str(mbps), "--"]
@@ -205,11 +219,13 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
         docs = {n: src.tok(src.take(n + 16))["input_ids"][:n] for n in lengths}
         question = src.tok(src.take(QUESTION + 8))["input_ids"][:QUESTION]
         for n, doc in docs.items():  # store the documents' pages (and, on the MHA model, their activations)
+            before = written_pages(s)
             request(s, doc + question[::-1], "off")
+            wait_for_pages(s, n // PAGE, before)
             if mha:
                 wait_for_activations(s, n // PAGE)
-        deadline = time.monotonic() + 120  # write-through done, the loader's read bandwidth measured
-        while not s.log_lines("tiered kvpr: SSD read bandwidth") and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120  # the profile measured (at the server's first idle moment)
+        while not s.log_lines("tiered kvpr: profile") and time.monotonic() < deadline:
             request(s, question, "off")
             time.sleep(1)
         time.sleep(3)
@@ -225,7 +241,10 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                         break
                     random.Random(f"{tag}-{n}-{r}").shuffle(order)
                     for c in order:
+                        before = written_pages(s)
                         rows[c].append(measure_once(s, ssd, ids, c, f"fresh-{tag}-{n}-{r}", noise))
+                        if c == "recompute":  # its pages are new (a fresh salt): their write-through ends first
+                            wait_for_pages(s, n // PAGE, before)
                 point = {c: {"ttft_s": statistics.median(x["ttft_s"] for x in rs), "rows": rs} for c, rs in
                          rows.items()}
                 point.update(compare(rows, n))
@@ -239,6 +258,9 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
             if noise is not None:
                 noise.close()
         out["profile"] = (s.log_lines("tiered kvpr: profile") + s.log_lines("tiered kvpr: SSD read bandwidth"))[-2:]
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp / f"{tag}.log", logs / f"{tag}.log")
     return out
 
 
@@ -309,6 +331,7 @@ def main() -> int:
                     "the configurations that decide an undecided point (see focus())")
     ap.add_argument("--point-budget", type=float, default=60.0, help="seconds a point may take before its extra "
                     "rounds stop")
+    ap.add_argument("--logs", type=Path, default=None, help="keep a copy of every server's log here")
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--name", default="meet", help="results as benchmarks/results/NAME.json and .png (a partial "
                     "re-run under another name keeps the full run's)")
@@ -326,7 +349,7 @@ def main() -> int:
             for disk, mbps, busy in runs:
                 results[model][disk + (" + busy CPU" if busy else "")] = run_disk(
                     model, disk, mbps, a.lengths, a.repeats, a.max_repeats, a.point_budget, dtype, src, Path(tmp),
-                    busy)
+                    busy, a.logs)
                 print(f"[meet] {time.monotonic() - t0:.0f} s so far", flush=True)
     checks = verdicts(results)
     data = {"machine": machine(), "dtype": dtype, "models": {"smollm2-mha": MHA.__dict__}, "repeats": a.repeats,
