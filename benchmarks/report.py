@@ -303,7 +303,8 @@ def main() -> int:
         out += ["![blend](benchmarks/results/blend.png)", ""]
     out += meet_section()
     out += hotpotqa_section()
-    out += retrieval_section()
+    out += retrieval_section("retrieval")
+    out += retrieval_section("retrieval-needles")
     out += serving_section()
     d = _results("retention")
     if d is not None:
@@ -441,13 +442,15 @@ def hotpotqa_section() -> list[str]:
     return out + ["", f"Verdict: {d['verdict']}.", "", "![hotpotqa](benchmarks/results/hotpotqa.png)", ""]
 
 
-def retrieval_section() -> list[str]:
-    d = _results("retrieval")
+def retrieval_section(name: str) -> list[str]:
+    d = _results(name)
     if d is None:
         return []
     tasks = list(next(iter(d["summary"].values()))["per_task"])
-    out = ["## Gated sparse loading on retrieval tasks (`benchmarks/retrieval.py`)", "",
-           *_reproduce("benchmarks/retrieval.py", DATA),
+    command = " ".join(["benchmarks/retrieval.py", *d.get("argv", [])])
+    title = "" if name == "retrieval" else f", `{name}`"
+    out = [f"## Gated sparse loading on retrieval tasks (`benchmarks/retrieval.py`{title})", "",
+           *_reproduce(command, DATA),
            f"Machine: {_machine(d['machine'])}; {_dtype(d)}; haystacks of {' and '.join(map(str, d['lengths']))} "
            f"tokens, {len(d['cases'])} documents, reads throttled to {d['slow_mbps']} MB/s; MiB read and TTFT are "
            "medians per request; agreement = the same answer (first sentence) as `off`, SGLang's full load.", "",
@@ -456,7 +459,11 @@ def retrieval_section() -> list[str]:
     for mode, m in d["summary"].items():
         out.append(f"| {mode} | {m['accuracy']:.2f} | " + " | ".join(f"{m['per_task'][t]:.2f}" for t in tasks) +
                    f" | {m.get('answer_agreement', 1.0):.2f} | {m['read_mib']:.1f} | {m['ttft_s']:.3f} |")
-    return out + ["", f"Verdict: {d['verdict']}.", "", "![retrieval](benchmarks/results/retrieval.png)", ""]
+    paired = [f"{mode} {m['accuracy_minus_off']:+.3f} [{m['accuracy_minus_off_ci'][0]:+.3f}, "
+              f"{m['accuracy_minus_off_ci'][1]:+.3f}]" for mode, m in d["summary"].items() if "accuracy_minus_off" in m]
+    if paired:
+        out += ["", "Accuracy minus `off`'s, paired per document, bootstrap 95 %: " + "; ".join(paired) + "."]
+    return out + ["", f"Verdict: {d['verdict']}.", "", f"![{name}](benchmarks/results/{name}.png)", ""]
 
 
 def serving_section() -> list[str]:

@@ -23,7 +23,7 @@ bytes.
 
     .venv/bin/python benchmarks/retrieval.py [--lengths 2048 7600] [--docs-per-task 2] [--ratios 0.1 0.2 0.3]
 
-Writes benchmarks/results/retrieval.json and .png and prints one verdict line.
+Writes benchmarks/results/retrieval.json and .png (`--name` for another name) and prints one verdict line.
 """
 
 from __future__ import annotations
@@ -149,8 +149,18 @@ def summarize(rows: dict, cases: list[Case]) -> dict:
         if mode != "off":
             m["answer_agreement"] = statistics.fmean(a["answer"] == b["answer"] for a, b in zip(rs, off))
             m["identical_to_off"] = statistics.fmean(a["output_ids"] == b["output_ids"] for a, b in zip(rs, off))
+            diffs = [float(a["correct"]) - float(b["correct"]) for a, b in zip(rs, off)]
+            m["accuracy_minus_off"] = statistics.fmean(diffs)
+            m["accuracy_minus_off_ci"] = paired_interval(diffs)
         out[mode] = m
     return out
+
+
+def paired_interval(diffs: list[float], draws: int = 2000) -> list[float]:
+    """Bootstrap 95 % interval of the mean of per-document differences."""
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(draws))
+    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -180,6 +190,7 @@ def main() -> int:
     ap.add_argument("--slow-mbps", type=int, default=100)
     ap.add_argument("--squad-start", type=int, default=5)
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
+    ap.add_argument("--name", default="retrieval", help="results as benchmarks/results/NAME.json and .png")
     a = ap.parse_args()
     exit_cleanly_on_sigterm()
     dtype = a.dtype or auto_dtype()
@@ -210,10 +221,10 @@ def main() -> int:
            m["accuracy"] >= off["accuracy"] - 0.02 and m["read_mib"] * 2 <= off["read_mib"]]
     verdict = (f"full load accuracy {off['accuracy']:.2f} ({off['read_mib']:.1f} MiB); gated modes meeting "
                f"accuracy >= full - 0.02 at >= 2x fewer bytes: {', '.join(met) if met else 'none'}")
-    save("retrieval", {"machine": machine(), "dtype": dtype, "slow_mbps": a.slow_mbps, "lengths": a.lengths,
-                       "cases": [c.__dict__ for c in cases], "summary": summary, "rows": rows, "log": log,
-                       "verdict": verdict})
-    plot(summary, RESULTS / "retrieval.png")
+    save(a.name, {"machine": machine(), "argv": sys.argv[1:], "dtype": dtype, "slow_mbps": a.slow_mbps,
+                  "lengths": a.lengths, "cases": [c.__dict__ for c in cases], "summary": summary, "rows": rows,
+                  "log": log, "verdict": verdict})
+    plot(summary, RESULTS / f"{a.name}.png")
     print("verdict:", verdict)
     return 0
 

@@ -95,10 +95,12 @@ class PrefillResult:
 
 
 class LlamaModel:
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device | str] = None):
+        """`device`: where the weights (and every tensor the model makes) live; None: where `weights` are."""
         self.cfg = cfg
         self.dtype = dtype
-        w = {k: v.to(dtype) for k, v in weights.items()}
+        w = {k: v.to(device=device or v.device, dtype=dtype) for k, v in weights.items()}
         p = "model."
         self.embed_tokens = w[p + "embed_tokens.weight"]
         self.norm = w[p + "norm.weight"]
@@ -134,9 +136,15 @@ class LlamaModel:
         return cls(LlamaConfig.from_hf(path), weights, dtype)
 
     @classmethod
-    def random(cls, cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaModel:
-        """Random weights with sane scales (outputs neither vanish nor explode over the layers)."""
-        return cls(cfg, random_weights(cfg, seed), dtype)
+    def random(cls, cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LlamaModel:
+        """Random weights with sane scales (outputs neither vanish nor explode over the layers), made on `device`
+        (the same seed gives other values on another device)."""
+        return cls(cfg, random_weights(cfg, seed, device), dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
 
     # ------------------------------------------------------------------ per-layer steps
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -158,7 +166,8 @@ class LlamaModel:
         """cos and sin [P, head_dim] for positions 0 .. P - 1, P = the next power of two >= needed (>= 4096)."""
         rows = max(4096, 1 << max(0, needed - 1).bit_length())
         freqs = torch.arange(rows, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        return torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([freqs.sin(), freqs.sin()], -1)
+        cos, sin = torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([freqs.sin(), freqs.sin()], -1)
+        return cos.to(self.device), sin.to(self.device)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -207,7 +216,7 @@ class LlamaModel:
 
     def empty_kv(self, tokens: int) -> torch.Tensor:
         c = self.cfg
-        return torch.empty(c.layers, tokens, 2, c.kv_heads, c.head_dim, dtype=self.dtype)
+        return torch.empty(c.layers, tokens, 2, c.kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ reference
     @torch.inference_mode()
@@ -215,7 +224,8 @@ class LlamaModel:
         """Single-process prefill of a whole prompt: last-token logits and the full KV."""
         n = ids.shape[0]
         kv = self.empty_kv(n) if kv is None else kv
-        positions = torch.arange(n)
+        positions = torch.arange(n, device=self.device)
+        ids = ids.to(self.device)
         x = self.embed(ids)
         for layer in range(self.cfg.layers):
             q, k, v = self.qkv(layer, x, positions)
@@ -224,21 +234,24 @@ class LlamaModel:
         return PrefillResult(self.logits(x[-1:])[0], kv)
 
 
-def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Hugging Face-named random weights of a Llama model with sane scales (fp32)."""
-    g = torch.Generator().manual_seed(seed)
+def random_weights(cfg: LlamaConfig, seed: int = 0, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Hugging Face-named random weights of a Llama model with sane scales (fp32), made on `device`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
 
     def rnd(*shape, fan_in):
-        return torch.randn(*shape, generator=g) / fan_in**0.5
+        return randn(*shape) / fan_in**0.5
 
     h, d = cfg.hidden, cfg.head_dim
-    w = {"model.embed_tokens.weight": torch.randn(cfg.vocab, h, generator=g),
-         "model.norm.weight": torch.ones(h), "lm_head.weight": rnd(cfg.vocab, h, fan_in=h)}
+    w = {"model.embed_tokens.weight": randn(cfg.vocab, h),
+         "model.norm.weight": torch.ones(h, device=device), "lm_head.weight": rnd(cfg.vocab, h, fan_in=h)}
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
         w.update({
-            p + "input_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-            p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+            p + "input_layernorm.weight": 1 + 0.1 * randn(h),
+            p + "post_attention_layernorm.weight": 1 + 0.1 * randn(h),
             p + "self_attn.q_proj.weight": rnd(cfg.heads * d, h, fan_in=h),
             p + "self_attn.k_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),
             p + "self_attn.v_proj.weight": rnd(cfg.kv_heads * d, h, fan_in=h),

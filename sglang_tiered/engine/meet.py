@@ -31,10 +31,17 @@ rates are this load's own (the estimates are replaced by each computed chunk's t
 follows a disk or a CPU that slows down under load. Without an estimate the two simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
+
+On a CUDA model (component level: the server runs this on CPUs) the same scheduler runs with the loader's copies of
+pages (from pinned host memory: `PageSource.read` returns host tensors) on a CUDA stream of its own, each page's copy
+waited for on the loader's thread (its read time is the transfer's), and compute's kernels on the caller's current
+stream, each chunk waited for before the next claim (a claim must follow real progress, not queued kernels); the
+new tokens' layers run after the current stream has waited for the loader's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -176,25 +183,31 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         raise ValueError("prefix_len > 0 needs a prefix_loader")
     if split is not None and not 0 <= split <= pages:
         raise ValueError(f"split {split} outside 0..{pages}")
+    dev = model.device
+    span_ids, new_ids = span_ids.to(dev), new_ids.to(dev)
     out = model.empty_kv(s + n)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s)
     errors: list[BaseException] = []
     recomputed = [0]
+    copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
 
     @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
     def load() -> None:
-        while not errors:
-            page = claims.next_load()
-            if page is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                recomputed[0] += _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
-                                        torch.arange(p + page * ps, p + (page + 1) * ps), rope)
-            except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
-                errors.append(exc)
-                return
-            claims.loaded(time.perf_counter() - t0)
+        with _on_stream(copies):
+            while not errors:
+                page = claims.next_load()
+                if page is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    recomputed[0] += _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
+                                            torch.arange(p + page * ps, p + (page + 1) * ps, device=dev), rope)
+                    if copies is not None:
+                        copies.synchronize()  # the page is on the device: its read time is the transfer's
+                except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
+                    errors.append(exc)
+                    return
+                claims.loaded(time.perf_counter() - t0)
 
     pool = one_thread_pool("meet-load")  # torch on one thread there: spinning workers would slow compute's
     loader = pool.submit(load)
@@ -209,6 +222,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                 continue
             t_chunk = time.perf_counter()
             _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader, rope)
+            if copies is not None:
+                torch.cuda.current_stream(dev).synchronize()  # the chunk is done, not only queued
             claims.computed(len(pages_now), time.perf_counter() - t_chunk)
             computed = pages_now.stop
         compute_s = time.perf_counter() - t0
@@ -220,9 +235,11 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         pool.shutdown(wait=True)
     if len(errors) > 1:
         raise errors[0]
+    if copies is not None:
+        torch.cuda.current_stream(dev).wait_stream(copies)
     x = model.embed(new_ids)
-    positions = torch.arange(p + s, p + s + n)
-    xs = torch.empty(model.cfg.layers, n, model.cfg.hidden, dtype=model.dtype) if inputs else None
+    positions = torch.arange(p + s, p + s + n, device=dev)
+    xs = torch.empty(model.cfg.layers, n, model.cfg.hidden, dtype=model.dtype, device=dev) if inputs else None
     for layer in range(model.cfg.layers):
         if xs is not None:
             xs[layer] = model.attention_input(layer, x)
@@ -233,14 +250,21 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                       xs)
 
 
+def _on_stream(stream: Optional[torch.cuda.Stream]):
+    """`torch.cuda.stream(stream)`, or nothing for None (a CPU model)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def _place(model: LlamaModel, page: StoredPage, out: torch.Tensor, positions: torch.Tensor,
            rope: Optional[Rope]) -> int:
-    """Write a read page into `out` [layers, page_size, 2, H, D]; 1 if its K and V were recomputed from activations."""
+    """Write a read page into `out` [layers, page_size, 2, H, D] (on the model's device: a host page is copied
+    without blocking, which is asynchronous from pinned memory); 1 if its K and V were recomputed from activations."""
     if page.x is None:
-        out.copy_(page.kv.to(model.dtype))
+        out.copy_(page.kv, non_blocking=True)
         return 0
+    x = page.x.to(device=out.device, non_blocking=True)
     for layer in range(model.cfg.layers):
-        out[layer, :, 0], out[layer, :, 1] = model.kv_from_input(layer, page.x[layer].to(model.dtype), positions, rope)
+        out[layer, :, 0], out[layer, :, 1] = model.kv_from_input(layer, x[layer].to(model.dtype), positions, rope)
     return 1
 
 
@@ -249,7 +273,7 @@ def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, out: torch.Tensor,
     """Compute the KV of span pages `pages` (a chunked prefill over the prefix and the pages before them)."""
     a, b = pages.start * ps, pages.stop * ps
     x = model.embed(span_ids[a:b])
-    positions = torch.arange(p + a, p + b)
+    positions = torch.arange(p + a, p + b, device=x.device)
     for layer in range(model.cfg.layers):
         q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, a:b, 0], out[layer, a:b, 1] = k, v
