@@ -77,7 +77,7 @@ class Recorder:
     def __init__(self, handler) -> None:
         self.handler, self.asked = handler, []
 
-    def admit(self, req) -> None:
+    def admit(self, scheduler, req) -> None:
         pass
 
     def wants(self, req) -> bool:
