@@ -132,7 +132,7 @@ class ServerProcess:
                 f.seek(log_start)
                 if bind_error in f.read():
                     return False
-            time.sleep(1)
+            time.sleep(0.25)
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout} s; log: {self.log_path}")
 

@@ -7,7 +7,7 @@ The answer needs facts from two chunks ("Alice works at the Amber Museum." / "Th
 3. after a restart on the stored chunk files: chunk KV is read from SSD, same answer;
 4. chunk pages corrupted on disk: the request falls back to SGLang's normal prefill (logged, counted), answered;
 5. marked requests sent together with plain ones each prefill alone and are all blended (counted in /metrics, no
-   fallback); with chunked prefill in 64-token pieces a prompt is blended piece by piece; with --enable-mixed-chunk
+   fallback); with chunked prefill in 128-token pieces a prompt is blended piece by piece; with --enable-mixed-chunk
    a marked request that shares its forward with decode rows gets a normal prefill, logged and counted;
 and `--tiered-blend full` (the blend machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly;
 `--tiered-blend off` leaves the separator in the text.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,6 +36,7 @@ QUESTION = "\nQuestion: In which city does Alice work?"
 HEAD = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"  # SmolLM2's chat template, written out
 TAIL = f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 PROMPT = HEAD + SEP + CHUNK_A + SEP + CHUNK_B + SEP + TAIL
+PIECE = 128  # --chunked-prefill-size of the pieces server: PROMPT (150 tokens) is prefilled in two pieces
 
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -150,37 +152,50 @@ def frontend_program(url: str) -> str:
     return state["answer"]
 
 
-def test_chunked_prefill_is_blended_piece_by_piece(tmp_path):
-    with server(tmp_path, "chunked", "--chunked-prefill-size", "64", "--enable-metrics") as s:
-        first = s.generate(PROMPT, max_new_tokens=16)
-        metrics = s.get("/metrics")
-        lines = blend_lines(s)
+@pytest.fixture(scope="module")
+def pieces_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """SGLang's prefill in pieces of PIECE tokens, mixed with running decodes where it can (`--enable-mixed-chunk`):
+    one server for the two tests below (a request alone in its batch is prefilled piece by piece all the same).
+    A mixed piece gets what the decodes leave of PIECE, rounded down to whole 64-token pages: PIECE 64 never mixes."""
+    tmp = tmp_path_factory.mktemp("pieces")
+    args = ("--chunked-prefill-size", str(PIECE), "--enable-mixed-chunk", "--enable-metrics")
+    with server(tmp, "pieces", *args) as s:
+        yield s
+
+
+def test_chunked_prefill_is_blended_piece_by_piece(pieces_server):
+    s = pieces_server
+    mark, before = s.log_mark(), metric_total(s.get("/metrics"), "sglang_tiered:blend_requests_total")
+    first = s.generate(PROMPT, max_new_tokens=16)
+    metrics = s.get("/metrics")
+    lines = blend_lines(s, mark)
     pieces = [tuple(map(int, re.search(r"extend=\[(\d+),(\d+)\)", line).groups())) for line in lines]
     total = first["meta_info"]["prompt_tokens"]
-    assert total > 128 and pieces == [(a, min(a + 64, total)) for a in range(0, total, 64)], pieces
+    assert total > PIECE and pieces == [(a, min(a + PIECE, total)) for a in range(0, total, PIECE)], pieces
     new = [int(re.search(r"\(new (\d+)\)", line).group(1)) for line in lines]
     assert sum(new) == 3 and new[0] >= 1, lines  # every chunk's KV computed once, in the piece that first meets it
     assert "Lisbon" in first["text"], first["text"]
-    assert metric_total(metrics, "sglang_tiered:blend_requests_total") == 1  # a request, not a piece
+    assert metric_total(metrics, "sglang_tiered:blend_requests_total") - before == 1  # a request, not a piece
 
 
-def test_a_marked_request_in_a_mixed_batch_falls_back_counted(tmp_path):
+def test_a_marked_request_in_a_mixed_batch_falls_back_counted(pieces_server):
     """With --enable-mixed-chunk SGLang puts a new prefill next to running decodes: blending (one request per forward)
     cannot run, the marked request gets SGLang's normal prefill, logged and counted, and is still answered."""
-    with server(tmp_path, "mixed", "--enable-mixed-chunk", "--enable-metrics") as s:
-        with ThreadPoolExecutor(1) as pool:
-            decoding = pool.submit(s.generate, "The gardens along the river", 120)  # decodes for seconds
-            deadline = time.monotonic() + 60
-            while "Decode batch" not in (tmp_path / "mixed.log").read_text():
-                assert time.monotonic() < deadline, "the plain request never decoded"
-                time.sleep(0.2)
-            marked = s.generate(PROMPT, max_new_tokens=8)
-            assert decoding.result()["text"].strip()
-        metrics = s.get("/metrics")
-        lines = blend_lines(s)
+    s = pieces_server
+    mark, before = s.log_mark(), metric_total(s.get("/metrics"), "sglang_tiered:blend_fallbacks_total")
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(s.generate, "The gardens along the river", 120)  # decodes for seconds
+        deadline = time.monotonic() + 60
+        while not s.log_lines("Decode batch", mark):
+            assert time.monotonic() < deadline, "the plain request never decoded"
+            time.sleep(0.2)
+        marked = s.generate(PROMPT, max_new_tokens=8)
+        assert decoding.result()["text"].strip()
+    metrics = s.get("/metrics")
+    lines = blend_lines(s, mark)
     assert marked["text"].strip()
     assert any("runs a normal prefill (its prefill batch holds 2 requests)" in line for line in lines), lines
-    assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") >= 1
+    assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") - before >= 1
 
 
 def test_output_logprobs_are_blended_and_prompt_logprobs_fall_back(shared_server):
