@@ -2,7 +2,7 @@
 compare token for token).
 
 1. A prompt is served cold; its pages reach the SSD tier and are repacked in importance order (logged).
-2. After a restart on the same SSD directory, with device and host empty:
+2. With device and host flushed (the prompt only on the SSD tier, as a group):
    * `tiered_importance: off` -- SGLang loads the repacked pages through the group's map: output identical to the
      cold run (reordering is exact);
    * `full` -- the sparse path with every token loaded (the gate forced to fail): identical too;
@@ -72,13 +72,13 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
                 time.monotonic() < deadline:
             time.sleep(0.2)
         metrics = s.get("/metrics")
-    # the repack took every page from the copy kept at its write: nothing was read back from the SSD
-    repacked = metric_total(metrics, "sglang_tiered:ssd_repacked_pages_total")
-    assert repacked >= 10 and metric_total(metrics, "sglang_tiered:ssd_repack_pages_kept_total") == repacked
-    assert metric_total(metrics, "sglang_tiered:ssd_repack_pages_read_total") == 0
-    assert list((tmp_path / "ssd").glob("*/groups/*.kvg"))
+        # the repack took every page from the copy kept at its write: nothing was read back from the SSD
+        repacked = metric_total(metrics, "sglang_tiered:ssd_repacked_pages_total")
+        assert repacked >= 10 and metric_total(metrics, "sglang_tiered:ssd_repack_pages_kept_total") == repacked
+        assert metric_total(metrics, "sglang_tiered:ssd_repack_pages_read_total") == 0
+        assert list((tmp_path / "ssd").glob("*/groups/*.kvg"))
 
-    with server(tmp_path, "restart") as s:
+        s.flush_cache()  # device and host: the prompt is on the SSD tier only
         full_load = ask(s, prompt, "off")
         assert cached_details(full_load)["storage"] >= 640  # SGLang read the pages back through the group
         assert full_load["output_ids"] == cold["output_ids"]
