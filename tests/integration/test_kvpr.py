@@ -7,7 +7,8 @@ the same prompt is loaded from SSD by SGLang's own L3 prefetch (the reference) a
 forced at 0 (every page recomputed from activations), one page, the middle, all but one page and all pages (every
 page computed from token ids), and with a device-cached prefix ahead of the span: the greedy output is identical
 every time. A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang
-compute the span (counted, identical). On the GQA default model no activations are stored, and it says why.
+compute the span (counted, identical). A prompt that SGLang prefills in pieces (longer than `--chunked-prefill-size`)
+is never planned: it keeps SGLang's own load. On the GQA default model no activations are stored, and it says why.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from tests.integration.kvpr_helpers import MHA, PAGE, ask, counter, wait_for_act
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
+PIECE = 1024  # --chunked-prefill-size: every prompt here is one extend but the long one's
+
 
 @pytest.fixture(scope="module")
 def mha_server(tmp_path_factory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("kvpr")
     model = random_model_dir(tmp / "model", MHA, seed=1)
-    args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force")
+    args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force",
+                       "--chunked-prefill-size", str(PIECE))
     with ServerProcess(args, log_path=tmp / "server.log", model_path=str(model)) as s:
         s.ssd = tmp / "ssd"
         yield s
@@ -142,3 +146,20 @@ def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path, essa
     empty = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "none")], capture_output=True,
                            text=True, timeout=120)
     assert empty.returncode == 1 and "no profile" in empty.stderr
+
+
+def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(mha_server, essays):
+    """A prompt that SGLang would prefill in pieces (longer than --chunked-prefill-size) is not planned for partial
+    recompute (the loader computes whole prompts): SGLang loads its stored prefix as usual, nothing is computed."""
+    s = mha_server
+    prompt = essays[8] + essays[9] + "\n\nQuestion: What are these essays about?\nAnswer:"
+    written, loads, fallbacks = counter(s, "activation_pages_written"), counter(s, "loads"), counter(s, "fallbacks")
+    cold = ask(s, prompt)
+    assert cold["meta_info"]["prompt_tokens"] > PIECE
+    pages = cold["meta_info"]["prompt_tokens"] // PAGE
+    wait_for_activations(s, written + pages)
+    s.flush_cache()
+    again = ask(s, prompt, 10**6)  # every page computed by our loader, were it planned
+    assert cached_details(again)["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
+    assert again["output_ids"] == cold["output_ids"]
+    assert counter(s, "loads") == loads and counter(s, "fallbacks") == fallbacks
