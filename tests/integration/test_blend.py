@@ -152,52 +152,6 @@ def frontend_program(url: str) -> str:
     return state["answer"]
 
 
-@pytest.fixture(scope="module")
-def pieces_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    """SGLang's prefill in pieces of PIECE tokens, mixed with running decodes where it can (`--enable-mixed-chunk`):
-    one server for the two tests below (a request alone in its batch is prefilled piece by piece all the same).
-    A mixed piece gets what the decodes leave of PIECE, rounded down to whole 64-token pages: PIECE 64 never mixes."""
-    tmp = tmp_path_factory.mktemp("pieces")
-    args = ("--chunked-prefill-size", str(PIECE), "--enable-mixed-chunk", "--enable-metrics")
-    with server(tmp, "pieces", *args) as s:
-        yield s
-
-
-def test_chunked_prefill_is_blended_piece_by_piece(pieces_server):
-    s = pieces_server
-    mark, before = s.log_mark(), metric_total(s.get("/metrics"), "sglang_tiered:blend_requests_total")
-    first = s.generate(PROMPT, max_new_tokens=16)
-    metrics = s.get("/metrics")
-    lines = blend_lines(s, mark)
-    pieces = [tuple(map(int, re.search(r"extend=\[(\d+),(\d+)\)", line).groups())) for line in lines]
-    total = first["meta_info"]["prompt_tokens"]
-    assert total > PIECE and pieces == [(a, min(a + PIECE, total)) for a in range(0, total, PIECE)], pieces
-    new = [int(re.search(r"\(new (\d+)\)", line).group(1)) for line in lines]
-    assert sum(new) == 3 and new[0] >= 1, lines  # every chunk's KV computed once, in the piece that first meets it
-    assert "Lisbon" in first["text"], first["text"]
-    assert metric_total(metrics, "sglang_tiered:blend_requests_total") - before == 1  # a request, not a piece
-
-
-def test_a_marked_request_in_a_mixed_batch_falls_back_counted(pieces_server):
-    """With --enable-mixed-chunk SGLang puts a new prefill next to running decodes: blending (one request per forward)
-    cannot run, the marked request gets SGLang's normal prefill, logged and counted, and is still answered."""
-    s = pieces_server
-    mark, before = s.log_mark(), metric_total(s.get("/metrics"), "sglang_tiered:blend_fallbacks_total")
-    with ThreadPoolExecutor(1) as pool:
-        decoding = pool.submit(s.generate, "The gardens along the river", 120)  # decodes for seconds
-        deadline = time.monotonic() + 60
-        while not s.log_lines("Decode batch", mark):
-            assert time.monotonic() < deadline, "the plain request never decoded"
-            time.sleep(0.2)
-        marked = s.generate(PROMPT, max_new_tokens=8)
-        assert decoding.result()["text"].strip()
-    metrics = s.get("/metrics")
-    lines = blend_lines(s, mark)
-    assert marked["text"].strip()
-    assert any("runs a normal prefill (its prefill batch holds 2 requests)" in line for line in lines), lines
-    assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") - before >= 1
-
-
 def test_output_logprobs_are_blended_and_prompt_logprobs_fall_back(shared_server):
     """Log-probabilities of the output tokens (SGLang's default for return_logprob) need only the last prompt row:
     the request is blended and its first token is the top-1 of its own top log-probabilities; asking for the prompt
@@ -242,3 +196,50 @@ def test_off_leaves_the_separator_alone(shared_server, torch_native_server):
     off = torch_native_server.generate(PROMPT, max_new_tokens=1)
     split = shared_server.generate(PROMPT, max_new_tokens=1)
     assert off["meta_info"]["prompt_tokens"] > split["meta_info"]["prompt_tokens"]
+
+
+@pytest.fixture(scope="module")
+def pieces_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """SGLang's prefill in pieces of PIECE tokens, mixed with running decodes where it can (`--enable-mixed-chunk`):
+    one server for the two tests below (a request alone in its batch is prefilled piece by piece all the same). Last
+    in this module: it lives until the module ends, and no server of a test of its own starts beside it.
+    A mixed piece gets what the decodes leave of PIECE, rounded down to whole 64-token pages: PIECE 64 never mixes."""
+    tmp = tmp_path_factory.mktemp("pieces")
+    args = ("--chunked-prefill-size", str(PIECE), "--enable-mixed-chunk", "--enable-metrics")
+    with server(tmp, "pieces", *args) as s:
+        yield s
+
+
+def test_chunked_prefill_is_blended_piece_by_piece(pieces_server):
+    s = pieces_server
+    mark, before = s.log_mark(), metric_total(s.get("/metrics"), "sglang_tiered:blend_requests_total")
+    first = s.generate(PROMPT, max_new_tokens=16)
+    metrics = s.get("/metrics")
+    lines = blend_lines(s, mark)
+    pieces = [tuple(map(int, re.search(r"extend=\[(\d+),(\d+)\)", line).groups())) for line in lines]
+    total = first["meta_info"]["prompt_tokens"]
+    assert total > PIECE and pieces == [(a, min(a + PIECE, total)) for a in range(0, total, PIECE)], pieces
+    new = [int(re.search(r"\(new (\d+)\)", line).group(1)) for line in lines]
+    assert sum(new) == 3 and new[0] >= 1, lines  # every chunk's KV computed once, in the piece that first meets it
+    assert "Lisbon" in first["text"], first["text"]
+    assert metric_total(metrics, "sglang_tiered:blend_requests_total") - before == 1  # a request, not a piece
+
+
+def test_a_marked_request_in_a_mixed_batch_falls_back_counted(pieces_server):
+    """With --enable-mixed-chunk SGLang puts a new prefill next to running decodes: blending (one request per forward)
+    cannot run, the marked request gets SGLang's normal prefill, logged and counted, and is still answered."""
+    s = pieces_server
+    mark, before = s.log_mark(), metric_total(s.get("/metrics"), "sglang_tiered:blend_fallbacks_total")
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(s.generate, "The gardens along the river", 120)  # decodes for seconds
+        deadline = time.monotonic() + 60
+        while not s.log_lines("Decode batch", mark):
+            assert time.monotonic() < deadline, "the plain request never decoded"
+            time.sleep(0.2)
+        marked = s.generate(PROMPT, max_new_tokens=8)
+        assert decoding.result()["text"].strip()
+    metrics = s.get("/metrics")
+    lines = blend_lines(s, mark)
+    assert marked["text"].strip()
+    assert any("runs a normal prefill (its prefill batch holds 2 requests)" in line for line in lines), lines
+    assert metric_total(metrics, "sglang_tiered:blend_fallbacks_total") - before >= 1
