@@ -336,18 +336,25 @@ def ask_gated(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: 
     `asks[i][1]`. Rows per label, and the sparse-load log lines."""
     store = tmp / name
     rows: dict = {label: [] for label in modes}
+    t0 = time.monotonic()
+
+    def progress(what: str) -> None:
+        print(f"[{name}] {what} ({time.monotonic() - t0:.0f} s)", flush=True)
+
     with ServerProcess([*args, "--tiered-ssd-dir", str(store)], log_path=tmp / f"{name}.log", wrapper=wrapper) as s:
         for i, text in enumerate(texts):
             s.generate(text + warmup, max_new_tokens=1)
             deadline = time.monotonic() + 60
             while len(s.log_lines("tiered repack:")) <= i and time.monotonic() < deadline:
                 time.sleep(0.2)
+        progress(f"{len(texts)} documents stored and repacked")
         for custom in (c for c in modes.values() if c.get("tiered_importance", "gated") == "gated"):
             for i in range(HISTORY_LOADS):
                 s.flush_cache()
                 s.request("/generate", {"text": texts[i % len(texts)] + warmup, "sampling_params": {
                     "max_new_tokens": 1, "custom_params": custom}}, timeout=600)
-        for text, (question, expected) in zip(texts, asks):
+        progress("gate histories warmed up")
+        for n, (text, (question, expected)) in enumerate(zip(texts, asks), 1):
             for label, custom in modes.items():
                 s.flush_cache()
                 evict_from_page_cache(store)
@@ -359,6 +366,7 @@ def ask_gated(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: 
                                     "answer": answer(r["text"]), "text": r["text"],
                                     "correct": all(e.lower() in r["text"].lower() for e in expected),
                                     "cached": cached_details(r)})
+            progress(f"document {n}/{len(texts)} asked in {len(modes)} modes")
         return rows, s.log_lines("tiered sparse: rid")
 
 
