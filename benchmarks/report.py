@@ -382,6 +382,9 @@ MEET_RERUNS = [
      "page's compute, the profile's read estimate before the first read, the claim that ends the span soonest): "
      "SmolLM2's 1024-token points at 50 and 100 MB/s (`--models smollm2 --skip-native --slow-mbps 50 100 --busy "
      "--lengths 1024 --repeats 5`)"),
+    ("meet-native-intel", "after the full run, on the Intel machine of meet-intel-stdout.json, under the current "
+     "rule: the disk's own speed only, undecided points given up to 25 rounds of auto and the baselines that decide "
+     "them (`--slow-mbps --busy --max-repeats 25 --point-budget 150 --name meet-native-intel`)"),
 ]
 
 
@@ -403,7 +406,7 @@ def meet_section() -> list[str]:
     for name, what in MEET_RERUNS:
         r = _results(name)
         if r is not None:
-            out += [f"Partial run {name}, {what}; same machine class, {_dtype(r)}:", "", *meet_rows(r),
+            out += [f"Partial run {name}, {what}; {_machine(r['machine'])}, {_dtype(r)}:", "", *meet_rows(r),
                     "", f"Verdict of this partial run: {r['verdict']}.", ""]
     return out
 
@@ -455,7 +458,8 @@ def retrieval_section(name: str) -> list[str]:
            f"tokens, {len(d['cases'])} documents, reads throttled to {d['slow_mbps']} MB/s; MiB read and TTFT are "
            "medians per request (of both lengths together), the total is over every document; agreement = the same "
            "answer (first sentence) as `off`, SGLang's full load.", "",
-           "| mode | accuracy | " + " | ".join(tasks) + " | agreement with off | MiB read | total MiB read | TTFT (s) |",
+           "| mode | accuracy | " + " | ".join(tasks) +
+           " | agreement with off | MiB read | total MiB read | TTFT (s) |",
            "| --- | ---: | " + " | ".join("---:" for _ in tasks) + " | ---: | ---: | ---: | ---: |"]
     for mode, m in d["summary"].items():
         total = sum(r["read_bytes"] for r in d["rows"][mode]) / 2**20
