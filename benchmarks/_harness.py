@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -287,6 +288,13 @@ def plot(results: dict, path: Path, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def bootstrap(xs: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """95 % percentile interval of the mean of `xs` (seeded): of paired differences, the paired interval."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
 
 
 def save(name: str, payload: dict) -> Path:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, auto_dtype, drop_page_cache, machine, save  # noqa: E402
+from _harness import RESULTS, auto_dtype, bootstrap, drop_page_cache, machine, save  # noqa: E402
 
 from sglang_tiered.engine.blend import MODES, Span, blend_prefill, greedy_continue, observe  # noqa: E402
 from sglang_tiered.engine.tuning import load_model  # noqa: E402
@@ -152,12 +152,9 @@ def fidelity(model, tok, n_questions: int, ratio: float) -> dict:
 
 def paired_interval(xs: list[float], ref: list[float], draws: int = 10000) -> dict:
     """Mean of xs - ref over the questions and its paired bootstrap 95 % interval (seeded)."""
-    import random
-
     d = [x - r for x, r in zip(xs, ref)]
-    rng = random.Random(0)
-    means = sorted(statistics.mean(rng.choices(d, k=len(d))) for _ in range(draws))
-    return {"mean": statistics.mean(d), "low": means[int(0.025 * draws)], "high": means[int(0.975 * draws) - 1]}
+    low, high = bootstrap(d, draws)
+    return {"mean": statistics.mean(d), "low": low, "high": high}
 
 
 def speed(model, tok, repeats: int, ratio: float) -> dict:

@@ -52,7 +52,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, auto_dtype, machine, save  # noqa: E402
+from _harness import RESULTS, auto_dtype, bootstrap, machine, save  # noqa: E402
 
 from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm  # noqa: E402
 
@@ -116,13 +116,6 @@ def f1_score(prediction: str, gold: str) -> float:
 
 def exact_match(prediction: str, gold: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(gold))
-
-
-def bootstrap(xs: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
-    """95 % percentile interval of the mean."""
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(draws))
-    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
 
 
 def first_token_kl(ref: dict[str, float], other: dict[str, float]) -> float:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, SLOW_DISK, PromptSource, auto_dtype, machine, save  # noqa: E402
+from _harness import RESULTS, SLOW_DISK, PromptSource, auto_dtype, bootstrap, machine, save  # noqa: E402
 from importance import ask_gated  # noqa: E402
 
 from sglang_tiered.server_process import exit_cleanly_on_sigterm  # noqa: E402
@@ -151,16 +151,9 @@ def summarize(rows: dict, cases: list[Case]) -> dict:
             m["identical_to_off"] = statistics.fmean(a["output_ids"] == b["output_ids"] for a, b in zip(rs, off))
             diffs = [float(a["correct"]) - float(b["correct"]) for a, b in zip(rs, off)]
             m["accuracy_minus_off"] = statistics.fmean(diffs)
-            m["accuracy_minus_off_ci"] = paired_interval(diffs)
+            m["accuracy_minus_off_ci"] = bootstrap(diffs)
         out[mode] = m
     return out
-
-
-def paired_interval(diffs: list[float], draws: int = 2000) -> list[float]:
-    """Bootstrap 95 % interval of the mean of per-document differences."""
-    rng = random.Random(0)
-    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(draws))
-    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
 
 
 def plot(summary: dict, path: Path) -> None:
