@@ -70,15 +70,19 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    import sglang
+    try:
+        import sglang
 
+        sglang_version = sglang.__version__
+    except ImportError:  # (a GPU machine runs the engine's component benchmarks without SGLang)
+        sglang_version = None
     from sglang_tiered.policy.cpu_dtype import cpu_flags
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 1024**3, 1),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": list(cpu_flags()),
             "isa_limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ},
-            "python": sys.version.split()[0], "torch": torch.__version__, "sglang": sglang.__version__,
+            "python": sys.version.split()[0], "torch": torch.__version__, "sglang": sglang_version,
             "platform": platform.platform()}
 
 

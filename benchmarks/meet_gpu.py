@@ -1,28 +1,34 @@
 """Compute-or-load on a GPU, component level (issue #26, item 4): the two-sided loader of engine/meet.py on a CUDA
-model -- the span's front computed on the current stream while its back is copied from pinned host memory on a
-stream of its own -- against loading everything and computing everything, at 7B-like shapes with random weights.
+model -- the span's front computed on the current stream while its back is copied to the device on a stream of its
+own -- against loading everything and computing everything, at 7B-like shapes with random weights.
 
 Per model (`--models`: `7b-mha`, Llama-2-7B's shape; `8b-gqa`, Llama-3-8B's with 8 KV heads; `tiny`, for a smoke
 run on the CPU) and stored span (`--lengths` tokens, whole pages of `--page-size`) plus 32 new tokens:
-  * `compute`: every page of the span computed from its token ids (chunks of 4 pages), the reference;
-  * `load`: every page copied host -> device (its KV is the `compute` run's, kept in pinned host memory page by
-    page, as a host tier would hold it);
+  * `compute`: every page of the span computed from its token ids, `--chunk` pages at a time (meet's own compute);
+  * `compute-full`: the whole prompt in one forward (`LlamaModel.prefill`): the fastest compute-only this engine has;
+  * `load`: every page read and copied to the device (its KV is `compute`'s);
   * `meet`: both at once, meeting where they meet (Cake's scheme: no estimates);
-  * `meet-rule`: the same with the claim rule the server uses, fed this run's own per-page compute and copy times.
+  * `meet-rule`: the same with the claim rule the server uses, fed this point's own per-page compute and read times
+    (from the warm-up runs).
+Where the stored pages are read from (`--source`): `host`, pinned host memory page by page, as a host tier holds
+them (one asynchronous transfer per page); `disk`, one file per page under `--disk-dir` (an SSD tier's layout), the
+files evicted from the page cache before every run and each page read into a pinned buffer, then copied.
 Time to the new tokens' last hidden state (the span's KV on the device and the new tokens' layers run), CUDA
-synchronised, median of `--repeats` after a warm-up. Exactness: each configuration's greedy next token against
-`compute`'s, and the largest difference of its last hidden state (bf16: rounding-level).
+synchronised, median of `--repeats` after a warm-up of each configuration. Exactness: each configuration's greedy
+next token against `compute`'s, and the largest difference of its logits (bf16: rounding-level).
 
-    .venv/bin/python benchmarks/meet_gpu.py [--models 7b-mha 8b-gqa] [--lengths 4096 8192 16384 32768]
+    python benchmarks/meet_gpu.py [--models 7b-mha 8b-gqa] [--lengths 4096 8192 16384 32768] [--source host]
     .venv/bin/python benchmarks/meet_gpu.py --device cpu --models tiny --lengths 256 512   # a smoke run
 
-Writes benchmarks/results/meet_gpu.json and .png and prints one verdict line: meet's time against the better of
-load and compute at every point.
+Needs torch and this package on the path, not SGLang. Writes benchmarks/results/<--name>.json (after every point)
+and .png, and prints one verdict line: meet's time against the better of load and compute at every point.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import statistics
 import sys
 import time
@@ -31,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, machine, save  # noqa: E402
+from _harness import RESULTS, evict_from_page_cache, machine, save  # noqa: E402
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel  # noqa: E402
 from sglang_tiered.engine.meet import MeetResult, StoredPage, meet_prefill  # noqa: E402
@@ -44,7 +50,8 @@ MODELS = {
     "tiny": LlamaConfig(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1000),
 }
 NEW = 32
-CHUNK = 4  # pages compute takes at once (policy/kvpr.py's MEET_CHUNK_PAGES)
+CONFIGS = ("compute", "compute-full", "load", "meet", "meet-rule")
+MIN_READ_SHARE = 0.25  # policy/kvpr.py's: compute joins only while a read takes this share of a page's compute
 
 
 class HostPages:
@@ -56,10 +63,57 @@ class HostPages:
         self.pages, self.page_size = tokens // page_size, page_size
         paged = kv.view(layers, self.pages, page_size, *kv.shape[2:]).transpose(0, 1)
         self.host = torch.empty(paged.shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
-        self.host.copy_(paged)
+        for page in range(self.pages):  # (page by page: a whole-span copy would stage the span on the device)
+            self.host[page].copy_(paged[page])
+        self.bytes = self.host.numel() * self.host.element_size()
+
+    def evict(self) -> None:
+        pass
 
     def read(self, page: int) -> StoredPage:
         return StoredPage(kv=self.host[page])
+
+    def close(self) -> None:
+        pass
+
+
+class DiskPages:
+    """A stored span as one file per page under `directory`, read into one pinned buffer. The buffer is reused: the
+    loader of engine/meet.py waits for each page's copy to the device before it reads the next page."""
+
+    def __init__(self, kv: torch.Tensor, page_size: int, directory: Path) -> None:
+        layers, tokens = kv.shape[0], kv.shape[1]
+        self.pages, self.page_size, self.directory = tokens // page_size, page_size, directory
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        paged = kv.view(layers, self.pages, page_size, *kv.shape[2:]).transpose(0, 1)
+        for page in range(self.pages):
+            data = paged[page].contiguous().cpu()
+            with open(self._path(page), "wb") as f:
+                f.write(data.view(torch.uint8).reshape(-1).numpy().tobytes())
+        self.buffer = torch.empty(paged.shape[1:], dtype=kv.dtype, pin_memory=kv.is_cuda)
+        self.bytes = self.pages * self.buffer.numel() * self.buffer.element_size()
+
+    def _path(self, page: int) -> Path:
+        return self.directory / f"{page:06d}.kv"
+
+    def evict(self) -> None:
+        """Drop the page files from the page cache: the next reads reach the disk."""
+        evict_from_page_cache(self.directory)
+
+    def read(self, page: int) -> StoredPage:
+        view = memoryview(self.buffer.view(torch.uint8).reshape(-1).numpy())
+        with open(self._path(page), "rb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise OSError(f"{self._path(page)}: short read ({done} of {len(view)} bytes)")
+                done += got
+        return StoredPage(kv=self.buffer)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def sync(device: torch.device) -> None:
@@ -67,57 +121,81 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(device: torch.device, fn, *args) -> tuple[float, MeetResult]:
-    sync(device)
-    t0 = time.perf_counter()
-    res = fn(*args)
-    sync(device)
-    return time.perf_counter() - t0, res
-
-
-def run_point(model: LlamaModel, tokens: int, page_size: int, repeats: int) -> dict:
-    device = model.device
-    pages = tokens // page_size
+def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
+    device, ps = model.device, a.page_size
+    pages = tokens // ps
     g = torch.Generator().manual_seed(tokens)
-    ids = torch.randint(0, model.cfg.vocab, (pages * page_size + NEW,), generator=g)
-    span_ids, new_ids = ids[: pages * page_size], ids[pages * page_size :]
+    ids = torch.randint(0, model.cfg.vocab, (pages * ps + NEW,), generator=g)
+    span_ids, new_ids = ids[: pages * ps], ids[pages * ps :]
+    chunk = a.chunk or (16 if device.type == "cuda" else 4)
 
-    def compute():
-        return meet_prefill(model, span_ids, new_ids, prefix_len=0, source=_Unread(pages, page_size), chunk=CHUNK,
-                            split=pages)
+    def meet(source, **kw) -> MeetResult:
+        return meet_prefill(model, span_ids, new_ids, prefix_len=0, source=source, chunk=chunk, **kw)
 
-    _, reference = timed(device, compute)  # warm-up, and the stored copy
-    stored = HostPages(reference.kv[:, : pages * page_size], page_size)
-    reference_token = int(model.logits(reference.hidden[None])[0].argmax())
-    times: dict[str, list[float]] = {"compute": [], "load": [], "meet": [], "meet-rule": []}
-    results: dict[str, MeetResult] = {}
+    reference = meet(_Unread(pages, ps), split=pages)  # the stored copy (and compute's warm-up)
+    reference_logits = model.logits(reference.hidden[None])[0]
+    source = (HostPages(reference.kv[:, : pages * ps], ps) if a.source == "host"
+              else DiskPages(reference.kv[:, : pages * ps], ps, Path(a.disk_dir)))
+    del reference
     per_page: dict[str, float] = {}
 
-    def run(config: str) -> MeetResult:
+    def run(config: str) -> tuple[torch.Tensor, dict]:
+        """One timed run: (the next token's logits, what it did)."""
+        source.evict()
+        sync(device)
+        t0 = time.perf_counter()
+        if config == "compute-full":
+            out = model.prefill(ids)
+            sync(device)
+            return out.logits, {"s": time.perf_counter() - t0}
         if config == "compute":
-            return compute()
-        if config == "load":
-            return meet_prefill(model, span_ids, new_ids, prefix_len=0, source=stored, chunk=CHUNK, split=0)
-        if config == "meet":
-            return meet_prefill(model, span_ids, new_ids, prefix_len=0, source=stored, chunk=CHUNK)
-        return meet_prefill(model, span_ids, new_ids, prefix_len=0, source=stored, chunk=CHUNK,
-                            page_compute_s=per_page["compute"], page_read_s=per_page["load"], min_read_share=0.25)
+            res = meet(_Unread(pages, ps), split=pages)
+        elif config == "load":
+            res = meet(source, split=0)
+        elif config == "meet":
+            res = meet(source)
+        else:
+            res = meet(source, page_compute_s=per_page["compute"], page_read_s=per_page["load"],
+                       min_read_share=MIN_READ_SHARE)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        return model.logits(res.hidden[None])[0], {"s": seconds, "computed_pages": res.computed_pages,
+                                                   "loaded_pages": res.loaded_pages, "load_s": res.load_s}
 
-    for config in times:  # warm-up of each path (and the per-page times the rule is fed)
-        seconds, _ = timed(device, run, config)
-        if config in ("compute", "load"):
-            per_page[config] = seconds / pages
-    for _ in range(repeats):
-        for config in times:
-            seconds, results[config] = timed(device, run, config)
-            times[config].append(seconds)
-    out: dict = {"pages": pages, "kv_bytes": stored.host.numel() * stored.host.element_size()}
-    for config, ts in times.items():
-        res = results[config]
-        token = int(model.logits(res.hidden[None])[0].argmax())
-        out[config] = {"s": statistics.median(ts), "runs": ts, "computed_pages": res.computed_pages,
-                       "loaded_pages": res.loaded_pages, "same_token": token == reference_token,
-                       "max_hidden_diff": float((res.hidden.float() - reference.hidden.float()).abs().max())}
+    out: dict = {"pages": pages, "chunk_pages": chunk, "source": a.source, "kv_bytes": source.bytes}
+    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    logits: dict[str, torch.Tensor] = {}
+    failed: dict[str, str] = {}
+    try:
+        for rnd in range(a.repeats + 1):  # round 0: the warm-ups (and the per-page times the rule is fed)
+            for config in CONFIGS:
+                if config in failed:
+                    continue
+                try:
+                    logits[config], row = run(config)
+                except torch.cuda.OutOfMemoryError as exc:  # (a configuration too large for this device)
+                    failed[config] = f"out of memory: {str(exc).splitlines()[0]}"
+                    torch.cuda.empty_cache()
+                    continue
+                if rnd == 0:
+                    if config in ("compute", "load"):
+                        per_page[config] = row["s"] / pages
+                else:
+                    runs[config].append(row)
+    finally:
+        source.close()
+    reference_token = int(reference_logits.argmax())
+    for config in CONFIGS:
+        if config in failed:
+            out[config] = {"error": failed[config]}
+            continue
+        rows = runs[config]
+        out[config] = {"s": statistics.median(r["s"] for r in rows), "runs": [r["s"] for r in rows],
+                       "computed_pages": [r.get("computed_pages") for r in rows],
+                       "loaded_pages": [r.get("loaded_pages") for r in rows],
+                       "same_token": int(logits[config].argmax()) == reference_token,
+                       "max_logit_diff": float((logits[config] - reference_logits).abs().max())}
+    out["per_page_s"] = per_page
     return out
 
 
@@ -131,6 +209,10 @@ class _Unread:
         raise AssertionError("compute-only reads no page")
 
 
+def best(point: dict, configs: tuple[str, ...]) -> float:
+    return min(point[c]["s"] for c in configs if "s" in point[c])
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -140,11 +222,12 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
     for ax, (name, points) in zip(axes[0], results.items()):
         lengths = sorted(int(n) for n in points)
-        for config, style in (("compute", "^--"), ("load", "s--"), ("meet", "o-"), ("meet-rule", "x:")):
-            ax.plot(lengths, [points[str(n)][config]["s"] for n in lengths], style, label=config)
+        for config, style in zip(CONFIGS, ("^--", "v--", "s--", "o-", "x:")):
+            xs = [n for n in lengths if "s" in points[str(n)][config]]
+            ax.plot(xs, [points[str(n)][config]["s"] for n in xs], style, label=config)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("stored span (tokens)")
-        ax.set_ylabel("time to the prefix KV + 32 new tokens (s)")
+        ax.set_ylabel(f"time to the prefix KV + {NEW} new tokens (s)")
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -156,10 +239,14 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=["7b-mha", "8b-gqa"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192, 16384, 32768])
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=0, help="pages compute takes at once (0: 16 on CUDA, 4 on a CPU)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--source", choices=["host", "disk"], default="host")
+    ap.add_argument("--disk-dir", default="/tmp/meet-gpu-pages")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--name", default="meet_gpu")
+    ap.add_argument("--merge", action="store_true", help="keep the other models' results already in --name's JSON")
     a = ap.parse_args()
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -167,31 +254,39 @@ def main() -> int:
               "run)", file=sys.stderr)
         return 2
     dtype = getattr(torch, a.dtype)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results: dict = {}
+    previous = RESULTS / f"{a.name}.json"
+    if a.merge and previous.exists():
+        results.update({m: r for m, r in json.loads(previous.read_text())["results"].items() if m not in a.models})
+    payload = {"machine": machine(), "device": device_name, "dtype": a.dtype, "page_size": a.page_size,
+               "source": a.source, "models": {m: MODELS[m].__dict__ for m in results.keys() | set(a.models)},
+               "repeats": a.repeats, "results": results}
+    started = time.perf_counter()
     with torch.inference_mode():
         for name in a.models:
             model = LlamaModel.random(MODELS[name], seed=0, dtype=dtype, device=device)
             results[name] = {}
             for n in a.lengths:
-                point = run_point(model, n, a.page_size, a.repeats)
+                point = run_point(model, n, a)
                 results[name][str(n)] = point
-                print(f"[meet_gpu] {name} {n} tokens: " + ", ".join(
-                    f"{c} {point[c]['s']:.3f}s" for c in ("compute", "load", "meet", "meet-rule")) +
-                    f"; meet computed {point['meet']['computed_pages']} of {point['pages']} pages", flush=True)
+                save(a.name, payload)  # after every point: a run cut short keeps what it measured
+                print(f"[meet_gpu {time.perf_counter() - started:.0f}s] {name} {n} tokens ({a.source}): " + ", ".join(
+                    f"{c} {point[c]['s']:.3f}s" if "s" in point[c] else f"{c} {point[c]['error']}"
+                    for c in CONFIGS) + f"; meet computed {point['meet'].get('computed_pages')} of {point['pages']} "
+                    "pages", flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    ratios = [(f"{m}/{n}", p["meet"]["s"] / min(p["load"]["s"], p["compute"]["s"]))
-              for m, pts in results.items() for n, p in pts.items()]
-    exact = all(p[c]["same_token"] for pts in results.values() for p in pts.values() for c in ("load", "meet",
-                                                                                                "meet-rule"))
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    verdict = (f"on {device_name}, {a.dtype}: meet / min(load, compute) " +
-               ", ".join(f"{w} {r:.2f}x" for w, r in ratios) +
-               f"; greedy next token as compute's at every point: {'yes' if exact else 'NO'}")
-    save(a.name, {"machine": machine(), "device": device_name, "dtype": a.dtype, "page_size": a.page_size,
-                  "models": {m: MODELS[m].__dict__ for m in a.models}, "repeats": a.repeats, "results": results,
-                  "verdict": verdict})
+    compute_load = ("compute", "compute-full", "load")
+    ratios = [(f"{m}/{n}", p["meet"]["s"] / best(p, compute_load), p["meet-rule"]["s"] / best(p, compute_load))
+              for m, pts in results.items() for n, p in pts.items() if "s" in p["meet"] and "s" in p["meet-rule"]]
+    exact = all(p[c].get("same_token", True) for pts in results.values() for p in pts.values() for c in CONFIGS)
+    verdict = (f"on {device_name}, {a.dtype}, pages from {a.source}: meet | meet-rule / min(load, compute, "
+               "compute-full) " + ", ".join(f"{w} {r:.2f}x | {q:.2f}x" for w, r, q in ratios) +
+               f"; greedy next token as compute's everywhere: {'yes' if exact else 'NO'}")
+    payload["verdict"] = verdict
+    save(a.name, payload)
     plot(results, RESULTS / f"{a.name}.png")
     print("verdict:", verdict)
     return 0

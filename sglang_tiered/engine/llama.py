@@ -152,15 +152,22 @@ class LlamaModel:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate [n, H, D] by absolute `positions` (Hugging Face's rotate-half convention). The cos/sin rows come
-        from a table (the same fp32 values as computing them per call)."""
+        from a table (the same fp32 values as computing them per call), grown here for positions on the CPU; on
+        another device the caller reserves them first (`reserve_positions`: reading the largest position back
+        would wait for the device at every layer)."""
         table = self._rope_table  # (one read: a loader thread may swap in a grown table meanwhile)
-        if positions.numel() and int(positions.max()) >= table[0].shape[0]:
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= table[0].shape[0]:
             table = self._rope_table = self._rope_rows(int(positions.max()) + 1)
         cos, sin = table[0][positions][:, None, :], table[1][positions][:, None, :]
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
         return (xf * cos + rotated * sin).to(x.dtype)
+
+    def reserve_positions(self, positions: int) -> None:
+        """Make `rope` serve positions 0 .. positions - 1 without growing its table (required on a GPU)."""
+        if positions > self._rope_table[0].shape[0]:
+            self._rope_table = self._rope_rows(positions)
 
     def _rope_rows(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [P, head_dim] for positions 0 .. P - 1, P = the next power of two >= needed (>= 4096)."""
@@ -223,6 +230,7 @@ class LlamaModel:
     def prefill(self, ids: torch.Tensor, kv: Optional[torch.Tensor] = None) -> PrefillResult:
         """Single-process prefill of a whole prompt: last-token logits and the full KV."""
         n = ids.shape[0]
+        self.reserve_positions(n)
         kv = self.empty_kv(n) if kv is None else kv
         positions = torch.arange(n, device=self.device)
         ids = ids.to(self.device)

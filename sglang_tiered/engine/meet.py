@@ -184,6 +184,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     if split is not None and not 0 <= split <= pages:
         raise ValueError(f"split {split} outside 0..{pages}")
     dev = model.device
+    model.reserve_positions(p + s + n)
     span_ids, new_ids = span_ids.to(dev), new_ids.to(dev)
     out = model.empty_kv(s + n)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s)
@@ -209,6 +210,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                     return
                 claims.loaded(time.perf_counter() - t0)
 
+    if copies is not None:  # (`out` may reuse memory that kernels queued before this call still touch)
+        copies.wait_stream(torch.cuda.current_stream(dev))
     pool = one_thread_pool("meet-load")  # torch on one thread there: spinning workers would slow compute's
     loader = pool.submit(load)
     t0 = time.perf_counter()

@@ -34,19 +34,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     if total < q_start + n:
         raise ValueError(f"{total} keys cannot cover queries up to position {q_start + n - 1}")
     if q_start > 0 and n > 1:
-        return positioned_attention(q, k, v, torch.arange(q_start, q_start + n, device=q.device), scale)
+        return positioned_attention(q, k, v, torch.arange(q_start, q_start + n, device=q.device), scale,
+                                    host_positions=range(q_start, q_start + n))
     # square (the fast causal kernel) or one query at the last position (sees every key): no mask
     return _sdpa(q, k[: q_start + n], v[: q_start + n], None, q_start == 0, scale)
 
 
 def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                         scale: Optional[float] = None, block: int = 256) -> torch.Tensor:
+                         scale: Optional[float] = None, block: int = 256,
+                         host_positions: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Queries [n, Hq, D] at ascending absolute positions `q_pos` (any gaps), each attending keys 0 .. its position.
     Runs in blocks of `block` queries, each against only the keys up to its last query's position, so the masked
-    work is about half of n x S for a contiguous run (a single masked call would pay all of it)."""
+    work is about half of n x S for a contiguous run (a single masked call would pay all of it). `host_positions`:
+    `q_pos` as Python ints, where the caller has them (else they are read back: on a GPU, a wait for the device)."""
     n = q.shape[0]
     out = q.new_empty((n, q.shape[1], v.shape[-1]))
-    pos = q_pos.tolist()
+    pos = q_pos.tolist() if host_positions is None else host_positions
     for i in range(0, n, block):
         j = min(n, i + block)
         keys = pos[j - 1] + 1
