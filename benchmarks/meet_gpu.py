@@ -173,9 +173,10 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
                     continue
                 try:
                     logits[config], row = run(config)
-                except torch.cuda.OutOfMemoryError as exc:  # (a configuration too large for this device)
-                    failed[config] = f"out of memory: {str(exc).splitlines()[0]}"
-                    torch.cuda.empty_cache()
+                except RuntimeError as exc:  # (out of memory, a kernel this device lacks): recorded, the rest goes on
+                    failed[config] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
                     continue
                 if rnd == 0:
                     if config in ("compute", "load"):

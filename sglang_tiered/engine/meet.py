@@ -23,8 +23,9 @@ loader's first page, at most `min_read_share` of a page's compute (a read quicke
 one page's compute without a share). Then it claims the chunk (at most `chunk` pages) that ends the span soonest: k
 pages such that max(k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a large chunk
 prefills faster per page (wider matrix products), so the first claim is the biggest. Seconds per read: the loader's
-recent reads, the read in flight if it has taken longer, and before the first read the caller's `page_read_s`
-estimate (the profile's). When reads are fast next to compute (below `min_read_share` of a page's compute: computing
+recent reads, the read in flight if it has taken longer (timed from its own start: the loader's start-up -- a thread
+waking, a CUDA stream's first copy -- is no read), and before the first read the caller's `page_read_s` estimate (the
+profile's). When reads are fast next to compute (below `min_read_share` of a page's compute: computing
 would gain little and, on a CPU, slow the loader's own work) or no page is worth taking, compute waits for the
 loader's next page and asks again (a kernel I/O throttle lets a first burst through fast, then reads slow down). Both
 rates are this load's own (the estimates are replaced by each computed chunk's time and each read's), so the rule
@@ -106,7 +107,7 @@ class _Claims:
         self.min_read_share = min_read_share  # compute joins only while a read takes this share of a page's compute
         self.page_read_s = page_read_s  # the estimate of a read until the loader's first one is in
         self.reads: list[float] = []  # the loader's seconds per page so far
-        self.last_read_at = time.perf_counter()  # when the loader's last read ended (or it started)
+        self.read_started_at: Optional[float] = None  # when the loader's read in flight began (None: none is)
         self.lock = threading.Lock()
         self.read_done = threading.Condition(self.lock)
 
@@ -124,7 +125,8 @@ class _Claims:
                 # the loader's rate now: its last reads (a throttle's first burst is not its rate), or longer if the
                 # read in flight has taken longer than that already
                 recent = self.reads[-4:]
-                in_flight = time.perf_counter() - self.last_read_at
+                started = self.read_started_at
+                in_flight = time.perf_counter() - started if started is not None else 0.0
                 per_read = max(sum(recent) / len(recent) if recent else self.page_read_s, in_flight)
                 if per_read < self.min_read_share * self.page_compute_s:
                     return range(0)  # reads are fast next to compute: computing would gain little and slow them
@@ -148,12 +150,13 @@ class _Claims:
             if page < self.front or (self.split is not None and page < self.split):
                 return None
             self.low = page
+            self.read_started_at = time.perf_counter()
             return page
 
     def loaded(self, seconds: float) -> None:
         with self.lock:
             self.reads.append(seconds)
-            self.last_read_at = time.perf_counter()
+            self.read_started_at = None
             self.read_done.notify_all()
 
     def computed(self, pages: int, seconds: float) -> None:

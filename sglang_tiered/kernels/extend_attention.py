@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
 
@@ -34,10 +35,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     if total < q_start + n:
         raise ValueError(f"{total} keys cannot cover queries up to position {q_start + n - 1}")
     if q_start > 0 and n > 1:
+        if q.is_cuda:  # one fused kernel, no mask to build (on a CPU torch would materialise the mask)
+            return chunk_attention(q, k[: q_start + n], v[: q_start + n], scale)
         return positioned_attention(q, k, v, torch.arange(q_start, q_start + n, device=q.device), scale,
                                     host_positions=range(q_start, q_start + n))
     # square (the fast causal kernel) or one query at the last position (sees every key): no mask
     return _sdpa(q, k[: q_start + n], v[: q_start + n], None, q_start == 0, scale)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of queries q [n, Hq, D] that are the last n of the keys k/v [S, Hkv, D] (a chunked prefill's
+    chunk): SDPA with torch's lower-right causal bias, which a GPU runs as flash or memory-efficient attention."""
+    return _sdpa(q, k, v, causal_lower_right(q.shape[0], k.shape[0]), False, scale)
 
 
 def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

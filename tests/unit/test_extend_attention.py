@@ -9,6 +9,7 @@ import torch
 
 from sglang_tiered.kernels.extend_attention import (
     causal_attention,
+    chunk_attention,
     extend_attention,
     positioned_attention,
     reference_attention,
@@ -99,3 +100,13 @@ def test_positioned_attention_blocks_and_gaps_match_a_dense_masked_softmax(block
         assert (got - want).abs().max().item() <= 1e-5
     q = torch.randn(400, 6, 16, generator=g)
     assert (causal_attention(q, k, v, 300) - positioned_attention(q, k, v, torch.arange(300, 700))).abs().max() == 0
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (9, 3)])
+@pytest.mark.parametrize("n,total", [(5, 5), (7, 40), (64, 300)])
+def test_chunk_attention_is_causal_attention_of_the_last_queries(hq, hkv, n, total):
+    """The lower-right causal bias (the GPU path of a chunk's attention) gives what the positioned blocks give."""
+    g = torch.Generator().manual_seed(n * total)
+    q, k, v = (torch.randn(rows, h, 16, generator=g) for rows, h in ((n, hq), (total, hkv), (total, hkv)))
+    want = positioned_attention(q, k, v, torch.arange(total - n, total), block=16)
+    torch.testing.assert_close(chunk_attention(q, k, v), want, rtol=2e-5, atol=2e-5)

@@ -148,3 +148,15 @@ def test_before_the_first_read_compute_claims_by_the_read_estimate():
     assert estimated.next_chunk(4) == range(0, 4)
     blind = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25)
     assert blind.next_chunk(4) == range(0)
+
+
+def test_a_read_in_flight_counts_from_its_own_start():
+    """Time before the loader's first read (its thread waking, a GPU stream's first copy) is no read time: with the
+    estimate saying reads are fast, compute stays out however long the loader takes to start; a read that has been in
+    flight for longer than a quarter of a page's compute brings compute in."""
+    claims = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.002)
+    time.sleep(0.02)  # the loader has not started
+    assert claims.next_chunk(4) == range(0)
+    assert claims.next_load() == 15
+    time.sleep(0.03)  # its first read is slow
+    assert claims.next_chunk(4) == range(0, 4)
