@@ -247,6 +247,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--name", default="meet_gpu")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="Python's thread switch interval for this run, seconds (0: the default, 0.005)")
     ap.add_argument("--merge", action="store_true", help="keep the other models' results already in --name's JSON")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -254,6 +256,8 @@ def main() -> int:
         print("meet_gpu: no CUDA device here (run it where a GPU is lent, or --device cpu --models tiny for a smoke "
               "run)", file=sys.stderr)
         return 2
+    if a.switch_interval:  # (how long the loader thread may wait for the GIL while compute launches kernels)
+        sys.setswitchinterval(a.switch_interval)
     dtype = getattr(torch, a.dtype)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results: dict = {}
@@ -262,7 +266,7 @@ def main() -> int:
         results.update({m: r for m, r in json.loads(previous.read_text())["results"].items() if m not in a.models})
     payload = {"machine": machine(), "device": device_name, "dtype": a.dtype, "page_size": a.page_size,
                "source": a.source, "models": {m: MODELS[m].__dict__ for m in results.keys() | set(a.models)},
-               "repeats": a.repeats, "results": results}
+               "repeats": a.repeats, "switch_interval_s": sys.getswitchinterval(), "results": results}
     started = time.perf_counter()
     with torch.inference_mode():
         for name in a.models:
