@@ -160,7 +160,8 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
         sync(device)
         seconds = time.perf_counter() - t0
         return model.logits(res.hidden[None])[0], {"s": seconds, "computed_pages": res.computed_pages,
-                                                   "loaded_pages": res.loaded_pages, "load_s": res.load_s}
+                                                   "loaded_pages": res.loaded_pages, "load_s": res.load_s,
+                                                   "first_reads_s": list(res.reads[:4])}
 
     out: dict = {"pages": pages, "chunk_pages": chunk, "source": a.source, "kv_bytes": source.bytes}
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
@@ -194,6 +195,7 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
         out[config] = {"s": statistics.median(r["s"] for r in rows), "runs": [r["s"] for r in rows],
                        "computed_pages": [r.get("computed_pages") for r in rows],
                        "loaded_pages": [r.get("loaded_pages") for r in rows],
+                       "first_reads_s": [r.get("first_reads_s") for r in rows],
                        "same_token": int(logits[config].argmax()) == reference_token,
                        "max_logit_diff": float((logits[config] - reference_logits).abs().max())}
     out["per_page_s"] = per_page

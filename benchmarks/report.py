@@ -302,6 +302,7 @@ def main() -> int:
             out.append("")
         out += ["![blend](benchmarks/results/blend.png)", ""]
     out += meet_section()
+    out += meet_gpu_section()
     out += hotpotqa_section()
     out += retrieval_section("retrieval")
     out += retrieval_section("retrieval-needles")
@@ -335,6 +336,71 @@ def main() -> int:
         out += [f"Verdict: {d['verdict']}.", "", "![retention](benchmarks/results/retention.png)", ""]
     print("\n".join(out))
     return 0
+
+
+# runs of benchmarks/meet_gpu.py, in the order they ran: (name, what it measured)
+MEET_GPU_RUNS = (
+    ("meet_gpu-before", "first run, pages from pinned host memory (before the two fixes below)"),
+    ("meet_gpu_disk-before", "first run, pages read from files on the GPU machine's disk"),
+    ("meet_gpu", "after the fixes (a read in flight timed from its own start; a chunk's attention one lower-right "
+                 "causal SDPA on CUDA), pages from pinned host memory"),
+    ("meet_gpu_disk", "after the fixes, pages read from files on the GPU machine's disk"),
+    ("meet_gpu_staged", "after staging each page in one device buffer, with the loader's per-read times"),
+)
+
+
+def meet_gpu_section() -> list[str]:
+    """The GPU component runs of the two-sided loader (benchmarks/meet_gpu.py)."""
+    runs = [(name, what, d) for name, what in MEET_GPU_RUNS if (d := _results(name)) is not None]
+    if not runs:
+        return []
+    out = ["## Compute the front, load the back, on a GPU (`benchmarks/meet_gpu.py`)", "",
+           "Reproduce on a machine with CUDA (SGLang not needed): `bash scripts/gpu-check.sh OUT_DIR`, then copy the "
+           "JSON into benchmarks/results/ and run `.venv/bin/python benchmarks/report.py > BENCHMARKS.md`.", "",
+           "Component level (the server runs on CPUs): random weights at Llama-2-7B's shape (MHA) and Llama-3-8B's "
+           "(GQA, 8 KV heads), a stored span + 32 new tokens, time to the new tokens' last hidden state, CUDA "
+           "synchronised, medians of the rounds after a warm-up. `compute`: the span in chunks (meet's own compute); "
+           "`compute-full`: one forward; `meet`: Cake's race; `meet-rule`: the server's claim rule fed this point's "
+           "per-page times. Ratio: meet-rule / min(load, compute, compute-full).", ""]
+    for name, what, d in runs:
+        out += [f"Run `{name}`: {what}; {d['device']}, torch {d['machine']['torch']}, {d['dtype']}, "
+                f"{d['repeats']} rounds:", "",
+                "| model | tokens | compute | compute-full | load | meet | meet-rule | ratio | pages computed "
+                "(meet-rule) | same token |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+        for model, points in d["results"].items():
+            for n, pt in points.items():
+                cells = [f"{pt[c]['s']:.3f}" if "s" in pt[c] else pt[c].get("error", "")
+                         for c in ("compute", "compute-full", "load", "meet", "meet-rule")]
+                best = min(pt[c]["s"] for c in ("compute", "compute-full", "load") if "s" in pt[c])
+                same = all(pt[c].get("same_token", True) for c in pt if isinstance(pt[c], dict) and "s" in pt[c])
+                out.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {pt['meet-rule']['s'] / best:.2f}x | "
+                           f"{pt['meet-rule']['computed_pages']} of {pt['pages']} | {'yes' if same else 'NO'} |")
+        out.append("")
+        if name == "meet_gpu_staged":
+            out += ["The loader's first four reads (ms) in each meet-rule round:", ""]
+            for model, points in d["results"].items():
+                for n, pt in points.items():
+                    reads = "; ".join(", ".join(f"{x * 1e3:.2f}" for x in r) for r in pt["meet-rule"]["first_reads_s"])
+                    out.append(f"* {model} {n}: {reads} (compute joins above {pt['per_page_s']['compute'] * 250:.2f} "
+                               "ms)")
+            out.append("")
+    gil = sorted(RESULTS.glob("meet_gpu_gil-*.json"))  # (numbered in the order they ran)
+    if gil:
+        out += ["Is the loader thread starved of the GIL while compute launches kernels? 8B GQA, pages from host "
+                "memory, the same code run four times in one call, alternating Python's thread switch interval "
+                "(meet-rule / load, medians of 3 rounds):", ""]
+        for f in gil:
+            d = json.loads(f.read_text())
+            pts = d["results"]["8b-gqa"]
+            out.append(f"* switch interval {d['switch_interval_s'] * 1e3:.1f} ms: " + ", ".join(
+                f"{n} tokens {p['meet-rule']['s'] / p['load']['s']:.2f}x" for n, p in pts.items()))
+        out += ["", "Not consistently: at 4096 tokens the shorter interval came out lower in both pairs, at 8192 and "
+                "16384 not; the losses come with a compute claim (the staged run above shows why compute claims).",
+                ""]
+    for name in ("meet_gpu", "meet_gpu_disk"):
+        if (d := _results(name)) is not None:
+            out += [f"![{name}](benchmarks/results/{name}.png)", ""]
+    return out
 
 
 def meet_rows(d: dict) -> list[str]:

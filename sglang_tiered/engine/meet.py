@@ -86,6 +86,7 @@ class MeetResult:
     load_s: float  # seconds the loader spent on its pages (reads, recomputes from activations, copies)
     wait_s: float  # seconds compute waited, at the meet, for loads in flight
     inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
+    reads: tuple[float, ...] = ()  # seconds of each page the loader placed, in its order (their sum is load_s)
 
 
 def best_claim(free: int, compute_s: float, read_s: float) -> int:
@@ -194,6 +195,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     errors: list[BaseException] = []
     recomputed = [0]
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
+    # (on a CUDA model a page arrives whole in one buffer, then is spread over the layers: no allocation per page)
+    stage = torch.empty_like(out[:, :ps]) if copies is not None else None
 
     @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
     def load() -> None:
@@ -205,7 +208,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                 t0 = time.perf_counter()
                 try:
                     recomputed[0] += _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
-                                            torch.arange(p + page * ps, p + (page + 1) * ps, device=dev), rope)
+                                            torch.arange(p + page * ps, p + (page + 1) * ps, device=dev), rope,
+                                            stage)
                     if copies is not None:
                         copies.synchronize()  # the page is on the device: its read time is the transfer's
                 except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
@@ -253,7 +257,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         out[layer, s:, 0], out[layer, s:, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
     return MeetResult(out, x[-1], computed, len(claims.reads), recomputed[0], compute_s, sum(claims.reads), wait_s,
-                      xs)
+                      xs, tuple(claims.reads))
 
 
 def _on_stream(stream: Optional[torch.cuda.Stream]):
@@ -262,11 +266,16 @@ def _on_stream(stream: Optional[torch.cuda.Stream]):
 
 
 def _place(model: LlamaModel, page: StoredPage, out: torch.Tensor, positions: torch.Tensor,
-           rope: Optional[Rope]) -> int:
+           rope: Optional[Rope], stage: Optional[torch.Tensor] = None) -> int:
     """Write a read page into `out` [layers, page_size, 2, H, D] (on the model's device: a host page is copied
-    without blocking, which is asynchronous from pinned memory); 1 if its K and V were recomputed from activations."""
+    without blocking, which is asynchronous from pinned memory, into `stage` first where given: one contiguous
+    transfer); 1 if its K and V were recomputed from activations."""
     if page.x is None:
-        out.copy_(page.kv, non_blocking=True)
+        if stage is not None:
+            stage.copy_(page.kv, non_blocking=True)
+            out.copy_(stage)
+        else:
+            out.copy_(page.kv, non_blocking=True)
         return 0
     x = page.x.to(device=out.device, non_blocking=True)
     for layer in range(model.cfg.layers):
