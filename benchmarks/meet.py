@@ -204,14 +204,14 @@ def wait_for_activations(s: ServerProcess, pages: int) -> None:
 
 def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeats: int, max_repeats: int,
              point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: bool,
-             logs: Path | None = None) -> dict:
+             logs: Path | None = None, kvpr_choice: str = "rule") -> dict:
     tag = model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + ("-busy" if busy else "")
     ssd = tmp / f"ssd-{tag}"
     wrapper = [] if mbps is None else [str(SLOW_DISK), "--dir", str(tmp), str(mbps), "--"]
     longest = max(lengths) + 2 * PAGE
     args = ["--kv-backend", "tiered", "--max-total-tokens", str(3 * longest), "--dtype", dtype,
             "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", "--chunked-prefill-size", str(longest),
-            "--enable-metrics"]
+            "--enable-metrics", "--tiered-kvpr-choice", kvpr_choice]
     mha = model == "smollm2-mha"
     checkpoint = {"model_path": str(random_model_dir(tmp / "mha-model", MHA, seed=1))} if mha else {}
     out: dict = {}
@@ -324,7 +324,7 @@ def summary(results: dict, a: argparse.Namespace, dtype: str, partial: bool = Fa
     """The results file: every point, the targets' checks and the verdict line ("partial: " while running)."""
     checks = verdicts(results)
     data = {"machine": machine(), "dtype": dtype, "models": {"smollm2-mha": MHA.__dict__}, "repeats": a.repeats,
-            "max_repeats": a.max_repeats, "point_budget_s": a.point_budget,
+            "max_repeats": a.max_repeats, "point_budget_s": a.point_budget, "kvpr_choice": a.kvpr_choice,
             "question": QUESTION, "results": results, "checks": {k: [list(x) for x in v] for k, v in checks.items()}}
     met = {k: sum(ok for _, ok, _ in v) for k, v in checks.items()}
     data["verdict"] = ("partial: " if partial else "") + "; ".join(f"{k}: {met[k]}/{len(v)}" for k, v in
@@ -354,6 +354,8 @@ def main() -> int:
     ap.add_argument("--point-budget", type=float, default=60.0, help="seconds a point's extra rounds may take")
     ap.add_argument("--logs", type=Path, default=None, help="keep a copy of every server's log here")
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
+    ap.add_argument("--kvpr-choice", default="rule", choices=["rule", "measured"],
+                    help="the servers' --tiered-kvpr-choice: which load `auto` gives a span compute would not join")
     ap.add_argument("--name", default="meet", help="results as benchmarks/results/NAME.json and .png (a partial "
                     "re-run under another name keeps the full run's)")
     a = ap.parse_args()
@@ -370,7 +372,7 @@ def main() -> int:
             for disk, mbps, busy in runs:
                 results[model][disk + (" + busy CPU" if busy else "")] = run_disk(
                     model, disk, mbps, a.lengths, a.repeats, a.max_repeats, a.point_budget, dtype, src, Path(tmp),
-                    busy, a.logs)
+                    busy, a.logs, a.kvpr_choice)
                 save(a.name, summary(results, a, dtype, partial=True))  # what is measured survives a crash
                 print(f"[meet] {time.monotonic() - t0:.0f} s so far", flush=True)
     data = summary(results, a, dtype)

@@ -451,6 +451,11 @@ MEET_RERUNS = [
     ("meet-native-intel", "after the full run, on the Intel machine of meet-intel-stdout.json, under the current "
      "rule: the disk's own speed only, undecided points given up to 25 rounds of auto and the baselines that decide "
      "them (`--slow-mbps --busy --max-repeats 25 --point-budget 150 --name meet-native-intel`)"),
+    ("meet-native-amd", "after the full run, on an AMD machine with the code of the GPU stop (a read in flight timed "
+     "from its own start): the disk's own speed only, up to 25 rounds (`--slow-mbps --busy --repeats 5 "
+     "--max-repeats 25 --point-budget 150 --name meet-native-amd`)"),
+    ("meet-slow-amd", "right after meet-native-amd, the same machine and code: every throttled speed and the busy "
+     "CPU, the full run's settings (`--skip-native --name meet-slow-amd`)"),
 ]
 
 

@@ -24,11 +24,12 @@ IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-ord
 IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
+KVPR_CHOICE_CHOICES = ("rule", "measured")  # --tiered-kvpr-choice (see policy/load_choice.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "blend_select": BLEND_SELECT_CHOICES,
            "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
-           "kvpr": KVPR_CHOICES}
+           "kvpr": KVPR_CHOICES, "kvpr_choice": KVPR_CHOICE_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -103,6 +104,7 @@ class TieredConfig:
     importance_repack_memory: str = "512M"  # bytes of written pages kept for the repacker (0 = read them back)
     kvpr: str = "auto"  # compute-or-load of SSD prefixes (engine/meet.py); KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a compute-or-load
+    kvpr_choice: str = "rule"  # which load takes a span compute would not join; KVPR_CHOICE_CHOICES
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
     remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
     remote_segment: str = "256M"  # bytes of this server's memory lent to the shared store
@@ -328,6 +330,12 @@ FLAG_HELP: dict[str, str] = {
     "request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | tokens to compute (the meet point; 0 = read "
     "everything). Default: auto.",
     "kvpr_min_tokens": "Shortest stored span (tokens) loaded by our loader. Default: 128.",
+    "kvpr_choice": "Under --tiered-kvpr auto, which load brings in a stored span that compute would not join (its "
+    "pages read fast next to computing them): 'rule', SGLang's own load (our loader only where it reads "
+    "activations); 'measured', whichever of our loader and SGLang's load this server measured faster on its own "
+    "loads, timed from admission to the end of the prefill for requests admitted while it was idle, per span size; "
+    "each load is tried twice per span size before the averages decide and the slower one again every 16th time. "
+    "Both are exact. Default: rule.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
     "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "

@@ -68,6 +68,7 @@ from sglang_tiered.engine.page_span import TierPages
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
+from sglang_tiered.integration.load_timing import LoadTiming
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
@@ -78,6 +79,7 @@ from sglang_tiered.policy.kvpr import (
     decide,
     gate,
 )
+from sglang_tiered.policy.load_choice import OURS, LoadChoice
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -131,6 +133,8 @@ class KVPR:
         self.key = ""
         self.lock = threading.Lock()
         self._capture_errors = 0
+        self.choice = LoadChoice()  # our loader or SGLang's, where compute would not join (policy/load_choice.py)
+        self.timing = LoadTiming(rt, self.choice, self.name)
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
@@ -142,6 +146,7 @@ class KVPR:
         s = self.shape
         self.shape = Shape(s.layers, s.x_bytes * itemsize, s.kv_bytes * itemsize)
         self.tier = tier
+        self.timing.page_size = tier.namespace.page_size
         self.key = profile_key(self.rt.settings.model, tier.namespace.dtype)
         if self.gate_reason is not None and mode == "auto":  # logged here: logging is set up by now
             logger.info("tiered kvpr: no activations stored for this model: %s; a stored span behind slow storage "
@@ -155,6 +160,7 @@ class KVPR:
     def admit(self, scheduler, req) -> None:
         if self.tier is not None:
             self._start_measuring()
+            self.timing.admitted(scheduler, req)
 
     def wants(self, req) -> bool:
         return self.tier is not None and self.mode(req) != "off"
@@ -181,10 +187,19 @@ class KVPR:
         if profile is None:
             return None
         d = decide(self.shape, profile, n, ps, stored_activations=self.writer is not None, forced=mode != "auto")
-        if not d.take:
-            return None  # the disk is fast enough: SGLang's own load is as good
+        how = str(mode)
+        if not d.take:  # compute would gain little: the load measured faster on this server brings the span in
+            if mode != "auto" or self.rt.settings.config.kvpr_choice != "measured":
+                return None
+            choice = self.choice.choose(n, self.timing.measurable(req))
+            self.rt.events.count("kvpr_choice_" + choice.load)
+            if choice.exploring:
+                self.rt.events.count("kvpr_choice_explorations")
+            if choice.load != OURS:
+                return None
+            how = "auto: measured choice, " + ("trying our loader" if choice.exploring else "our loader is faster")
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        return Plan(start, tuple(keys[:n]), str(mode), forced, d.page_s, d.read_s, d.activations)
+        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations)
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:
@@ -410,6 +425,10 @@ class KVPRHandler(SpanHandler):
                            inputs=kvpr.writer is not None,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
+        req.tiered_pure_load = res.computed_pages == 0  # (a sample of our loader for the measured choice)
+        if res.loaded_pages and not req.retracted_stain:  # read, not computed: reported as SGLang reports its own
+            req.cached_tokens += res.loaded_pages * ps      # L3 hits (meta_info.cached_tokens_details, /metrics)
+            req.cached_tokens_storage += res.loaded_pages * ps
         new_pages = _pages_of(req, prefix + s, prefix + ext, ps)
         if len(new_pages) and res.inputs is not None:  # the new tokens' activations, as SGLang's forward would store
             keys = page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
@@ -472,4 +491,5 @@ def register_hooks(rt: Runtime) -> bool:
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", rt.kvpr.on_idle, HookType.BEFORE)
     rt.door.add(rt.kvpr)
     rt.forward.add_handler(rt.kvpr.handler)
+    rt.forward.after_extend(rt.kvpr.timing.ended)
     return True

@@ -281,6 +281,12 @@ EVENTS = {
     "kvpr_tokens_computed": "Tokens of stored spans whose KV was computed from their token ids (the front of a "
     "two-sided load)",
     "kvpr_tokens_loaded": "Tokens of stored spans read from storage by two-sided loads (the back)",
+    "kvpr_choice_ours": "Stored spans `auto` gave our loader by the measured choice (where compute would not join)",
+    "kvpr_choice_sglang": "Stored spans `auto` left to SGLang's own load by the measured choice",
+    "kvpr_choice_explorations": "Measured choices that took a load to time it (too few samples, or its periodic "
+    "retry) rather than because it was ahead",
+    "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (admitted at idle, prefilled whole "
+    "and alone)",
     "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",
     "retain_released": "Pins released before their expiry to keep pinned pages within --tiered-retain-share",
     "retain_refused": "Pins refused: the prompt alone has more pages than retention may hold",

@@ -119,6 +119,8 @@ class ForwardHook:
         self.rt = rt
         self.handlers: list[ForwardHandler] = []
         self._alone: list[Callable[[Any], bool]] = []
+        self._after: list[Callable[[Any, Optional[str]], None]] = []
+        self._after_errors = 0
         self._admission_errors = 0
         self._engines: dict[int, LlamaModel] = {}
         self._batch = threading.local()
@@ -146,6 +148,13 @@ class ForwardHook:
         self._ensure_hook()
         if all(h.name != handler.name for h in self.handlers):
             self.handlers.append(handler)
+
+    def after_extend(self, observer: Callable[[Any, Optional[str]], None]) -> None:
+        """Call `observer(forward_batch, by)` when an extend forward has ended (on a CPU server: its work is done),
+        `by` the name of the handler that computed it or None for SGLang's own forward. An observer that raises is
+        logged and counted; the forward's result stands."""
+        self._ensure_hook()
+        self._after.append(observer)
 
     def prefill_alone(self, predicate: Callable[[Any], bool]) -> None:
         """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
@@ -199,13 +208,31 @@ class ForwardHook:
 
     def _around_forward(self, original, module, input_ids, positions, forward_batch, input_embeds=None,
                         pp_proxy_tensors=None, **kwargs):
+        extend = input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend()
+        hidden, by = None, None
         with self.rt.foreground.busy():
-            if input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend():
+            if extend:
                 for handler in self.handlers:
                     hidden = handler(module, input_ids, positions, forward_batch)
                     if hidden is not None:
-                        return hidden
-            return original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kwargs)
+                        by = handler.name
+                        break
+            if hidden is None:
+                hidden = original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors,
+                                  **kwargs)
+        if extend:
+            self._ended(forward_batch, by)
+        return hidden
+
+    def _ended(self, fb, by: Optional[str]) -> None:
+        for observer in self._after:
+            try:
+                observer(fb, by)
+            except Exception:  # noqa: BLE001 -- an observer's failure is never the forward's
+                self._after_errors += 1
+                self.rt.events.count("hook_errors")
+                if self._after_errors == 1:
+                    logger.exception("tiered: an observer of the forward failed")
 
     def engine(self, module) -> LlamaModel:
         """Our layer-by-layer engine over the weights of SGLang's `LlamaModel` (views of the fused projections, no

@@ -5,7 +5,12 @@ A prompt is served cold and its pages reach the SSD tier; then, with device and 
 SGLang's own L3 prefetch (the reference) and by the two-sided loader with the meet point forced by
 `custom_params.tiered_kvpr` (tokens computed) at 0, one page, the middle, all but one page and all: greedy output
 identical every time, one log line per load naming the meet point. The same with a device-cached prefix ahead of the
-span. A corrupt page in the loaded half: a counted fallback, SGLang computes the span, the same output.
+span. A corrupt page in the loaded half: a counted fallback, SGLang computes the span, the same output. Tokens our
+loader read are reported as SGLang reports its own L3 hits (`cached_tokens_details["storage"]`).
+
+The server measures which load is faster for spans compute would not join (`--tiered-kvpr-choice measured`): loads
+of requests admitted at idle are timed, and `auto` gives the next such span to the load measured faster, with the
+same output.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 import pytest
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
-from tests.integration.kvpr_helpers import PAGE, ask
+from tests.integration.kvpr_helpers import PAGE, ask, counter
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -28,10 +33,11 @@ def meet_line(s: ServerProcess, out: dict) -> str:
 
 
 def page_files(s: ServerProcess, ids: list[int]) -> list:
+    """The SSD tier's files of the pages of `ids` that are stored, in page order."""
     from sglang.srt.mem_cache.utils import get_hash_str
 
     keys = get_hash_str(ids[: len(ids) // PAGE * PAGE], None, page_size=PAGE)
-    return [next(s.ssd.glob(f"*/{k[:2]}/{k}.kvp")) for k in keys]
+    return [p for k in keys for p in s.ssd.glob(f"*/{k[:2]}/{k}.kvp")]
 
 
 def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, model_dir):
@@ -57,6 +63,7 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
         s.flush_cache()
         out = ask(s, ids, split * PAGE)
         assert out["output_ids"] == native["output_ids"], split
+        assert cached_details(out).get("storage", 0) == (pages - split) * PAGE, split  # the pages read, reported
         line = meet_line(s, out)
         assert f"met at page {split} of {pages}:" in line and "prefix=0 " in line, line
 
@@ -65,6 +72,7 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
     ask(s, ids[: 3 * PAGE + 5], "off")
     out = ask(s, ids, 2 * PAGE)
     assert cached_details(out)["device"] == 3 * PAGE and out["output_ids"] == native["output_ids"]
+    assert cached_details(out)["storage"] == (pages - 5) * PAGE  # 3 pages from device, 2 computed, the rest read
     line = meet_line(s, out)
     assert f"prefix={3 * PAGE} " in line and f"met at page 2 of {pages - 3}:" in line, line
 
@@ -81,3 +89,40 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
     assert s.log_lines("tiered kvpr: rid", since=mark) and \
         "runs a normal prefill (stored span unreadable" in s.log_lines("tiered kvpr: rid", since=mark)[0]
     assert metric_total(s.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total") == before + 1
+
+
+def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, model_dir):
+    from transformers import AutoTokenizer
+
+    s = fp32_server
+    text = essays[12] + "\n\nQuestion: Who wrote this?\nAnswer:"
+    ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+    pages = (len(ids) - 1) // PAGE
+    cold = ask(s, ids, "off")
+    deadline = time.monotonic() + 60
+    while len(page_files(s, ids)) < pages and time.monotonic() < deadline:
+        time.sleep(0.3)
+    samples = counter(s, "choice_samples")
+    for mode in ("off", 0, "off", 0):  # SGLang's load and ours (reading everything), each timed twice at idle
+        s.flush_cache()
+        out = ask(s, ids, mode)
+        assert out["output_ids"] == cold["output_ids"] and cached_details(out)["storage"] >= (pages - 1) * PAGE, mode
+    assert counter(s, "choice_samples") == samples + 4
+    span = f"{1 << (pages.bit_length() - 1)}-{(2 << (pages.bit_length() - 1)) - 1} pages"
+    rates = [line for line in s.log_lines(f"tiered kvpr: stored spans of {span}:")]
+    assert rates, s.log_tail()
+    ours_ahead = rates[-1].endswith("our loader takes them")
+    chosen = {c: counter(s, f"choice_{c}") for c in ("ours", "sglang", "explorations")}
+    s.flush_cache()
+    out = ask(s, ids)  # auto, the server's default
+    assert out["output_ids"] == cold["output_ids"] and cached_details(out)["storage"] >= (pages - 1) * PAGE
+    retry = counter(s, "choice_explorations") == chosen["explorations"] + 1  # (every 16th: the one behind)
+    want_ours = ours_ahead != retry
+    ours = [line for line in s.log_lines("tiered kvpr: rid") if f"rid {out['meta_info']['id']} " in line]
+    assert bool(ours) == want_ours, (rates[-1], retry, ours)
+    if ours:
+        why = "trying our loader" if retry else "our loader is faster"
+        assert f"mode=auto: measured choice, {why}" in ours[0], ours[0]
+    assert counter(s, "choice_ours") == chosen["ours"] + want_ours
+    assert counter(s, "choice_sglang") == chosen["sglang"] + (not want_ours)
+

@@ -1,0 +1,88 @@
+"""The samples of the measured choice between our loader and SGLang's own load of a stored span
+(policy/load_choice.py): which requests count, and when their time starts and ends.
+
+* Start: admission (`Door`, via `KVPR.admit`), for a request admitted while the scheduler is fully idle (nothing
+  running or waiting: its time is its own); `req.tiered_admitted_at`.
+* End: the end of its prefill forward (`ForwardHook.after_extend`), if that forward computed its whole prompt and
+  nothing else. One sample per request, at its first extend forward.
+* Which load: ours, where our loader took the span and computed none of it (`req.tiered_pure_load`, set by the
+  handler); SGLang's, where SGLang's own forward ran it and SGLang reports tokens it took from storage
+  (`req.cached_tokens_storage`). Anything else (a two-sided load, blending, a fallback) is no sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+from sglang_tiered.integration.door import planned
+from sglang_tiered.policy.load_choice import OURS, SGLANG, LoadChoice, Rates, bucket
+
+if TYPE_CHECKING:
+    from sglang_tiered.integration.runtime import Runtime
+
+logger = logging.getLogger("sglang_tiered")
+
+
+class LoadTiming:
+    """Collects the samples of `choice` for the loader named `loader` ("kvpr") on pages of `page_size` tokens."""
+
+    def __init__(self, rt: Runtime, choice: LoadChoice, loader: str) -> None:
+        self.rt, self.choice, self.loader = rt, choice, loader
+        self.page_size = 0  # set when the store is open
+        self._ahead: dict[int, str] = {}  # per bucket, the load ahead at the last sample (for the log)
+
+    def admitted(self, scheduler, req) -> None:
+        """At admission: start the clock of a request admitted while the scheduler is fully idle."""
+        req.tiered_admitted_at = time.perf_counter() if scheduler.is_fully_idle() else None
+        req.tiered_pure_load = False
+
+    @staticmethod
+    def measurable(req) -> bool:
+        return getattr(req, "tiered_admitted_at", None) is not None
+
+    def ended(self, fb, by: Optional[str]) -> None:
+        """After an extend forward (`ForwardHook.after_extend`): fold in the sample of its request, if it is one."""
+        reqs = self.rt.forward.batch_requests(fb)
+        started = [(r, r.tiered_admitted_at) for r in reqs if self.measurable(r)]
+        for r, _ in started:
+            r.tiered_admitted_at = None  # one sample per request, at its first extend forward
+        if len(started) != 1 or len(reqs) != 1 or not self.page_size:
+            return
+        (req, t0), = started
+        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+        if prefix + ext < len(req.origin_input_ids):
+            return  # a chunked piece: not the whole prefill
+        seconds = time.perf_counter() - t0
+        load, tokens = self._which(req, by)
+        if load is not None and tokens >= self.page_size:
+            self._fold(load, tokens, seconds)
+
+    def _which(self, req, by: Optional[str]) -> tuple[Optional[str], int]:
+        plan = planned(req, self.loader)
+        if by == self.loader and plan is not None and req.tiered_pure_load:
+            return OURS, len(plan.keys) * self.page_size
+        if by is None and plan is None:
+            return SGLANG, int(getattr(req, "cached_tokens_storage", 0) or 0)
+        return None, 0
+
+    def _fold(self, load: str, tokens: int, seconds: float) -> None:
+        rates = self.choice.observe(load, tokens, self.page_size, seconds)
+        self.rt.events.count("kvpr_choice_samples")
+        if not rates.measured():
+            return
+        b, ahead = bucket(tokens // self.page_size), rates.ahead()
+        if self._ahead.get(b) != ahead:
+            self._ahead[b] = ahead
+            logger.info("tiered kvpr: stored spans of %s: %s, %s", _pages(b), _describe(rates),
+                        "our loader takes them" if ahead == OURS else "SGLang's own load takes them")
+
+
+def _pages(b: int) -> str:
+    return f"{1 << b}-{(2 << b) - 1} pages" if b else "1 page"
+
+
+def _describe(r: Rates) -> str:
+    return (f"our loader {r.per_token_s[OURS] * 1e3:.3f} s vs SGLang's load {r.per_token_s[SGLANG] * 1e3:.3f} s per "
+            f"1k stored tokens ({r.samples[OURS]} and {r.samples[SGLANG]} loads timed at idle)")

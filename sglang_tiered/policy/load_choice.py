@@ -1,0 +1,96 @@
+"""Which of two exact loads of a stored span is faster on this server, measured rather than assumed: our loader
+reading the span (`OURS`) or SGLang's own L3 load (`SGLANG`). Pure bookkeeping: no torch, no SGLang.
+
+Where compute cannot gain much (a page reads in a small share of a page's compute: policy/kvpr.py), what is left is
+which load brings the span in sooner -- and that differs by machine and model: our loader beat SGLang's load on
+SmolLM2 at the disk's own speed on both machines measured (0.76-0.93x), and lost on the MHA model reading KV (1.24x
+and 1.36x). So each server measures both on its own loads:
+
+* a sample is one request admitted while the scheduler was idle and prefilled whole and alone, with the seconds from
+  its admission to the end of its prefill forward (what its user waits for) over the stored tokens that one of the
+  two loads brought in;
+* samples are kept per span size -- `bucket(pages)`, powers of two of pages, since a load's fixed costs weigh
+  differently at 16 pages than at 126 -- as a moving average of seconds per stored token per load;
+* `choose`: a load with fewer than MIN_SAMPLES samples in the bucket is tried first (SGLang's before ours), but only
+  for a request whose sample will count (`measurable`); then the load with the lower average, and every
+  EXPLORE_EVERY-th measurable decision the other one, so that a change in either (a disk slowing down, a busy CPU)
+  is seen. Until both loads are measured in a bucket an unmeasurable request gets SGLang's load, as before this
+  choice existed.
+
+Both loads are exact: a wrong choice costs time, never an answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+OURS, SGLANG = "ours", "sglang"
+MIN_SAMPLES = 2  # samples of each load in a bucket before the averages decide
+EXPLORE_EVERY = 16  # every this many measurable decisions in a bucket, the load that is not ahead is tried
+WEIGHT = 0.3  # of a new sample in the moving average
+
+
+def bucket(pages: int) -> int:
+    """The size class of a span of `pages` pages: floor(log2(pages)) (1 -> 0, 16-31 -> 4, 64-127 -> 6)."""
+    return max(pages, 1).bit_length() - 1
+
+
+@dataclass
+class Rates:
+    """One bucket: the moving average of seconds per stored token and the sample count of each load, and the
+    measurable decisions made since both were measured."""
+
+    per_token_s: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=lambda: {OURS: 0, SGLANG: 0})
+    decisions: int = 0
+
+    def measured(self) -> bool:
+        return all(n >= MIN_SAMPLES for n in self.samples.values())
+
+    def ahead(self) -> str:
+        """The load with the lower average (SGLang's on a tie); call only when `measured`."""
+        return OURS if self.per_token_s[OURS] < self.per_token_s[SGLANG] else SGLANG
+
+
+@dataclass(frozen=True)
+class Choice:
+    load: str  # OURS or SGLANG
+    exploring: bool  # taken to measure it (too few samples, or its periodic retry), not because it is ahead
+
+
+class LoadChoice:
+    """The per-process record of both loads' measured speeds (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._rates: dict[int, Rates] = {}
+        self._lock = threading.Lock()
+
+    def choose(self, pages: int, measurable: bool) -> Choice:
+        """The load for a stored span of `pages` pages; `measurable`: this request's load will be a sample."""
+        with self._lock:
+            r = self._rates.setdefault(bucket(pages), Rates())
+            if not r.measured():
+                if not measurable:
+                    return Choice(SGLANG, False)
+                return Choice(SGLANG if r.samples[SGLANG] < MIN_SAMPLES else OURS, True)
+            best = r.ahead()
+            if not measurable:
+                return Choice(best, False)
+            r.decisions += 1
+            if r.decisions % EXPLORE_EVERY == 0:
+                return Choice(OURS if best == SGLANG else SGLANG, True)
+            return Choice(best, False)
+
+    def observe(self, load: str, tokens: int, page_size: int, seconds: float) -> Rates:
+        """Fold one sample in: `load` brought `tokens` stored tokens (whole pages of `page_size`) in a request that
+        took `seconds` from admission to the end of its prefill. Returns the bucket's rates after it (a copy)."""
+        if load not in (OURS, SGLANG) or tokens < page_size or seconds <= 0:
+            raise ValueError(f"not a sample: {load!r}, {tokens} tokens, {seconds} s")
+        with self._lock:
+            r = self._rates.setdefault(bucket(tokens // page_size), Rates())
+            rate = seconds / tokens
+            old = r.per_token_s.get(load)
+            r.per_token_s[load] = rate if old is None else WEIGHT * rate + (1 - WEIGHT) * old
+            r.samples[load] += 1
+            return Rates(dict(r.per_token_s), dict(r.samples), r.decisions)

@@ -1,0 +1,94 @@
+"""policy/load_choice.py: which exact load of a stored span a server uses, from its own measured loads (no SGLang)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_tiered.policy.load_choice import EXPLORE_EVERY, MIN_SAMPLES, OURS, SGLANG, Choice, LoadChoice, bucket
+
+PS = 64
+
+
+def feed(choice: LoadChoice, load: str, n: int, pages: int, per_token_s: float) -> None:
+    for _ in range(n):
+        choice.observe(load, pages * PS, PS, per_token_s * pages * PS)
+
+
+@pytest.mark.parametrize("pages, want", [(1, 0), (2, 1), (3, 1), (16, 4), (31, 4), (64, 6), (126, 6), (128, 7)])
+def test_buckets_are_powers_of_two_of_pages(pages, want):
+    assert bucket(pages) == want
+
+
+def test_each_load_is_measured_before_the_averages_decide_sglangs_first():
+    c = LoadChoice()
+    assert c.choose(16, measurable=True) == Choice(SGLANG, True)
+    feed(c, SGLANG, MIN_SAMPLES - 1, 16, 1e-4)
+    assert c.choose(16, measurable=True) == Choice(SGLANG, True)
+    feed(c, SGLANG, 1, 16, 1e-4)
+    assert c.choose(16, measurable=True) == Choice(OURS, True)
+    feed(c, OURS, MIN_SAMPLES, 16, 0.8e-4)
+    assert c.choose(16, measurable=True) == Choice(OURS, False)  # measured, and ahead
+
+
+def test_until_both_are_measured_an_unmeasurable_request_gets_sglangs_load():
+    c = LoadChoice()
+    feed(c, OURS, 5, 16, 1e-5)  # ours looks far better, but SGLang's is unmeasured
+    assert c.choose(16, measurable=False) == Choice(SGLANG, False)
+    feed(c, SGLANG, MIN_SAMPLES, 16, 1e-4)
+    assert c.choose(16, measurable=False) == Choice(OURS, False)
+
+
+def test_the_lower_average_wins_and_a_tie_is_sglangs():
+    c = LoadChoice()
+    feed(c, OURS, 2, 64, 2e-4)
+    feed(c, SGLANG, 2, 64, 1e-4)
+    assert c.choose(100, measurable=True).load == SGLANG  # (100 pages: the same bucket as 64)
+    d = LoadChoice()
+    feed(d, OURS, 2, 64, 1e-4)
+    feed(d, SGLANG, 2, 64, 1e-4)
+    assert d.choose(64, measurable=False).load == SGLANG
+
+
+def test_the_load_behind_is_retried_every_explore_every_measurable_decisions():
+    c = LoadChoice()
+    feed(c, OURS, 2, 16, 1e-4)
+    feed(c, SGLANG, 2, 16, 2e-4)
+    got = [c.choose(16, measurable=True) for _ in range(2 * EXPLORE_EVERY)]
+    retries = [i for i, x in enumerate(got) if x.exploring]
+    assert retries == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert all(got[i].load == SGLANG for i in retries) and all(x.load == OURS for x in got if not x.exploring)
+    for _ in range(3 * EXPLORE_EVERY):  # unmeasurable decisions never retry
+        assert c.choose(16, measurable=False) == Choice(OURS, False)
+
+
+def test_a_load_that_slows_down_loses_its_lead():
+    c = LoadChoice()
+    feed(c, OURS, 2, 16, 1e-4)
+    feed(c, SGLANG, 2, 16, 2e-4)
+    assert c.choose(16, measurable=False).load == OURS
+    rates = None
+    for _ in range(4):  # the disk under ours slows to 4e-4 s per token: 1e-4 -> 1.9e-4 -> 2.53e-4 ...
+        c.observe(OURS, 16 * PS, PS, 4e-4 * 16 * PS)
+        rates = c.choose(16, measurable=False)
+    assert rates.load == SGLANG
+
+
+def test_the_moving_average_weighs_a_new_sample_03():
+    c = LoadChoice()
+    c.observe(OURS, 640, PS, 0.064)  # 1e-4 s per token
+    r = c.observe(OURS, 640, PS, 0.128)  # 2e-4
+    assert r.per_token_s[OURS] == pytest.approx(1.3e-4) and r.samples == {OURS: 2, SGLANG: 0}
+
+
+def test_sizes_are_measured_apart():
+    c = LoadChoice()
+    feed(c, OURS, 2, 16, 1e-4)
+    feed(c, SGLANG, 2, 16, 2e-4)
+    assert c.choose(16, measurable=False).load == OURS
+    assert c.choose(64, measurable=False).load == SGLANG  # nothing measured at 64-127 pages
+
+
+@pytest.mark.parametrize("load, tokens, seconds", [("mine", 640, 0.1), (OURS, 10, 0.1), (SGLANG, 640, 0.0)])
+def test_a_bad_sample_is_refused(load, tokens, seconds):
+    with pytest.raises(ValueError):
+        LoadChoice().observe(load, tokens, PS, seconds)
