@@ -30,16 +30,17 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   probe file counts against the SSD capacity, smaller where it leaves less room), then K/V recompute and layer
   times on the served model at the scheduler's first fully idle moment after that (seam `Scheduler.on_idle`,
   BEFORE: on the thread that runs the forwards; `engine/kvpr_profile.py`, persisted). Until it is known SGLang
-  loads as usual (a forced load waits for it). After each load the read bandwidth becomes min(measured, moving
-  average of the loads' own read rates). The meet itself follows the speeds of the moment; the profile only
-  decides whether to start it.
+  loads as usual (a forced load waits for it). The probe only seeds the read rate: every load's reads -- ours and
+  SGLang's own -- fold into it, both ways (`policy/read_rate.py`). The meet itself follows the speeds of the
+  moment; the profile only decides whether to start it.
 
 Counters: `sglang_tiered:kvpr_loads_total`, `..._kvpr_tokens_computed_total` (span tokens computed from token ids),
 `..._kvpr_tokens_loaded_total` (read, as KV or activations), `..._kvpr_tokens_recomputed_total` (of those, from
 activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation bytes read),
 `..._kvpr_activation_misses_total` (activation pages missing or corrupt: read as KV),
 `..._kvpr_activation_pages_written_total`, `..._kvpr_activation_bytes_written_total`,
-`..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`; one log line per load with the meet point.
+`..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`, `..._kvpr_read_samples_total`; one log line per load
+with the meet point, one when the read rate moves by more than a quarter.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from sglang_tiered.policy.kvpr import (
     gate,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice
+from sglang_tiered.policy.read_rate import ReadRate
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -90,7 +92,6 @@ logger = logging.getLogger("sglang_tiered")
 
 _WRITE_QUEUE = 8  # batches of activations waiting to be written
 _MIN_PROBE_BYTES = 1 << 20  # a read-bandwidth probe smaller than this says nothing (then the stored profile is used)
-_MIN_OBSERVED_BYTES = 8 << 20  # loads smaller than this say little about the bandwidth
 PROFILE_WAIT_S = 60.0  # the longest a forced load waits for the read bandwidth being measured (64 MiB at 1 MB/s)
 
 
@@ -124,8 +125,8 @@ class KVPR:
         self.gate_reason = gate_reason
         self.tier: Optional[SSDTier] = None
         self.writer: Optional[_Writer] = None
-        self.read_bps: Optional[float] = None  # measured once, from the first request on
-        self.observed: Optional[float] = None  # moving average of the loads' read rates
+        self.rate: Optional[ReadRate] = None  # the read rate: the probe's, then the loads' own (policy/read_rate.py)
+        self._logged_bps = 0.0  # the read rate last logged
         self.measuring = False
         self.read_measured = threading.Event()  # set once the read bandwidth is measured (or could not be)
         self.compute_failed = False
@@ -217,14 +218,19 @@ class KVPR:
             with tier.scratch(".kvpr-read-probe", room) as path:
                 if path is None:
                     raise OSError("no room under the SSD capacity for a probe file")
-                self.read_bps = measure_read(path, room)
-            logger.info("tiered kvpr: SSD read bandwidth %.0f MB/s (page cache bypassed)", self.read_bps / 1e6)
+                bps = measure_read(path, room)
+            if bps <= 0:
+                raise OSError("the probe file read back empty")
+            with self.lock:
+                self.rate, self._logged_bps = ReadRate(bps), bps
+            logger.info("tiered kvpr: SSD read bandwidth %.0f MB/s (page cache bypassed)", bps / 1e6)
         except OSError as exc:
             stored = stored_profile(tier.root, self.key)
             logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); %s", exc,
                            "using the stored profile's" if stored else "KVPR stays off")
             if stored is not None:
-                self.read_bps = stored.read_bytes_per_s
+                with self.lock:
+                    self.rate, self._logged_bps = ReadRate(stored.read_bytes_per_s), stored.read_bytes_per_s
 
     def _start_measuring(self) -> None:
         """Measure the read bandwidth in the background, once, from the first admission on (SGLang's own warm-up
@@ -248,7 +254,7 @@ class KVPR:
     def _measure_compute(self, scheduler) -> None:
         """Time the served model's compute and complete the profile (on the scheduler's thread; once: a failure
         leaves the profile unmeasured and SGLang loading every stored span)."""
-        if self.profile is not None or self.read_bps is None or self.compute_failed:
+        if self.profile is not None or self.rate is None or self.compute_failed:
             return
         try:
             compute = measure_compute(self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model))
@@ -258,7 +264,7 @@ class KVPR:
             logger.exception("tiered kvpr: measuring the compute profile failed; SGLang loads every stored span")
             return
         with self.lock:
-            self.profile = Profile(self.read_bps, *compute)
+            self.profile = Profile(self.rate.bps, *compute)
         path = self._save()
         logger.info("tiered kvpr: profile %s (saved to %s); %s", describe(self.profile), path,
                     auto_example(self.shape, self.profile, self.tier.namespace.page_size))
@@ -277,18 +283,24 @@ class KVPR:
         return self.profile
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
-        """Fold a load's read rate (bytes over the seconds its reads took: the read path as it really runs, readahead
-        and checksums included; the loader's recomputes and copies not) into the profile: v = min(startup
-        measurement, moving average of loads). The min keeps a burst or a page-cache-warm load from making the
-        scheduler think the disk is faster than measured."""
-        if nbytes < _MIN_OBSERVED_BYTES or seconds <= 0 or self.profile is None:
-            return "not updated"
+        """Fold a load's reads (bytes over the wall seconds they took: the read path as it really runs, readahead and
+        checksums included; the loader's recomputes and copies not) into the read rate -- our loader's and SGLang's
+        own (`TieredSSDStorage.batch_get_v1`) alike; called from the scheduler and from SGLang's prefetch thread.
+        The profile follows the rate both ways (policy/read_rate.py)."""
         with self.lock:
-            rate = nbytes / seconds
-            self.observed = rate if self.observed is None else 0.3 * rate + 0.7 * self.observed
-            v = min(self.read_bps or self.observed, self.observed)
-            self.profile = replace(self.profile, read_bytes_per_s=v)
-        return f"{rate / 1e6:.0f} MB/s, v now {v / 1e6:.0f} MB/s"
+            if self.rate is None or not self.rate.observe(nbytes, seconds):
+                return "not updated"
+            bps = self.rate.bps
+            if self.profile is not None:
+                self.profile = replace(self.profile, read_bytes_per_s=bps)
+            moved = abs(bps - self._logged_bps) > 0.25 * self._logged_bps
+            if moved:
+                self._logged_bps = bps
+        self.rt.events.count("kvpr_read_samples")
+        if moved:
+            logger.info("tiered kvpr: read rate now %.0f MB/s (%d loads since the probe)", bps / 1e6,
+                        self.rate.samples)
+        return f"{nbytes / seconds / 1e6:.0f} MB/s, v now {bps / 1e6:.0f} MB/s"
 
     # ------------------------------------------------------------------------------------- activation capture
     def around_attention(self, original, attn_module, positions, hidden_states, forward_batch, *args, **kwargs):

@@ -281,6 +281,8 @@ EVENTS = {
     "kvpr_tokens_computed": "Tokens of stored spans whose KV was computed from their token ids (the front of a "
     "two-sided load)",
     "kvpr_tokens_loaded": "Tokens of stored spans read from storage by two-sided loads (the back)",
+    "kvpr_read_samples": "Loads (ours and SGLang's, summed to 8 MiB or more) folded into the read rate that "
+    "compute-or-load decisions use",
     "kvpr_choice_ours": "Stored spans `auto` gave our loader by the measured choice (where compute would not join)",
     "kvpr_choice_sglang": "Stored spans `auto` left to SGLang's own load by the measured choice",
     "kvpr_choice_explorations": "Measured choices that took a load to time it (too few samples, or its periodic "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -62,7 +63,11 @@ class TieredSSDStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         pages = self._page_segments(keys, host_indices)
+        t0 = time.perf_counter()
         found = self._tier().read_pages(pages)
+        if self.rt.kvpr is not None:  # SGLang's own reads tell the compute-or-load decisions the disk's speed
+            read = sum(v.nbytes for (_, segs), ok in zip(pages, found) if ok for v in segs)
+            self.rt.kvpr.observe_read(read, time.perf_counter() - t0)
         missing = [i for i, ok in enumerate(found) if not ok]
         remote = self.store.remote
         if remote is not None and missing:  # local misses from the shared store, in one round trip

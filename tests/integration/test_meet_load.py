@@ -57,8 +57,10 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
             time.monotonic() < deadline:
         time.sleep(0.3)
     s.flush_cache()
+    samples = counter(s, "read_samples")
     native = ask(s, ids, "off")
     assert cached_details(native)["storage"] >= (pages - 1) * PAGE and native["output_ids"] == cold["output_ids"]
+    assert counter(s, "read_samples") > samples  # SGLang's own reads (> 8 MiB) tell the read rate the disk's speed
     for split in (0, 1, pages // 2, pages - 1, pages):
         s.flush_cache()
         out = ask(s, ids, split * PAGE)
