@@ -456,6 +456,9 @@ MEET_RERUNS = [
      "--max-repeats 25 --point-budget 150 --name meet-native-amd`)"),
     ("meet-slow-amd", "right after meet-native-amd, the same machine and code: every throttled speed and the busy "
      "CPU, the full run's settings (`--skip-native --name meet-slow-amd`)"),
+    ("meet-readrate-amd", "after meet-slow-amd, another AMD machine, with the read rate following every load's "
+     "reads (ours and SGLang's) instead of floored at the startup probe: the disk's own speed and 200 MB/s, up to 15 "
+     "rounds (`--slow-mbps 200 --busy --repeats 5 --max-repeats 15 --point-budget 60 --name meet-readrate-amd`)"),
 ]
 
 
