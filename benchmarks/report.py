@@ -459,6 +459,13 @@ MEET_RERUNS = [
     ("meet-readrate-amd", "after meet-slow-amd, another AMD machine, with the read rate following every load's "
      "reads (ours and SGLang's) instead of floored at the startup probe: the disk's own speed and 200 MB/s, up to 15 "
      "rounds (`--slow-mbps 200 --busy --repeats 5 --max-repeats 15 --point-budget 60 --name meet-readrate-amd`)"),
+    ("meet-measured-amd", "right after meet-readrate-amd, the same machine and code, the servers on "
+     "`--tiered-kvpr-choice measured`: SmolLM2 at the disk's own speed and 200 MB/s (`--models smollm2 --slow-mbps "
+     "200 --busy --kvpr-choice measured --repeats 5 --max-repeats 15 --point-budget 60 --name meet-measured-amd`)"),
+    ("meet-measured-mha-amd", "right after meet-measured-amd, the same machine and code, `measured`: the MHA model "
+     "at the disk's own speed, where our loader reading KV is slower than SGLang's load (`--models smollm2-mha "
+     "--slow-mbps --busy --kvpr-choice measured --repeats 5 --max-repeats 15 --point-budget 60 "
+     "--name meet-measured-mha-amd`)"),
 ]
 
 

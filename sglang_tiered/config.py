@@ -334,7 +334,8 @@ FLAG_HELP: dict[str, str] = {
     "pages read fast next to computing them): 'rule', SGLang's own load (our loader only where it reads "
     "activations); 'measured', whichever of our loader and SGLang's load this server measured faster on its own "
     "loads, timed from admission to the end of the prefill for requests admitted while it was idle, per span size; "
-    "each load is tried twice per span size before the averages decide and the slower one again every 16th time. "
+    "each load is tried twice per span size before the averages decide, then the slower one again every 16 x gap^2 "
+    "such decisions (gap: how many times slower it was; at most every 1024th). "
     "Both are exact. Default: rule.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "

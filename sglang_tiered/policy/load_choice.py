@@ -12,23 +12,34 @@ and 1.36x). So each server measures both on its own loads:
 * samples are kept per span size -- `bucket(pages)`, powers of two of pages, since a load's fixed costs weigh
   differently at 16 pages than at 126 -- as a moving average of seconds per stored token per load;
 * `choose`: a load with fewer than MIN_SAMPLES samples in the bucket is tried first (SGLang's before ours), but only
-  for a request whose sample will count (`measurable`); then the load with the lower average, and every
-  EXPLORE_EVERY-th measurable decision the other one, so that a change in either (a disk slowing down, a busy CPU)
-  is seen. Until both loads are measured in a bucket an unmeasurable request gets SGLang's load, as before this
-  choice existed.
+  for a request whose sample will count (`measurable`); then the load with the lower average, and after every
+  `period(gap)` measurable decisions the other one, so that a change in either (a disk slowing down, a busy CPU)
+  is seen. The period grows with the square of the gap between the two: a retry of a load 2-3x slower (our loader
+  reading an MHA model's KV at the disk's own speed: 2.2-3.3x SGLang's load) costs at most 1/64 of the ahead load's
+  time on average, where a fixed 1/16 cost 7-14 %. Until both loads are measured in a bucket an unmeasurable
+  request gets SGLang's load, as before this choice existed.
 
 Both loads are exact: a wrong choice costs time, never an answer.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
 OURS, SGLANG = "ours", "sglang"
 MIN_SAMPLES = 2  # samples of each load in a bucket before the averages decide
-EXPLORE_EVERY = 16  # every this many measurable decisions in a bucket, the load that is not ahead is tried
+EXPLORE_EVERY = 16  # measurable decisions in a bucket between retries of the load behind, at a near tie
+EXPLORE_MAX = 1024  # ... and at most, whatever the gap
 WEIGHT = 0.3  # of a new sample in the moving average
+
+
+def period(gap: float) -> int:
+    """Measurable decisions between two retries of the load behind when it is `gap` (>= 1) times slower:
+    EXPLORE_EVERY x gap^2, at most EXPLORE_MAX. A retry's average cost, (gap - 1) / period, is then at most
+    1 / (4 x EXPLORE_EVERY) (its peak, at gap 2) for gaps up to 17."""
+    return min(EXPLORE_MAX, max(EXPLORE_EVERY, math.ceil(EXPLORE_EVERY * gap * gap)))
 
 
 def bucket(pages: int) -> int:
@@ -39,7 +50,7 @@ def bucket(pages: int) -> int:
 @dataclass
 class Rates:
     """One bucket: the moving average of seconds per stored token and the sample count of each load, and the
-    measurable decisions made since both were measured."""
+    measurable decisions made since the last retry of the load behind (or since both were measured)."""
 
     per_token_s: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=lambda: {OURS: 0, SGLANG: 0})
@@ -51,6 +62,11 @@ class Rates:
     def ahead(self) -> str:
         """The load with the lower average (SGLang's on a tie); call only when `measured`."""
         return OURS if self.per_token_s[OURS] < self.per_token_s[SGLANG] else SGLANG
+
+    def gap(self) -> float:
+        """How many times slower the load behind is (>= 1); call only when `measured`."""
+        fast, slow = sorted(self.per_token_s.values())
+        return slow / fast
 
 
 @dataclass(frozen=True)
@@ -78,7 +94,8 @@ class LoadChoice:
             if not measurable:
                 return Choice(best, False)
             r.decisions += 1
-            if r.decisions % EXPLORE_EVERY == 0:
+            if r.decisions >= period(r.gap()):
+                r.decisions = 0
                 return Choice(OURS if best == SGLANG else SGLANG, True)
             return Choice(best, False)
 

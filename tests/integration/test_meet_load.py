@@ -118,7 +118,7 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     s.flush_cache()
     out = ask(s, ids)  # auto, the server's default
     assert out["output_ids"] == cold["output_ids"] and cached_details(out)["storage"] >= (pages - 1) * PAGE
-    retry = counter(s, "choice_explorations") == chosen["explorations"] + 1  # (every 16th: the one behind)
+    retry = counter(s, "choice_explorations") == chosen["explorations"] + 1  # (a periodic retry of the one behind)
     want_ours = ours_ahead != retry
     ours = [line for line in s.log_lines("tiered kvpr: rid") if f"rid {out['meta_info']['id']} " in line]
     assert bool(ours) == want_ours, (rates[-1], retry, ours)

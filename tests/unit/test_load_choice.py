@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tiered.policy.load_choice import EXPLORE_EVERY, MIN_SAMPLES, OURS, SGLANG, Choice, LoadChoice, bucket
+from sglang_tiered.policy.load_choice import (
+    EXPLORE_EVERY,
+    EXPLORE_MAX,
+    MIN_SAMPLES,
+    OURS,
+    SGLANG,
+    Choice,
+    LoadChoice,
+    bucket,
+    period,
+)
 
 PS = 64
 
@@ -49,13 +59,15 @@ def test_the_lower_average_wins_and_a_tie_is_sglangs():
     assert d.choose(64, measurable=False).load == SGLANG
 
 
-def test_the_load_behind_is_retried_every_explore_every_measurable_decisions():
+def test_the_load_behind_is_retried_every_period_of_its_gap():
     c = LoadChoice()
     feed(c, OURS, 2, 16, 1e-4)
-    feed(c, SGLANG, 2, 16, 2e-4)
-    got = [c.choose(16, measurable=True) for _ in range(2 * EXPLORE_EVERY)]
+    feed(c, SGLANG, 2, 16, 2e-4)  # 2x slower: a retry every 64 measurable decisions
+    p = period(2.0)
+    assert p == 4 * EXPLORE_EVERY
+    got = [c.choose(16, measurable=True) for _ in range(2 * p)]
     retries = [i for i, x in enumerate(got) if x.exploring]
-    assert retries == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert retries == [p - 1, 2 * p - 1]
     assert all(got[i].load == SGLANG for i in retries) and all(x.load == OURS for x in got if not x.exploring)
     for _ in range(3 * EXPLORE_EVERY):  # unmeasurable decisions never retry
         assert c.choose(16, measurable=False) == Choice(OURS, False)
@@ -92,3 +104,24 @@ def test_sizes_are_measured_apart():
 def test_a_bad_sample_is_refused(load, tokens, seconds):
     with pytest.raises(ValueError):
         LoadChoice().observe(load, tokens, PS, seconds)
+
+
+@pytest.mark.parametrize("gap, want", [(1.0, EXPLORE_EVERY), (1.25, 25), (2.0, 64), (3.0, 144), (8.0, EXPLORE_MAX),
+                                       (40.0, EXPLORE_MAX)])
+def test_the_retry_period_grows_with_the_square_of_the_gap(gap, want):
+    assert period(gap) == want
+
+
+def test_a_retry_costs_at_most_a_64th_of_the_ahead_loads_time_for_gaps_up_to_17():
+    gaps = [1 + i / 100 for i in range(1601)]  # 1.00 .. 17.00
+    worst = max((g - 1) / period(g) for g in gaps)
+    assert worst <= 1 / (4 * EXPLORE_EVERY) + 1e-9
+    assert (20 - 1) / period(20) > 1 / (4 * EXPLORE_EVERY)  # beyond, EXPLORE_MAX bounds how stale it gets instead
+
+
+def test_a_near_tie_is_retried_about_every_explore_every_decisions():
+    c = LoadChoice()
+    feed(c, OURS, 2, 64, 1.0e-4)
+    feed(c, SGLANG, 2, 64, 1.1e-4)  # 1.1x: ceil(16 x 1.21) = 20
+    got = [c.choose(64, measurable=True) for _ in range(20)]
+    assert [i for i, x in enumerate(got) if x.exploring] == [19] and got[19].load == SGLANG
