@@ -290,7 +290,7 @@ class KVPR:
         with self.lock:
             if self.rate is None or not self.rate.observe(nbytes, seconds):
                 return "not updated"
-            bps = self.rate.bps
+            bps, samples = self.rate.bps, self.rate.samples
             if self.profile is not None:
                 self.profile = replace(self.profile, read_bytes_per_s=bps)
             moved = abs(bps - self._logged_bps) > 0.25 * self._logged_bps
@@ -298,8 +298,7 @@ class KVPR:
                 self._logged_bps = bps
         self.rt.events.count("kvpr_read_samples")
         if moved:
-            logger.info("tiered kvpr: read rate now %.0f MB/s (%d loads since the probe)", bps / 1e6,
-                        self.rate.samples)
+            logger.info("tiered kvpr: read rate now %.0f MB/s (%d loads since the probe)", bps / 1e6, samples)
         return f"{nbytes / seconds / 1e6:.0f} MB/s, v now {bps / 1e6:.0f} MB/s"
 
     # ------------------------------------------------------------------------------------- activation capture
