@@ -336,7 +336,9 @@ FLAG_HELP: dict[str, str] = {
     "loads, timed from admission to the end of the prefill for requests admitted while it was idle, per span size; "
     "each load is tried twice per span size before the averages decide, then the slower one again every 16 x gap^2 "
     "such decisions (gap: how many times slower it was; at most every 1024th). "
-    "Both are exact. Default: rule.",
+    "Either way, a request admitted right after another request's prefill forward goes to our loader (SGLang's "
+    "load would wait for the next such forward) unless our loader was measured slower by more than that forward "
+    "took. Both are exact. Default: rule.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
     "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "

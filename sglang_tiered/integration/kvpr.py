@@ -8,7 +8,11 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   (`activations_pay`; wherever stored when the request or server forces a load), and in `auto` whether to take the
   span at all: only where reading it takes longer than computing 2 of its pages (`meet_pays`), else SGLang's own load
   is as fast. Compute joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute. A
-  number of tokens (`custom_params.tiered_kvpr`) forces the meet point. A taken span's L3 prefetch is skipped: its
+  number of tokens (`custom_params.tiered_kvpr`) forces the meet point. Where SGLang's load would be as fast at idle,
+  a request admitted right after another request's prefill forward still goes to our loader (`behind_prefills` in
+  policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
+  on such spans by more than that forward took; with `--tiered-kvpr-choice measured`, the load measured faster at
+  idle takes the rest. A taken span's L3 prefetch is skipped: its
   tokens become extend tokens, filled by the forward below. The request prefills alone and its KV is exact, so it
   enters the radix tree as usual.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
@@ -39,8 +43,9 @@ Counters: `sglang_tiered:kvpr_loads_total`, `..._kvpr_tokens_computed_total` (sp
 activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation bytes read),
 `..._kvpr_activation_misses_total` (activation pages missing or corrupt: read as KV),
 `..._kvpr_activation_pages_written_total`, `..._kvpr_activation_bytes_written_total`,
-`..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`, `..._kvpr_read_samples_total`; one log line per load
-with the meet point, one when the read rate moves by more than a quarter.
+`..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`, `..._kvpr_read_samples_total`,
+`..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills); one log line per load with the meet
+point, one when the read rate moves by more than a quarter.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ from sglang_tiered.policy.kvpr import (
     decide,
     gate,
 )
-from sglang_tiered.policy.load_choice import OURS, LoadChoice
+from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills
 from sglang_tiered.policy.read_rate import ReadRate
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -190,7 +195,12 @@ class KVPR:
         d = decide(self.shape, profile, n, ps, stored_activations=self.writer is not None, forced=mode != "auto")
         how = str(mode)
         if not d.take:  # compute would gain little: the load measured faster on this server brings the span in
-            if mode != "auto" or self.rt.settings.config.kvpr_choice != "measured":
+            if mode != "auto":
+                return None
+            behind = self._behind_prefills(scheduler, n * ps)
+            if behind is not None:
+                return Plan(start, tuple(keys[:n]), "auto: " + behind, None, d.page_s, d.read_s, d.activations)
+            if self.rt.settings.config.kvpr_choice != "measured":
                 return None
             choice = self.choice.choose(n, self.timing.measurable(req))
             self.rt.events.count("kvpr_choice_" + choice.load)
@@ -201,6 +211,20 @@ class KVPR:
             how = "auto: measured choice, " + ("trying our loader" if choice.exploring else "our loader is faster")
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
         return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations)
+
+    def _behind_prefills(self, scheduler, tokens: int) -> Optional[str]:
+        """Why our loader takes a span of `tokens` stored tokens admitted right after another request's prefill
+        forward (`behind_prefills`: SGLang's load would wait for the next one), or None."""
+        last = scheduler.last_batch
+        if last is None or not last.forward_mode.is_extend():
+            return None
+        prefill_s = self.rt.forward.last_extend_s
+        slower_s = self.choice.slower_s(tokens, self.tier.namespace.page_size)
+        if not behind_prefills(prefill_s, slower_s):
+            return None
+        self.rt.events.count("kvpr_choice_behind_prefills")
+        return (f"behind prefills ({prefill_s:.2f} s the last), our loader" +
+                ("" if slower_s is None else f" ({slower_s:+.2f} s against SGLang's load at idle)"))
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:

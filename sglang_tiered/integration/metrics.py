@@ -287,6 +287,8 @@ EVENTS = {
     "kvpr_choice_sglang": "Stored spans `auto` left to SGLang's own load by the measured choice",
     "kvpr_choice_explorations": "Measured choices that took a load to time it (too few samples, or its periodic "
     "retry) rather than because it was ahead",
+    "kvpr_choice_behind_prefills": "Stored spans `auto` gave our loader because the request was admitted right after "
+    "another request's prefill forward (SGLang's load would wait for the next one)",
     "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (admitted at idle, prefilled whole "
     "and alone)",
     "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",

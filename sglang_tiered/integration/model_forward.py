@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -125,6 +126,7 @@ class ForwardHook:
         self._engines: dict[int, LlamaModel] = {}
         self._batch = threading.local()
         self._hooked = self._tracking = False
+        self.last_extend_s = 0.0  # wall seconds of the last extend forward (any handler's or SGLang's; CPU: its work)
 
     def _ensure_hook(self) -> None:
         if not self._hooked:
@@ -210,6 +212,7 @@ class ForwardHook:
                         pp_proxy_tensors=None, **kwargs):
         extend = input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend()
         hidden, by = None, None
+        t0 = time.perf_counter()
         with self.rt.foreground.busy():
             if extend:
                 for handler in self.handlers:
@@ -221,6 +224,7 @@ class ForwardHook:
                 hidden = original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors,
                                   **kwargs)
         if extend:
+            self.last_extend_s = time.perf_counter() - t0
             self._ended(forward_batch, by)
         return hidden
 

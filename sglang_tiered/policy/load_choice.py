@@ -19,6 +19,13 @@ and 1.36x). So each server measures both on its own loads:
   time on average, where a fixed 1/16 cost 7-14 %. Until both loads are measured in a bucket an unmeasurable
   request gets SGLang's load, as before this choice existed.
 
+Behind other prefills the idle-time averages miss SGLang's load's real cost (`behind_prefills`): its scheduler skips a
+request whose L3 prefetch is still running ("skip staging requests that are ongoing prefetch", `Scheduler.
+get_new_batch_prefill`), and the admission's own scheduling pass comes before any prefetch can end -- so where other
+prefills keep arriving, SGLang's load waits for at least one more of their forwards (measured on SmolLM2 at 100 MB/s
+with a second client's 2048-token prefills back to back: 6.0 s for SGLang's load, 3.2 s for our loader, which reads
+within the request's own forward).
+
 Both loads are exact: a wrong choice costs time, never an answer.
 """
 
@@ -27,6 +34,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import Optional
 
 OURS, SGLANG = "ours", "sglang"
 MIN_SAMPLES = 2  # samples of each load in a bucket before the averages decide
@@ -40,6 +48,14 @@ def period(gap: float) -> int:
     EXPLORE_EVERY x gap^2, at most EXPLORE_MAX. A retry's average cost, (gap - 1) / period, is then at most
     1 / (4 x EXPLORE_EVERY) (its peak, at gap 2) for gaps up to 17."""
     return min(EXPLORE_MAX, max(EXPLORE_EVERY, math.ceil(EXPLORE_EVERY * gap * gap)))
+
+
+def behind_prefills(prefill_s: float, slower_s: Optional[float]) -> bool:
+    """Should our loader take a span compute would not join, for a request admitted right after another request's
+    prefill forward that took `prefill_s` seconds? SGLang's load would wait about one more such forward; our loader
+    costs `slower_s` seconds more than SGLang's load on this span where both are measured at idle (negative: it is
+    faster; None: not measured -- taken as equal, both read the same pages)."""
+    return prefill_s > max(0.0, slower_s or 0.0)
 
 
 def bucket(pages: int) -> int:
@@ -98,6 +114,16 @@ class LoadChoice:
                 r.decisions = 0
                 return Choice(OURS if best == SGLANG else SGLANG, True)
             return Choice(best, False)
+
+    def slower_s(self, tokens: int, page_size: int) -> Optional[float]:
+        """Seconds our loader was measured to take beyond SGLang's load for `tokens` stored tokens (whole pages of
+        `page_size`; negative where it is faster), from the per-token averages of the span's bucket; None until both
+        loads are measured there."""
+        with self._lock:
+            r = self._rates.get(bucket(tokens // page_size))
+            if r is None or not r.measured():
+                return None
+            return tokens * (r.per_token_s[OURS] - r.per_token_s[SGLANG])
 
     def observe(self, load: str, tokens: int, page_size: int, seconds: float) -> Rates:
         """Fold one sample in: `load` brought `tokens` stored tokens (whole pages of `page_size`) in a request that

@@ -128,3 +128,35 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     assert counter(s, "choice_ours") == chosen["ours"] + want_ours
     assert counter(s, "choice_sglang") == chosen["sglang"] + (not want_ours)
 
+
+
+def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_server, essays, model_dir):
+    """SGLang's scheduler skips a request whose L3 prefetch still runs, so behind other prefills SGLang's load waits
+    for one more of their forwards: `auto` gives such a span to our loader (`behind_prefills`), same output."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    s = fp32_server
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(essays[13] + "\n\nQuestion: Who is this for?\nAnswer:")["input_ids"]
+    noise = tok("\n\n".join(essays[14:20]))["input_ids"][:1500]  # another prefill: 3-4 s in fp32 here
+    pages = (len(ids) - 1) // PAGE
+    cold = ask(s, ids, "off")
+    deadline = time.monotonic() + 60
+    while len(page_files(s, ids)) < pages and time.monotonic() < deadline:
+        time.sleep(0.3)
+    s.flush_cache()
+    behind = counter(s, "choice_behind_prefills")
+    other = threading.Thread(target=s.request, args=("/generate", {
+        "input_ids": noise, "sampling_params": {"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}}}))
+    other.start()
+    try:
+        time.sleep(0.5)  # (SGLang logs a prefill batch after its forward: nothing to wait for)
+        out = ask(s, ids)  # auto, sent while the other prefill's forward runs
+    finally:
+        other.join(120)
+    assert out["output_ids"] == cold["output_ids"] and cached_details(out)["storage"] >= (pages - 1) * PAGE
+    line = meet_line(s, out)
+    assert "mode=auto: behind prefills (" in line and f"of {pages}:" in line, line
+    assert counter(s, "choice_behind_prefills") == behind + 1

@@ -12,6 +12,7 @@ from sglang_tiered.policy.load_choice import (
     SGLANG,
     Choice,
     LoadChoice,
+    behind_prefills,
     bucket,
     period,
 )
@@ -125,3 +126,28 @@ def test_a_near_tie_is_retried_about_every_explore_every_decisions():
     feed(c, SGLANG, 2, 64, 1.1e-4)  # 1.1x: ceil(16 x 1.21) = 20
     got = [c.choose(64, measurable=True) for _ in range(20)]
     assert [i for i, x in enumerate(got) if x.exploring] == [19] and got[19].load == SGLANG
+
+
+def test_slower_s_is_the_measured_gap_over_the_span_and_none_until_both_are_measured():
+    c = LoadChoice()
+    assert c.slower_s(32 * PS, PS) is None
+    feed(c, OURS, MIN_SAMPLES, 32, 3e-4)
+    assert c.slower_s(32 * PS, PS) is None  # SGLang's load not measured yet
+    feed(c, SGLANG, MIN_SAMPLES, 32, 1e-4)
+    assert c.slower_s(40 * PS, PS) == pytest.approx(40 * PS * 2e-4)  # (40 pages: the bucket of 32)
+    assert c.slower_s(16 * PS, PS) is None  # another size, unmeasured
+    feed(c, OURS, 20, 32, 0.5e-4)  # our loader became faster: a negative gap
+    assert c.slower_s(32 * PS, PS) < 0
+
+
+@pytest.mark.parametrize("prefill_s, slower_s, want", [
+    (2.5, None, True),  # unmeasured: taken as equal, any prefill forward ahead decides
+    (2.5, -0.3, True),  # our loader faster anyway
+    (2.5, 2.4, True),  # slower at idle, but by less than the forward SGLang's load would wait for
+    (2.5, 2.6, False),  # slower by more than that forward
+    (0.0, None, False),  # no prefill forward timed yet
+    (0.0, -0.3, False),
+])
+def test_behind_prefills_weighs_the_forward_sglangs_load_would_wait_for_against_our_loaders_measured_gap(
+        prefill_s, slower_s, want):
+    assert behind_prefills(prefill_s, slower_s) is want
