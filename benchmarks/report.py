@@ -466,6 +466,10 @@ MEET_RERUNS = [
      "at the disk's own speed, where our loader reading KV is slower than SGLang's load (`--models smollm2-mha "
      "--slow-mbps --busy --kvpr-choice measured --repeats 5 --max-repeats 15 --point-budget 60 "
      "--name meet-measured-mha-amd`)"),
+    ("meet-busy-amd", "a later AMD machine, `rule` with a span admitted right after another request's prefill "
+     "forward given to our loader (SGLang's scheduler would hold it out of batches until its prefetch ends): the "
+     "busy CPU at 100 MB/s, both models (`--skip-native --slow-mbps --busy 100 --repeats 3 --max-repeats 8 "
+     "--name meet-busy-amd`)"),
 ]
 
 
