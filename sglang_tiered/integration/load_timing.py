@@ -5,6 +5,10 @@
   running or waiting: its time is its own); `req.tiered_admitted_at`.
 * End: the end of its prefill forward (`ForwardHook.after_extend`), if that forward computed its whole prompt and
   nothing else. One sample per request, at its first extend forward.
+* Our loader waits for nothing before its forward (no prefetch: the read is in the forward), so a request of ours
+  admitted while others ran (given our loader behind other prefills, kvpr.py) is a sample too: its forward's own
+  seconds (`ForwardHook.last_extend_s`). That is how a `rule` server learns what our loader costs on spans it
+  otherwise leaves to SGLang, and stops taking them behind prefills shorter than that cost.
 * Which load: ours, where our loader took the span and computed none of it (`req.tiered_pure_load`, set by the
   handler); SGLang's, where SGLang's own forward ran it and SGLang reports tokens it took from storage
   (`req.cached_tokens_storage`). Anything else (a two-sided load, blending, a fallback) is no sample.
@@ -45,19 +49,23 @@ class LoadTiming:
     def ended(self, fb, by: Optional[str]) -> None:
         """After an extend forward (`ForwardHook.after_extend`): fold in the sample of its request, if it is one."""
         reqs = self.rt.forward.batch_requests(fb)
-        started = [(r, r.tiered_admitted_at) for r in reqs if self.measurable(r)]
-        for r, _ in started:
+        started = {id(r): r.tiered_admitted_at for r in reqs if self.measurable(r)}
+        for r in reqs:
             r.tiered_admitted_at = None  # one sample per request, at its first extend forward
-        if len(started) != 1 or len(reqs) != 1 or not self.page_size:
+        if len(reqs) != 1 or not self.page_size:
             return
-        (req, t0), = started
+        req = reqs[0]
         prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
         if prefix + ext < len(req.origin_input_ids):
             return  # a chunked piece: not the whole prefill
-        seconds = time.perf_counter() - t0
         load, tokens = self._which(req, by)
-        if load is not None and tokens >= self.page_size:
-            self._fold(load, tokens, seconds)
+        if load is None or tokens < self.page_size:
+            return
+        t0 = started.get(id(req))
+        if t0 is not None:
+            self._fold(load, tokens, time.perf_counter() - t0)
+        elif load == OURS:  # admitted while others ran: its forward is its own time
+            self._fold(load, tokens, self.rt.forward.last_extend_s)
 
     def _which(self, req, by: Optional[str]) -> tuple[Optional[str], int]:
         plan = planned(req, self.loader)

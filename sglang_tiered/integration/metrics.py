@@ -289,8 +289,8 @@ EVENTS = {
     "retry) rather than because it was ahead",
     "kvpr_choice_behind_prefills": "Stored spans `auto` gave our loader because the request was admitted right after "
     "another request's prefill forward (SGLang's load would wait for the next one)",
-    "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (admitted at idle, prefilled whole "
-    "and alone)",
+    "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "
+    "at idle; our loader's also behind other prefills, by its forward's own time)",
     "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",
     "retain_released": "Pins released before their expiry to keep pinned pages within --tiered-retain-share",
     "retain_refused": "Pins refused: the prompt alone has more pages than retention may hold",

@@ -147,7 +147,7 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     while len(page_files(s, ids)) < pages and time.monotonic() < deadline:
         time.sleep(0.3)
     s.flush_cache()
-    behind = counter(s, "choice_behind_prefills")
+    behind, samples = counter(s, "choice_behind_prefills"), counter(s, "choice_samples")
     other = threading.Thread(target=s.request, args=("/generate", {
         "input_ids": noise, "sampling_params": {"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}}}))
     other.start()
@@ -160,3 +160,5 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     line = meet_line(s, out)
     assert "mode=auto: behind prefills (" in line and f"of {pages}:" in line, line
     assert counter(s, "choice_behind_prefills") == behind + 1
+    # our loader waited for nothing before its forward: that forward's time is a sample of it (read everything)
+    assert counter(s, "choice_samples") == samples + ("met at page 0 of" in line)
