@@ -20,11 +20,11 @@ varies by about 10 % here, so a 1.03x target is not decided by 3 rounds) -- more
 that matter there, up to `--max-repeats` rounds or `--point-budget` seconds of extra rounds; medians of the
 client-side time to the first token (max_new_tokens = 1), and a bootstrap 95 % interval of auto / min(load,
 recompute). `--busy` adds, at one disk speed, a second client keeping the CPU busy with long prefills during the
-measurements. Targets (issue #26): auto <= 1.03 x min(load, recompute) at every point, and <= 0.75 x min(load,
+measurements (`--busy-native`: at the disk's own speed). Targets (issue #26): auto <= 1.03 x min(load, recompute) at every point, and <= 0.75 x min(load,
 recompute) wherever the two are within 1.5x of each other; no answer differing from `load`'s.
 
     .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8064]
-        [--slow-mbps 200 100 50 25] [--busy 100] [--name meet]
+        [--slow-mbps 200 100 50 25] [--busy 100] [--busy-native] [--name meet]
 
 Writes benchmarks/results/meet.json and .png and prints one verdict line.
 """
@@ -348,6 +348,7 @@ def main() -> int:
     ap.add_argument("--slow-mbps", nargs="*", type=int, default=[200, 100, 50, 25])
     ap.add_argument("--skip-native", action="store_true")
     ap.add_argument("--busy", nargs="*", type=int, default=[100], help="disk speeds measured again with a busy CPU")
+    ap.add_argument("--busy-native", action="store_true", help="also the disk's own speed with a busy CPU")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of all five configurations at every point")
     ap.add_argument("--max-repeats", type=int, default=15, help="rounds at most, the ones after --repeats only of "
                     "the configurations that decide an undecided point (see focus())")
@@ -365,6 +366,7 @@ def main() -> int:
     results: dict = {}
     runs = ([] if a.skip_native else [("native", None, False)]) + [(f"{m} MB/s", m, False) for m in a.slow_mbps]
     runs += [(f"{m} MB/s", m, True) for m in a.busy]
+    runs += [("native", None, True)] if a.busy_native else []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meet-bench-") as tmp:
         for model in a.models:
