@@ -470,6 +470,10 @@ MEET_RERUNS = [
      "forward given to our loader (SGLang's scheduler would hold it out of batches until its prefetch ends): the "
      "busy CPU at 100 MB/s, both models (`--skip-native --slow-mbps --busy 100 --repeats 3 --max-repeats 8 "
      "--name meet-busy-amd`)"),
+    ("meet-busy-native-mha-amd", "right after meet-busy-amd, the same machine, with our loader's loads behind "
+     "prefills also timed as samples: the MHA model, busy CPU at the disk's own speed, where our loader was the "
+     "slower load at idle (`--models smollm2-mha --skip-native --slow-mbps --busy --busy-native --repeats 3 "
+     "--max-repeats 6 --name meet-busy-native-mha-amd`)"),
 ]
 
 
