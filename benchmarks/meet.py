@@ -20,8 +20,9 @@ varies by about 10 % here, so a 1.03x target is not decided by 3 rounds) -- more
 that matter there, up to `--max-repeats` rounds or `--point-budget` seconds of extra rounds; medians of the
 client-side time to the first token (max_new_tokens = 1), and a bootstrap 95 % interval of auto / min(load,
 recompute). `--busy` adds, at one disk speed, a second client keeping the CPU busy with long prefills during the
-measurements (`--busy-native`: at the disk's own speed). Targets (issue #26): auto <= 1.03 x min(load, recompute) at every point, and <= 0.75 x min(load,
-recompute) wherever the two are within 1.5x of each other; no answer differing from `load`'s.
+measurements (`--busy-native`: at the disk's own speed). Targets (issue #26): auto <= 1.03 x min(load, recompute)
+at every point, and <= 0.75 x min(load, recompute) wherever the two are within 1.5x of each other; no answer
+differing from `load`'s.
 
     .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8064]
         [--slow-mbps 200 100 50 25] [--busy 100] [--busy-native] [--name meet]
