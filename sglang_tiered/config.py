@@ -338,7 +338,8 @@ FLAG_HELP: dict[str, str] = {
     "such decisions (gap: how many times slower it was; at most every 1024th). "
     "Either way, a request admitted right after another request's prefill forward goes to our loader (SGLang's "
     "load would wait for the next such forward) unless our loader was measured slower by more than that forward "
-    "took. Both are exact. Default: rule.",
+    "took (its loads there are timed too, by their forward's own time, so the server learns it). Both are exact. "
+    "Default: rule.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
     "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "
