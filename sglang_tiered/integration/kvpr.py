@@ -194,23 +194,28 @@ class KVPR:
             return None
         d = decide(self.shape, profile, n, ps, stored_activations=self.writer is not None, forced=mode != "auto")
         how = str(mode)
-        if not d.take:  # compute would gain little: the load measured faster on this server brings the span in
-            if mode != "auto":
+        if not d.take:  # compute would gain little: our loader only where it is the faster load
+            how = self._ours_anyway(scheduler, req, n) if mode == "auto" else None
+            if how is None:
                 return None
-            behind = self._behind_prefills(scheduler, n * ps)
-            if behind is not None:
-                return Plan(start, tuple(keys[:n]), "auto: " + behind, None, d.page_s, d.read_s, d.activations)
-            if self.rt.settings.config.kvpr_choice != "measured":
-                return None
-            choice = self.choice.choose(n, self.timing.measurable(req))
-            self.rt.events.count("kvpr_choice_" + choice.load)
-            if choice.exploring:
-                self.rt.events.count("kvpr_choice_explorations")
-            if choice.load != OURS:
-                return None
-            how = "auto: measured choice, " + ("trying our loader" if choice.exploring else "our loader is faster")
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
         return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations)
+
+    def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
+        """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
+        prefills, or the measured choice (`--tiered-kvpr-choice measured`); None: SGLang's own load brings it in."""
+        behind = self._behind_prefills(scheduler, pages * self.tier.namespace.page_size)
+        if behind is not None:
+            return "auto: " + behind
+        if self.rt.settings.config.kvpr_choice != "measured":
+            return None
+        choice = self.choice.choose(pages, self.timing.measurable(req))
+        self.rt.events.count("kvpr_choice_" + choice.load)
+        if choice.exploring:
+            self.rt.events.count("kvpr_choice_explorations")
+        if choice.load != OURS:
+            return None
+        return "auto: measured choice, " + ("trying our loader" if choice.exploring else "our loader is faster")
 
     def _behind_prefills(self, scheduler, tokens: int) -> Optional[str]:
         """Why our loader takes a span of `tokens` stored tokens admitted right after another request's prefill

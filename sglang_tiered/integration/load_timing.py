@@ -49,19 +49,18 @@ class LoadTiming:
     def ended(self, fb, by: Optional[str]) -> None:
         """After an extend forward (`ForwardHook.after_extend`): fold in the sample of its request, if it is one."""
         reqs = self.rt.forward.batch_requests(fb)
-        started = {id(r): r.tiered_admitted_at for r in reqs if self.measurable(r)}
+        admitted = [getattr(r, "tiered_admitted_at", None) for r in reqs]
         for r in reqs:
             r.tiered_admitted_at = None  # one sample per request, at its first extend forward
         if len(reqs) != 1 or not self.page_size:
             return
-        req = reqs[0]
+        req, t0 = reqs[0], admitted[0]
         prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
         if prefix + ext < len(req.origin_input_ids):
             return  # a chunked piece: not the whole prefill
         load, tokens = self._which(req, by)
         if load is None or tokens < self.page_size:
             return
-        t0 = started.get(id(req))
         if t0 is not None:
             self._fold(load, tokens, time.perf_counter() - t0)
         elif load == OURS:  # admitted while others ran: its forward is its own time
