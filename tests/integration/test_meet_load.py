@@ -40,6 +40,15 @@ def page_files(s: ServerProcess, ids: list[int]) -> list:
     return [p for k in keys for p in s.ssd.glob(f"*/{k[:2]}/{k}.kvp")]
 
 
+def served_and_stored(s: ServerProcess, ids: list[int], pages: int) -> dict:
+    """Serve `ids` computed (SGLang's prefill) and wait, at most 60 s, until its `pages` pages are on the SSD tier."""
+    out = ask(s, ids, "off")
+    deadline = time.monotonic() + 60
+    while len(page_files(s, ids)) < pages and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return out
+
+
 def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, model_dir):
     from transformers import AutoTokenizer
 
@@ -100,10 +109,7 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     text = essays[12] + "\n\nQuestion: Who wrote this?\nAnswer:"
     ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
     pages = (len(ids) - 1) // PAGE
-    cold = ask(s, ids, "off")
-    deadline = time.monotonic() + 60
-    while len(page_files(s, ids)) < pages and time.monotonic() < deadline:
-        time.sleep(0.3)
+    cold = served_and_stored(s, ids, pages)
     samples = counter(s, "choice_samples")
     for mode in ("off", 0, "off", 0):  # SGLang's load and ours (reading everything), each timed twice at idle
         s.flush_cache()
@@ -129,7 +135,6 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     assert counter(s, "choice_sglang") == chosen["sglang"] + (not want_ours)
 
 
-
 def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_server, essays, model_dir):
     """SGLang's scheduler skips a request whose L3 prefetch still runs, so behind other prefills SGLang's load waits
     for one more of their forwards: `auto` gives such a span to our loader (`behind_prefills`), same output."""
@@ -142,10 +147,7 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     ids = tok(essays[13] + "\n\nQuestion: Who is this for?\nAnswer:")["input_ids"]
     noise = tok("\n\n".join(essays[14:20]))["input_ids"][:1500]  # another prefill: 3-4 s in fp32 here
     pages = (len(ids) - 1) // PAGE
-    cold = ask(s, ids, "off")
-    deadline = time.monotonic() + 60
-    while len(page_files(s, ids)) < pages and time.monotonic() < deadline:
-        time.sleep(0.3)
+    cold = served_and_stored(s, ids, pages)
     s.flush_cache()
     behind, samples = counter(s, "choice_behind_prefills"), counter(s, "choice_samples")
     other = threading.Thread(target=s.request, args=("/generate", {
