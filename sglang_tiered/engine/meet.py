@@ -26,8 +26,10 @@ prefills faster per page (wider matrix products), so the first claim is the bigg
 recent reads, the read in flight if it has taken longer (timed from its own start: the loader's start-up -- a thread
 waking, a CUDA stream's first copy -- is no read), and before the first read the caller's `page_read_s` estimate (the
 profile's). When reads are fast next to compute (below `min_read_share` of a page's compute: computing
-would gain little and, on a CPU, slow the loader's own work) or no page is worth taking, compute waits for the
-loader's next page and asks again (a kernel I/O throttle lets a first burst through fast, then reads slow down). Both
+would gain little and, on a CPU, slow the loader's own work) or no page is worth taking, compute looks again after
+`min_read_share` of a page's compute (at once if the loader is done): a kernel I/O throttle lets a first burst through
+fast, then reads slow down, and a read in flight that long is slow enough to join. Not at every read: on a GPU a read
+takes a fraction of a millisecond, and compute's thread waking at each one takes the GIL from the loader's. Both
 rates are this load's own (the estimates are replaced by each computed chunk's time and each read's), so the rule
 follows a disk or a CPU that slows down under load. Without an estimate the two simply race (Cake's scheme).
 
@@ -37,7 +39,9 @@ On a CUDA model (component level: the server runs this on CPUs) the same schedul
 pages (from pinned host memory: `PageSource.read` returns host tensors) on a CUDA stream of its own, each page's copy
 waited for on the loader's thread (its read time is the transfer's), and compute's kernels on the caller's current
 stream, each chunk waited for before the next claim (a claim must follow real progress, not queued kernels); the
-new tokens' layers run after the current stream has waited for the loader's.
+new tokens' layers run after the current stream has waited for the loader's. There the first read in flight does
+not count: the estimate stands until it is in (a CUDA loader's first copy takes 2-4x its next ones, measured, and no
+throttle lets a burst through that compute would need to catch early).
 """
 
 from __future__ import annotations
@@ -101,12 +105,13 @@ class _Claims:
     and the rates compute decides by (see the module docstring)."""
 
     def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float],
-                 min_read_share: float = 0.0, page_read_s: float = 0.0) -> None:
+                 min_read_share: float = 0.0, page_read_s: float = 0.0, first_in_flight: bool = True) -> None:
         self.front, self.low = 0, pages
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
         self.min_read_share = min_read_share  # compute joins only while a read takes this share of a page's compute
         self.page_read_s = page_read_s  # the estimate of a read until the loader's first one is in
+        self.first_in_flight = first_in_flight  # whether the first read's time in flight counts before it is in
         self.reads: list[float] = []  # the loader's seconds per page so far
         self.read_started_at: Optional[float] = None  # when the loader's read in flight began (None: none is)
         self.lock = threading.Lock()
@@ -126,7 +131,7 @@ class _Claims:
                 # the loader's rate now: its last reads (a throttle's first burst is not its rate), or longer if the
                 # read in flight has taken longer than that already
                 recent = self.reads[-4:]
-                started = self.read_started_at
+                started = self.read_started_at if self.reads or self.first_in_flight else None
                 in_flight = time.perf_counter() - started if started is not None else 0.0
                 per_read = max(sum(recent) / len(recent) if recent else self.page_read_s, in_flight)
                 if per_read < self.min_read_share * self.page_compute_s:
@@ -143,6 +148,11 @@ class _Claims:
         with self.lock:
             seen = len(self.reads)
             self.read_done.wait_for(lambda: len(self.reads) > seen or self.low <= self.front, timeout)
+
+    def wait_done(self, timeout: float) -> None:
+        """Until the loader has reached compute (or `timeout` seconds)."""
+        with self.lock:
+            self.read_done.wait_for(lambda: self.low <= self.front, timeout)
 
     def next_load(self) -> Optional[int]:
         """The loader's next page (from the back), or None once it reached compute (or the forced split)."""
@@ -191,7 +201,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     model.reserve_positions(p + s + n)
     span_ids, new_ids = span_ids.to(dev), new_ids.to(dev)
     out = model.empty_kv(s + n)
-    claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s)
+    claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=dev.type != "cuda")
     errors: list[BaseException] = []
     recomputed = [0]
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
@@ -227,8 +237,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         if split is None and page_compute_s is not None:
             claims.wait_read(page_compute_s * (min_read_share or 1.0))  # the loader's first read, if it is quick
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
-            if not pages_now:  # the loader would get there first at its current rate: look again after its next page
-                claims.wait_read(page_compute_s or 0.1)
+            if not pages_now:  # the loader would get there first at its current rate: look again a little later
+                claims.wait_done(page_compute_s * (min_read_share or 1.0))
                 continue
             t_chunk = time.perf_counter()
             _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader, rope)

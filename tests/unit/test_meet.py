@@ -160,3 +160,30 @@ def test_a_read_in_flight_counts_from_its_own_start():
     assert claims.next_load() == 15
     time.sleep(0.03)  # its first read is slow
     assert claims.next_chunk(4) == range(0, 4)
+
+
+def test_where_the_first_read_in_flight_does_not_count_the_estimate_stands_until_it_is_in():
+    """A CUDA loader's first copy takes 2-4x its next ones: there (first_in_flight=False) a slow first read in flight
+    leaves compute out while the estimate says reads are fast; once a read is in, the next one in flight counts."""
+    claims = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.002, first_in_flight=False)
+    assert claims.next_load() == 15
+    time.sleep(0.03)  # longer than a quarter of a page's compute
+    assert claims.next_chunk(4) == range(0)
+    claims.loaded(0.002)
+    assert claims.next_load() == 14
+    time.sleep(0.03)
+    assert claims.next_chunk(4) == range(0, 4)
+
+
+def test_waiting_for_the_loader_to_finish_returns_when_it_does_and_not_at_each_read():
+    claims = _Claims(2, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.002)
+    t = time.perf_counter()
+    claims.next_load()
+    claims.loaded(0.001)  # a read: no wake-up
+    claims.wait_done(0.05)
+    assert time.perf_counter() - t >= 0.05
+    claims.next_load()
+    claims.loaded(0.001)  # the loader reached compute (page 0): done
+    t = time.perf_counter()
+    claims.wait_done(5.0)
+    assert time.perf_counter() - t < 1.0
