@@ -78,32 +78,9 @@ def fp32_server(tmp_path_factory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
     """The shared configuration with SGLang's `torch_native` CPU attention, `--tiered-blend off` and importance
-    capture off, in the dtype the shared server chose (so that their outputs compare token for token).
-
-    It is also started the hard way, to test `ServerProcess` itself at no extra start: its first free port is one
-    this fixture holds, so the first start fails to bind and the server must come up on another port
-    (test_server_process.py)."""
-    import socket
-
-    from sglang_tiered import server_process
-
+    capture off, in the dtype the shared server chose (so that their outputs compare token for token)."""
     tmp = tmp_path_factory.mktemp("torch-native")
     args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
                        "--tiered-importance-heads", "0", "--dtype", chosen_dtype(shared_server))
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    taken = busy.getsockname()[1]
-    real, ports = server_process.free_port, iter([taken])
-    server_process.free_port = lambda: next(ports, None) or real()
-    try:
-        server = ServerProcess(args, log_path=tmp / "torch_native.log")
-        server.start()
-    finally:
-        server_process.free_port = real
-        busy.close()
-    server.taken_port = taken
-    try:
+    with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
         yield server
-    finally:
-        server.stop()

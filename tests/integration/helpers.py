@@ -7,7 +7,7 @@ import shutil
 import time
 from pathlib import Path
 
-from sglang_tiered.server_process import ServerProcess
+from sglang_tiered.server_process import ServerProcess, metric_total
 
 
 def copy_tree(src: Path, dst: Path) -> None:
@@ -25,15 +25,10 @@ def chosen_dtype(server: ServerProcess) -> str:
     return re.search(r"on this CPU: (\w+)", line).group(1)
 
 
-def metric(text: str, name: str) -> float:
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)]
-    return sum(values)
-
-
 def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: float = 15.0) -> str:
     """Our counters are published once a second (metrics.StatsReporter): poll /metrics until `name` reaches
     `at_least` or the timeout passes; returns the last /metrics text."""
     deadline = time.monotonic() + timeout
-    while metric(text := server.get("/metrics"), name) < at_least and time.monotonic() < deadline:
+    while metric_total(text := server.get("/metrics"), name) < at_least and time.monotonic() < deadline:
         time.sleep(0.25)
     return text

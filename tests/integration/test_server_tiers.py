@@ -6,7 +6,7 @@ the dtype server 1 chose, kept in the SSD directory);
 (d) a corrupted page file -> identical output, corrupt counter up; (e) a small capacity -> still serving, the whole
 directory within the capacity, the first model's files included (counted as foreign, evicted first); (f) a
 different model on the same SSD directory -> nothing served from the first model's pages; (g) the same model in
-another dtype -> nothing served either.
+another dtype -> nothing served either. Every server here runs on server 1's SSD directory, one after another.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tiered.server_process import ServerProcess, cached_details, send_until
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, send_until
 from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.helpers import chosen_dtype, metric, wait_for_metric
+from tests.integration.helpers import chosen_dtype, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -106,9 +106,9 @@ def test_b_evicted_prompt_is_an_ssd_hit_with_identical_output(first_run):
 
 def test_metrics_endpoint_has_tier_counters(first_run):
     text = first_run["metrics"]
-    assert metric(text, "sglang_tiered:ssd_hit_pages_total") >= 10
-    assert metric(text, "sglang_tiered:ssd_written_bytes_total") >= 20 * page_bytes(first_run["dtype"])
-    assert metric(text, "sglang_tiered:ssd_used_bytes") > 0
+    assert metric_total(text, "sglang_tiered:ssd_hit_pages_total") >= 10
+    assert metric_total(text, "sglang_tiered:ssd_written_bytes_total") >= 20 * page_bytes(first_run["dtype"])
+    assert metric_total(text, "sglang_tiered:ssd_used_bytes") > 0
     assert "sglang:cached_tokens_total" in text
 
 
@@ -156,16 +156,15 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
     assert stats["corrupt_pages"] >= 1 and stats["hit_pages"] == hits  # no page served after the corruption
 
 
-def test_e_f_other_model_gets_nothing_and_capacity_holds(tmp_path, essays, model_dir, other_model_dir):
-    ssd = tmp_path / "ssd"
-    # the real model fills the directory first
-    with tiered_server(tmp_path, ssd, "server-real") as server:
-        server.generate(essays[0], max_new_tokens=1)
-        real_pages = wait_for_pages(ssd, 10)
-        dtype = chosen_dtype(server)
+def test_e_f_other_model_gets_nothing_and_capacity_holds(first_run, essays, other_model_dir):
+    """On server 1's directory (the real model's pages, in every dtype the tests above wrote): another model finds
+    none of them, and a capacity of twelve pages holds for the whole directory, their files counted and evicted
+    first."""
+    tmp, ssd, dtype = first_run["tmp"], first_run["ssd"], first_run["dtype"]
+    real_pages = page_files(ssd)
     assert len(real_pages) >= 10
     capacity = 12 * page_bytes(dtype) + 12 * 512  # twelve pages plus headers
-    with tiered_server(tmp_path, ssd, "server-other", "--tiered-ssd-capacity", str(capacity), "--dtype", dtype,
+    with tiered_server(tmp, ssd, "server-other", "--tiered-ssd-capacity", str(capacity), "--dtype", dtype,
                        model=str(other_model_dir)) as server:
         first = server.generate(essays[0])
         assert cached_details(first)["storage"] == 0  # (f) same tokens, same page keys, other model: not served

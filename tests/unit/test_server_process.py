@@ -1,0 +1,70 @@
+"""ServerProcess, the helper every test, benchmark and the demo use to run servers: a taken HTTP port at startup is
+retried on a new one. Against a stand-in launcher (a real process that binds the port it is given, as SGLang's HTTP
+server does, and fails with uvicorn's message when the port is taken), so that no SGLang server start is spent on it."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import textwrap
+
+import pytest
+
+from sglang_tiered import server_process
+from sglang_tiered.server_process import ServerProcess
+
+STANDIN = textwrap.dedent("""
+    import http.server, socket, sys, time
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+    try:
+        server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    except OSError as exc:  # uvicorn's line; SGLang's launcher lingers after it
+        print(f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address ('127.0.0.1', {port}): "
+              f"address already in use", flush=True)
+        time.sleep(600)
+    server.serve_forever()
+""")
+
+
+def test_a_taken_http_port_is_retried_on_a_new_one(tmp_path, monkeypatch):
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    taken = busy.getsockname()[1]
+    ports = iter([taken])
+    real = server_process.free_port
+    monkeypatch.setattr(server_process, "free_port", lambda: next(ports, None) or real())
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log",
+                      wrapper=[sys.executable, str(script)])
+    try:
+        s.start()
+        assert s.port != taken
+        assert f"('127.0.0.1', {taken}): address already in use" in s.log_path.read_text()
+        assert s.get("/health") == ""
+    finally:
+        s.stop()
+        busy.close()
+    assert s.proc is None
+
+
+def test_a_fixed_port_that_is_taken_is_an_error(tmp_path):
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", port=taken,
+                          wrapper=[sys.executable, str(script)])
+        try:
+            with pytest.raises(RuntimeError, match=f"port {taken} is in use"):
+                s.start()
+        finally:
+            s.stop()
+    assert s.proc is None
