@@ -10,10 +10,10 @@ on a random-weight MHA model stores activation pages beside its KV pages under a
    first's chunks (shared, as before). An extra_key separates the same way.
 2. Repacked groups never cross tenants: a document stored and repacked under "A" is, after /flush_cache, loaded
    sparsely under "A", and then not at all under "B" (0 cached tokens from every tier, no sparse load).
-3. Retention: a prompt pinned with custom_params.tiered_retain and an unpinned one of the same length, then a flood
-   of other prompts larger than device + host + SSD: the unpinned prompt is gone from every tier, the pinned one
-   still hits device or host; after the pin expires, the same flood evicts it from device and host. Bad values of
-   tiered_retain get a 400.
+3. Retention: a prompt pinned with custom_params.tiered_retain, one pinned for a second and an unpinned one of the
+   same length, then a flood of other prompts larger than device + host + SSD: the unpinned prompt is gone from
+   every tier, the pinned one still hits device or host, the one whose pin expired before the flood is gone from
+   device and host. Bad values of tiered_retain get a 400.
 4. The bound: no sample of the directory ever exceeded the capacity while SSD hits, sparse loads, chunk reuse and
    pins happened (chunk and group files counted in the stats as they appeared); `sglang-tiered stats` shows the
    bytes of every kind; every file is 0600, every directory 0700.
@@ -43,7 +43,8 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 CAPACITY = 64 << 20
 DEVICE_TOKENS = 2048
-RETAIN_S = 40.0
+RETAIN_S = 90.0  # the pinned prompt's pin (the flood must end well before it)
+EXPIRED_S = 1.0  # the other pin, over before the flood begins
 
 
 class Sampler:
@@ -192,21 +193,28 @@ def test_bad_retention_values_get_a_400(store_server):
         assert status == 400 and "tiered_retain" in str(body), (bad, status, body)
 
 
-def test_a_pinned_prompt_outlives_a_flood_until_its_pin_expires(store_server, docs):
+def test_a_pinned_prompt_outlives_a_flood_and_an_expired_pin_does_not(store_server, docs):
+    """Three prompts of the same length: one pinned for RETAIN_S, one pinned for EXPIRED_S (expired before the flood
+    begins), one unpinned; then a flood larger than device + host + SSD. The unpinned prompt is gone from every tier,
+    the pinned one still hits device or host, the one whose pin expired is evictable again (gone from device and
+    host)."""
     s = store_server
-    pinned_text = docs[-5] + "\n\nQuestion: What is the main claim?\nAnswer:"
-    plain_text = docs[-6] + "\n\nQuestion: What is the main claim?\nAnswer:"
+    question = "\n\nQuestion: What is the main claim?\nAnswer:"
+    pinned_text, plain_text, expired_text = (docs[i] + question for i in (-5, -6, -7))
     s.flush_cache()
     t0 = time.monotonic()
+    expired = ask(s, expired_text, tiered_retain=EXPIRED_S)
     pinned = ask(s, pinned_text, tiered_retain=RETAIN_S)
     plain = ask(s, plain_text, tiered_importance="off")
     prompt = pinned["meta_info"]["prompt_tokens"]
-    assert abs(prompt - plain["meta_info"]["prompt_tokens"]) < PAGE
-    assert s.log_lines(f"tiered retain: rid {rid(pinned)} pins")
+    for other in (plain, expired):
+        assert abs(prompt - other["meta_info"]["prompt_tokens"]) < PAGE
+    for out in (pinned, expired):
+        assert s.log_lines(f"tiered retain: rid {rid(out)} pins")
+    time.sleep(max(0.0, t0 + EXPIRED_S + 0.5 - time.monotonic()))  # (the three requests took about that long)
     page_bytes = PAGE * 30 * 2 * 3 * 64 * 4  # SmolLM2 in fp32
     flood = DEVICE_TOKENS * 3 + CAPACITY // page_bytes * PAGE + 2 * PAGE  # device + host (2x) + SSD, and then some
-    texts = [e + "\n\nSummary:" for e in docs[:-6]]
-    send_until(s, texts, flood)
+    send_until(s, [e + "\n\nSummary:" for e in docs[:-7]], flood)
     assert time.monotonic() - t0 < RETAIN_S - 5, "the flood took longer than the pin lasts; raise RETAIN_S"
     gone = ask(s, plain_text, tiered_importance="off")
     assert sum(cached_details(gone).values()) == 0  # the unpinned prompt left device, host and the SSD
@@ -214,10 +222,8 @@ def test_a_pinned_prompt_outlives_a_flood_until_its_pin_expires(store_server, do
     details = cached_details(kept)
     assert details["device"] + details["host"] >= prompt // PAGE * PAGE - PAGE, details
     assert kept["output_ids"] == pinned["output_ids"]
-    time.sleep(max(0.0, t0 + RETAIN_S + 1 - time.monotonic()))  # expired
-    send_until(s, texts, flood)
-    after = cached_details(ask(s, pinned_text, tiered_importance="off"))
-    assert after["device"] + after["host"] == 0, after  # evictable again
+    after = cached_details(ask(s, expired_text, tiered_importance="off"))
+    assert after["device"] + after["host"] == 0, after  # its pin expired: evictable again
 
 
 def test_the_directory_never_exceeded_the_capacity(store_server):
