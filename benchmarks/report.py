@@ -489,6 +489,10 @@ MEET_RERUNS = [
      "prefills also timed as samples: the MHA model, busy CPU at the disk's own speed, where our loader was the "
      "slower load at idle (`--models smollm2-mha --skip-native --slow-mbps --busy --busy-native --repeats 3 "
      "--max-repeats 6 --name meet-busy-native-mha-amd`)"),
+    ("meet-25-amd", "a later AMD machine, after compute's re-look changed from every read to a quarter of a page's "
+     "compute: SmolLM2's 1024-token crossover at 25 MB/s (the point that missed 0.75x in meet-slow-amd) and, by the "
+     "default `--busy 100`, the busy CPU at 100 MB/s (`--models smollm2 --lengths 1024 --skip-native --slow-mbps 25 "
+     "--repeats 5 --max-repeats 9 --name meet-25-amd`)"),
 ]
 
 
