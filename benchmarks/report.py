@@ -493,6 +493,9 @@ MEET_RERUNS = [
      "compute: SmolLM2's 1024-token crossover at 25 MB/s (the point that missed 0.75x in meet-slow-amd) and, by the "
      "default `--busy 100`, the busy CPU at 100 MB/s (`--models smollm2 --lengths 1024 --skip-native --slow-mbps 25 "
      "--repeats 5 --max-repeats 9 --name meet-25-amd`)"),
+    ("meet-relook-amd", "right after meet-25-amd, the same machine and code: SmolLM2 at the disk's own speed and "
+     "200 MB/s, where `auto` runs SGLang's load (`--models smollm2 --lengths 1024 4096 --slow-mbps 200 --busy "
+     "--repeats 3 --max-repeats 9 --point-budget 60 --name meet-relook-amd`)"),
 ]
 
 
