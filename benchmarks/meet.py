@@ -205,7 +205,7 @@ def wait_for_activations(s: ServerProcess, pages: int) -> None:
 
 def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeats: int, max_repeats: int,
              point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: bool,
-             logs: Path | None = None, kvpr_choice: str = "rule") -> dict:
+             logs: Path | None = None, kvpr_choice: str = "measured") -> dict:
     tag = model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + ("-busy" if busy else "")
     ssd = tmp / f"ssd-{tag}"
     wrapper = [] if mbps is None else [str(SLOW_DISK), "--dir", str(tmp), str(mbps), "--"]
@@ -356,7 +356,7 @@ def main() -> int:
     ap.add_argument("--point-budget", type=float, default=60.0, help="seconds a point's extra rounds may take")
     ap.add_argument("--logs", type=Path, default=None, help="keep a copy of every server's log here")
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
-    ap.add_argument("--kvpr-choice", default="rule", choices=["rule", "measured"],
+    ap.add_argument("--kvpr-choice", default="measured", choices=["rule", "measured"],
                     help="the servers' --tiered-kvpr-choice: which load `auto` gives a span compute would not join")
     ap.add_argument("--name", default="meet", help="results as benchmarks/results/NAME.json and .png (a partial "
                     "re-run under another name keeps the full run's)")

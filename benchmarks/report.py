@@ -498,6 +498,9 @@ MEET_RERUNS = [
     ("meet-relook-amd", "right after meet-25-amd, the same machine and code: SmolLM2 at the disk's own speed and "
      "200 MB/s, where `auto` runs SGLang's load (`--models smollm2 --lengths 1024 4096 --slow-mbps 200 --busy "
      "--repeats 3 --max-repeats 9 --point-budget 60 --name meet-relook-amd`)"),
+    ("meet-measured2-amd", "right after meet-relook-amd, the same machine and code, the servers on "
+     "`--tiered-kvpr-choice measured` (`--models smollm2 --lengths 1024 4096 --slow-mbps 200 --busy --repeats 3 "
+     "--max-repeats 9 --point-budget 60 --kvpr-choice measured --name meet-measured2-amd`)"),
 ]
 
 

@@ -104,7 +104,7 @@ class TieredConfig:
     importance_repack_memory: str = "512M"  # bytes of written pages kept for the repacker (0 = read them back)
     kvpr: str = "auto"  # compute-or-load of SSD prefixes (engine/meet.py); KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a compute-or-load
-    kvpr_choice: str = "rule"  # which load takes a span compute would not join; KVPR_CHOICE_CHOICES
+    kvpr_choice: str = "measured"  # which load takes a span compute would not join; KVPR_CHOICE_CHOICES
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
     remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
     remote_segment: str = "256M"  # bytes of this server's memory lent to the shared store
@@ -339,7 +339,7 @@ FLAG_HELP: dict[str, str] = {
     "Either way, a request admitted right after another request's prefill forward goes to our loader (SGLang's "
     "load would wait for the next such forward) unless our loader was measured slower by more than that forward "
     "took (its loads there are timed too, by their forward's own time, so the server learns it). Both are exact. "
-    "Default: rule.",
+    "Default: measured.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
     "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "

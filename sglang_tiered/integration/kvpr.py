@@ -11,8 +11,8 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   number of tokens (`custom_params.tiered_kvpr`) forces the meet point. Where SGLang's load would be as fast at idle,
   a request admitted right after another request's prefill forward still goes to our loader (`behind_prefills` in
   policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
-  on such spans by more than that forward took; with `--tiered-kvpr-choice measured`, the load measured faster at
-  idle takes the rest. A taken span's L3 prefetch is skipped: its
+  on such spans by more than that forward took; with `--tiered-kvpr-choice measured` (the default), the load
+  measured faster at idle takes the rest (`rule`: SGLang's). A taken span's L3 prefetch is skipped: its
   tokens become extend tokens, filled by the forward below. The request prefills alone and its KV is exact, so it
   enters the radix tree as usual.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
