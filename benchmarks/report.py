@@ -501,6 +501,10 @@ MEET_RERUNS = [
     ("meet-measured2-amd", "right after meet-relook-amd, the same machine and code, the servers on "
      "`--tiered-kvpr-choice measured` (`--models smollm2 --lengths 1024 4096 --slow-mbps 200 --busy --repeats 3 "
      "--max-repeats 9 --point-budget 60 --kvpr-choice measured --name meet-measured2-amd`)"),
+    ("meet-measured2-mha-amd", "right after meet-measured2-amd, the same machine, with `measured` the servers' "
+     "default: the MHA model at the disk's own speed, where SGLang's load is the faster one (`--models smollm2-mha "
+     "--lengths 1024 4096 --slow-mbps --busy --repeats 3 --max-repeats 6 --point-budget 45 "
+     "--name meet-measured2-mha-amd`)"),
 ]
 
 
