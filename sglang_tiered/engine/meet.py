@@ -234,11 +234,12 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     t0 = time.perf_counter()
     computed = 0
     try:
+        relook_s = page_compute_s * (min_read_share or 1.0) if page_compute_s is not None else 0.0
         if split is None and page_compute_s is not None:
-            claims.wait_read(page_compute_s * (min_read_share or 1.0))  # the loader's first read, if it is quick
+            claims.wait_read(relook_s)  # the loader's first read, if it is quick
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
             if not pages_now:  # the loader would get there first at its current rate: look again a little later
-                claims.wait_done(page_compute_s * (min_read_share or 1.0))
+                claims.wait_done(relook_s)
                 continue
             t_chunk = time.perf_counter()
             _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader, rope)

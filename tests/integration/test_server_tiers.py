@@ -61,14 +61,6 @@ def page_files(ssd: Path) -> list[Path]:
     return sorted(ssd.rglob(f"*{PAGE_SUFFIX}"))
 
 
-def wait_for_pages(ssd: Path, n: int, timeout: float = 30.0) -> list[Path]:
-    """Write-through to SSD is asynchronous (device -> host -> SSD): wait until `n` pages are on disk."""
-    deadline = time.monotonic() + timeout
-    while len(files := page_files(ssd)) < n and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return files
-
-
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, essays):
     """Server 1: serve A and B cold, push both out of device and host, resend A (an SSD hit)."""

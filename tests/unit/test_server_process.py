@@ -30,9 +30,15 @@ STANDIN = textwrap.dedent("""
 """)
 
 
-def test_a_taken_http_port_is_retried_on_a_new_one(tmp_path, monkeypatch):
+@pytest.fixture
+def standin(tmp_path) -> list[str]:
+    """The `wrapper` that runs the stand-in instead of SGLang's launcher (which it is given as arguments)."""
     script = tmp_path / "standin.py"
     script.write_text(STANDIN)
+    return [sys.executable, str(script)]
+
+
+def test_a_taken_http_port_is_retried_on_a_new_one(tmp_path, monkeypatch, standin):
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -40,8 +46,7 @@ def test_a_taken_http_port_is_retried_on_a_new_one(tmp_path, monkeypatch):
     ports = iter([taken])
     real = server_process.free_port
     monkeypatch.setattr(server_process, "free_port", lambda: next(ports, None) or real())
-    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log",
-                      wrapper=[sys.executable, str(script)])
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", wrapper=standin)
     try:
         s.start()
         assert s.port != taken
@@ -53,15 +58,13 @@ def test_a_taken_http_port_is_retried_on_a_new_one(tmp_path, monkeypatch):
     assert s.proc is None
 
 
-def test_a_fixed_port_that_is_taken_is_an_error(tmp_path):
-    script = tmp_path / "standin.py"
-    script.write_text(STANDIN)
+def test_a_fixed_port_that_is_taken_is_an_error(tmp_path, standin):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = busy.getsockname()[1]
         s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", port=taken,
-                          wrapper=[sys.executable, str(script)])
+                          wrapper=standin)
         try:
             with pytest.raises(RuntimeError, match=f"port {taken} is in use"):
                 s.start()
