@@ -21,17 +21,19 @@ On a CPU a chunk cannot be abandoned halfway, and one page's prefill (tens of mi
 whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for the
 loader's first page, at most `min_read_share` of a page's compute (a read quicker than that keeps compute out anyway;
 one page's compute without a share). Then it claims the chunk (at most `chunk` pages) that ends the span soonest: k
-pages such that max(k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a large chunk
-prefills faster per page (wider matrix products), so the first claim is the biggest. Seconds per read: the loader's
-recent reads, the read in flight if it has taken longer (timed from its own start: the loader's start-up -- a thread
-waking, a CUDA stream's first copy -- is no read), and before the first read the caller's `page_read_s` estimate (the
-profile's). When reads are fast next to compute (below `min_read_share` of a page's compute: computing
-would gain little and, on a CPU, slow the loader's own work) or no page is worth taking, compute looks again after
-`min_read_share` of a page's compute (at once if the loader is done): a kernel I/O throttle lets a first burst through
-fast, then reads slow down, and a read in flight that long is slow enough to join. Not at every read: on a GPU a read
-takes a fraction of a millisecond, and compute's thread waking at each one takes the GIL from the loader's. Both
-rates are this load's own (the estimates are replaced by each computed chunk's time and each read's), so the rule
-follows a disk or a CPU that slows down under load. Without an estimate the two simply race (Cake's scheme).
+pages such that max(k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a large chunk prefills
+faster per page (wider matrix products), so the first claim is the biggest. Seconds per read: the mean of the loader's
+last reads, with the read in flight counted as one of them once it has taken longer (timed from its own start: the
+loader's start-up -- a thread waking, a CUDA stream's first copy -- is no read; a kernel throttle passes reads in bursts
+and stalls about one in ten, measured at 200 MB/s: 2-3 ms reads and 40-70 ms stalls, and that one stall is not the
+disk's rate), and before the first read the caller's `page_read_s` estimate (the profile's). When reads are fast next to
+compute (below `min_read_share` of a page's compute: computing would gain little and, on a CPU, slow the loader's own
+work) or no page is worth taking, compute looks again after `min_read_share` of a page's compute (at once if the loader
+is done): a kernel I/O throttle lets a first burst through fast, then reads slow down, and their new rate may be slow
+enough to join. Not at every read: on a GPU a read takes a fraction of a millisecond, and compute's thread waking at
+each one takes the GIL from the loader's. Both rates are this load's own (the estimates are replaced by each computed
+chunk's time and each read's), so the rule follows a disk or a CPU that slows down under load. Without an estimate the
+two simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 
@@ -128,12 +130,15 @@ class _Claims:
                 return None
             take = min(chunk, free)
             if self.split is None and self.page_compute_s is not None:
-                # the loader's rate now: its last reads (a throttle's first burst is not its rate), or longer if the
-                # read in flight has taken longer than that already
+                # the loader's rate now: its last reads (a throttle's first burst is not its rate), and the read in
+                # flight as one of them once it has taken longer (a single stall between fast reads is not the rate
+                # either: a throttle that lets reads through in bursts stalls one read in ten or so)
                 recent = self.reads[-4:]
+                per_read = sum(recent) / len(recent) if recent else self.page_read_s
                 started = self.read_started_at if self.reads or self.first_in_flight else None
-                in_flight = time.perf_counter() - started if started is not None else 0.0
-                per_read = max(sum(recent) / len(recent) if recent else self.page_read_s, in_flight)
+                if started is not None:
+                    in_flight = time.perf_counter() - started
+                    per_read = max(per_read, (sum(recent) + in_flight) / (len(recent) + 1))
                 if per_read < self.min_read_share * self.page_compute_s:
                     return range(0)  # reads are fast next to compute: computing would gain little and slow them
                 take = min(take, best_claim(free, self.page_compute_s, per_read))

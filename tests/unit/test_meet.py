@@ -162,6 +162,24 @@ def test_a_read_in_flight_counts_from_its_own_start():
     assert claims.next_chunk(4) == range(0, 4)
 
 
+def test_one_stall_between_fast_reads_is_not_the_rate_and_a_run_of_slow_reads_is():
+    """A kernel throttle passes reads in bursts and stalls about one in ten (measured at 200 MB/s: 2-3 ms reads,
+    40-70 ms stalls): after fast reads, a read in flight for longer than a quarter of a page's compute counts as one
+    read among them and leaves compute out; once the reads themselves are that slow, compute joins."""
+    claims = _Claims(16, None, page_compute_s=0.2, min_read_share=0.25, page_read_s=0.002)
+    for _ in range(4):
+        claims.next_load()
+        claims.loaded(0.002)
+    assert claims.next_load() == 11
+    time.sleep(0.06)  # a stall: longer than a quarter of a page's compute (0.05 s), 13.6 ms a read with the others
+    assert claims.next_chunk(4) == range(0)
+    claims.loaded(0.06)
+    for _ in range(3):
+        claims.next_load()
+        claims.loaded(0.06)
+    assert claims.next_chunk(4) == range(0, 2)  # 8 pages free at 60 ms a read: 2 pages end the span soonest
+
+
 def test_where_the_first_read_in_flight_does_not_count_the_estimate_stands_until_it_is_in():
     """A CUDA loader's first copy takes 2-4x its next ones: there (first_in_flight=False) a slow first read in flight
     leaves compute out while the estimate says reads are fast; once a read is in, the next one in flight counts."""
