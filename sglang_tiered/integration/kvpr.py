@@ -71,7 +71,7 @@ from sglang_tiered.engine.kvpr_profile import (
 )
 from sglang_tiered.engine.meet import meet_prefill
 from sglang_tiered.engine.page_span import TierPages
-from sglang_tiered.integration import model_forward
+from sglang_tiered.integration import faults, model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.load_timing import LoadTiming
@@ -191,6 +191,9 @@ class KVPR:
             return None
         profile = self._profile(scheduler, forced=mode != "auto")
         if profile is None:
+            if mode != "auto":  # asked for by name: say why it did not happen
+                self.handler.fallback([req.rid], "no measured profile (see the `tiered kvpr: cannot measure` or "
+                                      "`measuring the compute profile failed` line); SGLang loads the stored prefix")
             return None
         d = decide(self.shape, profile, n, ps, stored_activations=self.writer is not None, forced=mode != "auto")
         how = str(mode)
@@ -214,6 +217,7 @@ class KVPR:
         if choice.exploring:
             self.rt.events.count("kvpr_choice_explorations")
         if choice.load != OURS:
+            self.timing.left_to_sglang(req, pages * self.tier.namespace.page_size)
             return None
         return "auto: measured choice, " + ("trying our loader" if choice.exploring else "our loader is faster")
 
@@ -242,6 +246,7 @@ class KVPR:
         tier = self.tier
         room = min(PROBE_BYTES, tier.capacity_bytes // 8)
         try:
+            faults.check("kvpr_probe")
             if room < _MIN_PROBE_BYTES:
                 raise OSError(f"a capacity of {tier.capacity_bytes} bytes leaves no room for a probe file")
             with tier.scratch(".kvpr-read-probe", room) as path:
@@ -253,7 +258,7 @@ class KVPR:
             with self.lock:
                 self.rate, self._logged_bps = ReadRate(bps), bps
             logger.info("tiered kvpr: SSD read bandwidth %.0f MB/s (page cache bypassed)", bps / 1e6)
-        except OSError as exc:
+        except (OSError, faults.InjectedFault) as exc:
             stored = stored_profile(tier.root, self.key)
             logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); %s", exc,
                            "using the stored profile's" if stored else "KVPR stays off")

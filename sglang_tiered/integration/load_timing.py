@@ -11,7 +11,11 @@
   otherwise leaves to SGLang, and stops taking them behind prefills shorter than that cost.
 * Which load: ours, where our loader took the span and computed none of it (`req.tiered_pure_load`, set by the
   handler); SGLang's, where SGLang's own forward ran it and SGLang reports tokens it took from storage
-  (`req.cached_tokens_storage`). Anything else (a two-sided load, blending, a fallback) is no sample.
+  (`req.cached_tokens_storage`), or where the choice gave it the span (`left_to_sglang`): then the sample is over
+  the whole span, whatever SGLang's load brought in -- a prefetch that gives up and leaves the span to be computed
+  is that load's cost (measured: the MHA model at 100 MB/s, 4096 tokens, SGLang's prefetch brought nothing in and
+  the request took 12-13 s; counted as no sample, it left SGLang's load unmeasured, so the choice kept trying it).
+  Anything else (a two-sided load, blending, a fallback) is no sample.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class LoadTiming:
         """At admission: start the clock of a request admitted while the scheduler is fully idle."""
         req.tiered_admitted_at = time.perf_counter() if scheduler.is_fully_idle() else None
         req.tiered_pure_load = False
+        req.tiered_given_sglang = 0
+
+    @staticmethod
+    def left_to_sglang(req, tokens: int) -> None:
+        """The choice gave SGLang's load `req`'s stored span of `tokens` tokens: its sample is over all of them."""
+        req.tiered_given_sglang = tokens
 
     @staticmethod
     def measurable(req) -> bool:
@@ -71,7 +81,8 @@ class LoadTiming:
         if by == self.loader and plan is not None and req.tiered_pure_load:
             return OURS, len(plan.keys) * self.page_size
         if by is None and plan is None:
-            return SGLANG, int(getattr(req, "cached_tokens_storage", 0) or 0)
+            brought = int(getattr(req, "cached_tokens_storage", 0) or 0)
+            return SGLANG, max(brought, getattr(req, "tiered_given_sglang", 0))
         return None, 0
 
     def _fold(self, load: str, tokens: int, seconds: float) -> None:

@@ -164,3 +164,29 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     assert counter(s, "choice_behind_prefills") == behind + 1
     # our loader waited for nothing before its forward: that forward's time is a sample of it (read everything)
     assert counter(s, "choice_samples") == samples + ("met at page 0 of" in line)
+
+
+def test_a_span_left_to_sglangs_load_is_timed_whole_even_when_it_brings_nothing(fp32_server, essays, model_dir):
+    """The measured choice times SGLang's load over the span it gave it, whatever that load brought in: where its
+    prefetch brings nothing (here the span's first page is corrupt, so SGLang computes the span) the request's time
+    is still a sample of SGLang's load. Counted as no sample, it left SGLang's load unmeasured and the choice kept
+    giving it spans (measured: 12-13 s a request where our loader took 2.9 s)."""
+    from transformers import AutoTokenizer
+
+    s = fp32_server
+    deadline = time.monotonic() + 60
+    while not s.log_lines("tiered kvpr: profile") and time.monotonic() < deadline:
+        time.sleep(0.3)
+    ids = AutoTokenizer.from_pretrained(model_dir)(essays[21])["input_ids"][:200]  # 3 pages: a span size no other
+    pages = (len(ids) - 1) // PAGE                                                   # test here stores
+    cold = served_and_stored(s, ids, pages)
+    first = page_files(s, ids)[0]
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    first.write_bytes(bytes(data))
+    s.flush_cache()
+    samples, given = counter(s, "choice_samples"), counter(s, "choice_sglang")
+    out = ask(s, ids)  # auto: the first span of this size, so SGLang's load is tried first
+    assert out["output_ids"] == cold["output_ids"] and cached_details(out)["storage"] == 0
+    assert counter(s, "choice_sglang") == given + 1
+    assert counter(s, "choice_samples") == samples + 1
