@@ -20,12 +20,13 @@ varies by about 10 % here, so a 1.03x target is not decided by 3 rounds) -- more
 that matter there, up to `--max-repeats` rounds or `--point-budget` seconds of extra rounds; medians of the
 client-side time to the first token (max_new_tokens = 1), and a bootstrap 95 % interval of auto / min(load,
 recompute). `--busy` adds, at one disk speed, a second client keeping the CPU busy with long prefills during the
-measurements (`--busy-native`: at the disk's own speed). Targets (issue #26): auto <= 1.03 x min(load, recompute)
+measurements (`--busy-native`: at the disk's own speed; `--busy-client decode`: a short prompt's long decode
+instead, so the measured request arrives among decode batches). Targets (issue #26): auto <= 1.03 x min(load, recompute)
 at every point, and <= 0.75 x min(load, recompute) wherever the two are within 1.5x of each other; no answer
 differing from `load`'s.
 
     .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8064]
-        [--slow-mbps 200 100 50 25] [--busy 100] [--busy-native] [--name meet]
+        [--slow-mbps 200 100 50 25] [--busy 100] [--busy-native] [--busy-client prefill] [--name meet]
 
 Writes benchmarks/results/meet.json and .png and prints one verdict line.
 """
@@ -70,9 +71,10 @@ MODES = {"load": "off", "recompute": "off", "loader": 0, "auto": "auto", "race":
 MHA = LlamaConfig(hidden=576, layers=30, heads=9, kv_heads=9, head_dim=64, intermediate=1536, vocab=49152)
 
 
-def request(s: ServerProcess, ids: list[int], mode, salt: str | None = None) -> tuple[float, dict]:
+def request(s: ServerProcess, ids: list[int], mode, salt: str | None = None, new_tokens: int = 1) -> tuple[float, dict]:
     payload: dict = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
-                     "sampling_params": {"max_new_tokens": 1, "temperature": 0, "custom_params": {"tiered_kvpr": mode}}}
+                     "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                                         "custom_params": {"tiered_kvpr": mode}}}
     if salt is not None:
         payload["cache_salt"] = salt
     t0 = time.perf_counter()
@@ -83,12 +85,13 @@ def request(s: ServerProcess, ids: list[int], mode, salt: str | None = None) -> 
 
 
 class Busy:
-    """A second client keeping the CPU busy: long prefills back to back, each under a fresh salt (always computed).
-    It pauses while the benchmark flushes the cache (SGLang refuses /flush_cache while a request runs) and resumes
-    just before each measured request."""
+    """A second client keeping the CPU busy, each request under a fresh salt (always computed), back to back: long
+    prefills of one token each (`prefill`), or a short prompt decoding `new_tokens` tokens (`decode`: the server
+    runs decode batches when the measured request arrives). It pauses while the benchmark flushes the cache (SGLang
+    refuses /flush_cache while a request runs) and resumes just before each measured request."""
 
-    def __init__(self, s: ServerProcess, ids: list[int]) -> None:
-        self.s, self.ids = s, ids
+    def __init__(self, s: ServerProcess, ids: list[int], new_tokens: int = 1) -> None:
+        self.s, self.ids, self.new_tokens = s, ids, new_tokens
         self.go, self.idle, self.stop = threading.Event(), threading.Event(), threading.Event()
         self.idle.set()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -102,7 +105,7 @@ class Busy:
             self.idle.clear()
             n += 1
             try:
-                request(self.s, self.ids, "off", salt=f"busy-{n}")
+                request(self.s, self.ids, "off", salt=f"busy-{n}", new_tokens=self.new_tokens)
             except Exception:  # noqa: BLE001 -- it only loads the CPU; the measured requests decide
                 time.sleep(0.1)
             finally:
@@ -204,9 +207,10 @@ def wait_for_activations(s: ServerProcess, pages: int) -> None:
 
 
 def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeats: int, max_repeats: int,
-             point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: bool,
+             point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: str | None,
              logs: Path | None = None, kvpr_choice: str = "measured") -> dict:
-    tag = model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + ("-busy" if busy else "")
+    """One server at one disk speed, every length; `busy`: None, or the second client's kind (see Busy)."""
+    tag = model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + (f"-busy-{busy}" if busy else "")
     ssd = tmp / f"ssd-{tag}"
     wrapper = [] if mbps is None else [str(SLOW_DISK), "--dir", str(tmp), str(mbps), "--"]
     longest = max(lengths) + 2 * PAGE
@@ -230,7 +234,11 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
             request(s, question, "off")
             time.sleep(1)
         time.sleep(3)
-        noise = Busy(s, src.tok(src.take(2048))["input_ids"]) if busy else None
+        noise = None
+        if busy == "prefill":
+            noise = Busy(s, src.tok(src.take(2048))["input_ids"])
+        elif busy == "decode":
+            noise = Busy(s, src.tok(src.take(128))["input_ids"][:64], new_tokens=256)
         try:
             for n, doc in docs.items():
                 ids = doc + question
@@ -252,7 +260,7 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                 point.update(compare(rows, n))
                 point["auto_over_min_ci"] = ratio_interval(rows)
                 out[str(n)] = point
-                print(f"[meet] {model} {disk}{' busy' if busy else ''} {n} tokens: " +
+                print(f"[meet] {model} {disk}{' busy ' + busy if busy else ''} {n} tokens: " +
                       ", ".join(f"{c} {point[c]['ttft_s']:.3f}s ({len(rows[c])})" for c in CONFIGS) +
                       f"; auto / min {ratio(rows):.3f} {point['auto_over_min_ci']}"
                       f"; met at {[x['met'] for x in rows['race']]}", flush=True)
@@ -350,6 +358,9 @@ def main() -> int:
     ap.add_argument("--skip-native", action="store_true")
     ap.add_argument("--busy", nargs="*", type=int, default=[100], help="disk speeds measured again with a busy CPU")
     ap.add_argument("--busy-native", action="store_true", help="also the disk's own speed with a busy CPU")
+    ap.add_argument("--busy-client", choices=["prefill", "decode"], default="prefill",
+                    help="what the second client of --busy does: long prefills (the default) or a short prompt's "
+                    "long decode")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of all five configurations at every point")
     ap.add_argument("--max-repeats", type=int, default=15, help="rounds at most, the ones after --repeats only of "
                     "the configurations that decide an undecided point (see focus())")
@@ -365,15 +376,16 @@ def main() -> int:
     dtype = a.dtype or auto_dtype()
     src = PromptSource()
     results: dict = {}
-    runs = ([] if a.skip_native else [("native", None, False)]) + [(f"{m} MB/s", m, False) for m in a.slow_mbps]
-    runs += [(f"{m} MB/s", m, True) for m in a.busy]
-    runs += [("native", None, True)] if a.busy_native else []
+    runs = ([] if a.skip_native else [("native", None, None)]) + [(f"{m} MB/s", m, None) for m in a.slow_mbps]
+    runs += [(f"{m} MB/s", m, a.busy_client) for m in a.busy]
+    runs += [("native", None, a.busy_client)] if a.busy_native else []
+    labels = {None: "", "prefill": " + busy CPU", "decode": " + a decoding client"}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meet-bench-") as tmp:
         for model in a.models:
             results[model] = {}
             for disk, mbps, busy in runs:
-                results[model][disk + (" + busy CPU" if busy else "")] = run_disk(
+                results[model][disk + labels[busy]] = run_disk(
                     model, disk, mbps, a.lengths, a.repeats, a.max_repeats, a.point_budget, dtype, src, Path(tmp),
                     busy, a.logs, a.kvpr_choice)
                 save(a.name, summary(results, a, dtype, partial=True))  # what is measured survives a crash

@@ -505,6 +505,15 @@ MEET_RERUNS = [
      "default: the MHA model at the disk's own speed, where SGLang's load is the faster one (`--models smollm2-mha "
      "--lengths 1024 4096 --slow-mbps --busy --repeats 3 --max-repeats 6 --point-budget 45 "
      "--name meet-measured2-mha-amd`)"),
+    ("meet-avg-amd", "with the read in flight counted as one of the loader's last reads (before: the rate by itself, "
+     "so one throttle stall brought compute in), `measured` the default: SmolLM2 at every throttled speed "
+     "(`--models smollm2 --lengths 1024 4096 --slow-mbps 200 100 50 25 --skip-native --busy "
+     "--name meet-avg-amd`)"),
+    ("meet-avg-mha-amd", "right after meet-avg-amd, the same machine and rule: the MHA model at every speed and the "
+     "busy CPU at 100 MB/s; the servers of 25 MB/s and the busy CPU also counted a span the measured choice gave "
+     "SGLang's load as that load's sample whatever it brought in (before: no sample where its prefetch brought "
+     "nothing, so the choice kept giving it spans: the 100 and 50 MB/s 4096-token misses) (`--models smollm2-mha "
+     "--lengths 1024 4096 --slow-mbps 200 100 50 25 --busy 100 --name meet-avg-mha-amd`)"),
 ]
 
 

@@ -6,7 +6,8 @@ the dtype server 1 chose, kept in the SSD directory);
 (d) a corrupted page file -> identical output, corrupt counter up; (e) a small capacity -> still serving, the whole
 directory within the capacity, the first model's files included (counted as foreign, evicted first); (f) a
 different model on the same SSD directory -> nothing served from the first model's pages; (g) the same model in
-another dtype -> nothing served either. Every server here runs on server 1's SSD directory, one after another.
+another dtype -> nothing served either; (h) no read-bandwidth profile (the probe fails) -> a load forced to our
+loader is SGLang's, counted, identical output. Every server here runs on server 1's SSD directory, one after another.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -34,10 +36,11 @@ def page_bytes(dtype: str) -> int:
     return KVGeometry(layers=30, kv_heads=3, head_dim=64, itemsize=4 if dtype == "float32" else 2).page_bytes(64)
 
 
-def tiered_server(tmp: Path, ssd: Path, name: str, *extra: str, model: str = "smollm2") -> ServerProcess:
+def tiered_server(tmp: Path, ssd: Path, name: str, *extra: str, model: str = "smollm2",
+                  env: Optional[dict] = None) -> ServerProcess:
     args = ["--kv-backend", "tiered", "--max-total-tokens", str(DEVICE_TOKENS), "--tiered-host-size", "2x",
             "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", *extra]
-    return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model)
+    return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model, env=env)
 
 
 def ssd_stats(ssd: Path, dtype: str = "") -> dict:
@@ -148,18 +151,31 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
     assert stats["corrupt_pages"] >= 1 and stats["hit_pages"] == hits  # no page served after the corruption
 
 
-def test_e_f_other_model_gets_nothing_and_capacity_holds(first_run, essays, other_model_dir):
+def test_e_f_h_other_model_gets_nothing_and_capacity_holds(first_run, essays, other_model_dir):
     """On server 1's directory (the real model's pages, in every dtype the tests above wrote): another model finds
     none of them, and a capacity of twelve pages holds for the whole directory, their files counted and evicted
-    first."""
+    first. (h) This server's read-bandwidth probe fails (an injected fault) and its model has no stored profile: a
+    load forced to our loader is SGLang's, logged and counted, with the same output."""
     tmp, ssd, dtype = first_run["tmp"], first_run["ssd"], first_run["dtype"]
     real_pages = page_files(ssd)
     assert len(real_pages) >= 10
     capacity = 12 * page_bytes(dtype) + 12 * 512  # twelve pages plus headers
     with tiered_server(tmp, ssd, "server-other", "--tiered-ssd-capacity", str(capacity), "--dtype", dtype,
-                       model=str(other_model_dir)) as server:
+                       "--enable-metrics", model=str(other_model_dir),
+                       env={"SGLANG_TIERED_TEST_FAULTS": "kvpr_probe"}) as server:
         first = server.generate(essays[0])
         assert cached_details(first)["storage"] == 0  # (f) same tokens, same page keys, other model: not served
+        pages = first["meta_info"]["prompt_tokens"] // 64
+        wait_for_metric(server, "sglang_tiered:ssd_written_bytes_total", pages * page_bytes(dtype))
+        server.flush_cache()
+        status, forced = server.request("/generate", {"text": essays[0], "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0, "custom_params": {"tiered_kvpr": "force"}}})
+        assert status == 200 and forced["text"] == first["text"]  # (h)
+        assert cached_details(forced)["storage"] >= 2 * 64  # SGLang's load
+        assert metric_total(server.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total") == 1
+        probe = server.log_lines("cannot measure the SSD read bandwidth (injected fault in kvpr_probe")
+        assert probe and "KVPR stays off" in probe[0], probe
+        assert server.log_lines("runs a normal prefill (no measured profile")
         for text in essays[1:4]:  # (e) about 2000 tokens = 30+ pages through a 12-page tier
             assert server.generate(text, max_new_tokens=1)["text"] is not None
         again = server.generate(essays[0])
