@@ -514,6 +514,14 @@ MEET_RERUNS = [
      "SGLang's load as that load's sample whatever it brought in (before: no sample where its prefetch brought "
      "nothing, so the choice kept giving it spans: the 100 and 50 MB/s 4096-token misses) (`--models smollm2-mha "
      "--lengths 1024 4096 --slow-mbps 200 100 50 25 --busy 100 --name meet-avg-mha-amd`)"),
+    ("meet-choice-mha-amd", "right after meet-avg-mha-amd, with every server counting a span given to SGLang's load "
+     "as its sample: the MHA model's two 4096-token misses again, 5 rounds (the first two `auto` requests of a span "
+     "size, with SGLang's load not yet timed, are given to it: 12-13 s each here) (`--models smollm2-mha --lengths "
+     "4096 --slow-mbps 100 50 --skip-native --busy --repeats 5 --max-repeats 10 --name meet-choice-mha-amd`)"),
+    ("meet-decode-amd", "right after meet-choice-mha-amd: SmolLM2 with a second client decoding (a 64-token prompt, "
+     "256 new tokens, back to back) instead of prefilling, at 100 MB/s and the disk's own speed (`--models smollm2 "
+     "--lengths 1024 4096 --slow-mbps --skip-native --busy 100 --busy-native --busy-client decode "
+     "--name meet-decode-amd`)"),
 ]
 
 
