@@ -522,6 +522,9 @@ MEET_RERUNS = [
      "256 new tokens, back to back) instead of prefilling, at 100 MB/s and the disk's own speed (`--models smollm2 "
      "--lengths 1024 4096 --slow-mbps --skip-native --busy 100 --busy-native --busy-client decode "
      "--name meet-decode-amd`)"),
+    ("meet-busy2-amd", "at the end of this stop, all of its code: SmolLM2's busy-CPU point (a second client's "
+     "2048-token prefills back to back), 5 rounds (`--models smollm2 --lengths 1024 --slow-mbps --skip-native "
+     "--busy 100 --repeats 5 --max-repeats 10 --name meet-busy2-amd`)"),
 ]
 
 
