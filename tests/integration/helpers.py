@@ -25,6 +25,13 @@ def chosen_dtype(server: ServerProcess) -> str:
     return re.search(r"on this CPU: (\w+)", line).group(1)
 
 
+def flip_middle_byte(path: Path) -> None:
+    """Corrupt a stored file the way bit rot would: one byte in its middle inverted (its checksum then fails)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: float = 15.0) -> str:
     """Our counters are published once a second (metrics.StatsReporter): poll /metrics until `name` reaches
     `at_least` or the timeout passes; returns the last /metrics text."""

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from tests.integration.helpers import flip_middle_byte
 from tests.integration.kvpr_helpers import PAGE, ask, counter
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -40,6 +41,15 @@ def page_files(s: ServerProcess, ids: list[int]) -> list:
     return [p for k in keys for p in s.ssd.glob(f"*/{k[:2]}/{k}.kvp")]
 
 
+def wait_for_profile(s: ServerProcess, timeout: float) -> None:
+    """Until the server logged its measured profile (at its first idle moment after startup: no request of ours
+    needed), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not s.log_lines("tiered kvpr: profile") and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert s.log_lines("tiered kvpr: profile"), s.log_tail()
+
+
 def served_and_stored(s: ServerProcess, ids: list[int], pages: int) -> dict:
     """Serve `ids` computed (SGLang's prefill) and wait, at most 60 s, until its `pages` pages are on the SSD tier."""
     out = ask(s, ids, "off")
@@ -53,10 +63,7 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
     from transformers import AutoTokenizer
 
     s = fp32_server
-    deadline = time.monotonic() + 30  # the profile is measured at the first idle moment after startup: no request
-    while not s.log_lines("tiered kvpr: profile") and time.monotonic() < deadline:  # of ours needed
-        time.sleep(0.3)
-    assert s.log_lines("tiered kvpr: profile"), s.log_tail()
+    wait_for_profile(s, 30)
     text = essays[11] + "\n\nQuestion: What is the point?\nAnswer:"
     ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
     cold = ask(s, ids)
@@ -88,10 +95,7 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
     assert f"prefix={3 * PAGE} " in line and f"met at page 2 of {pages - 3}:" in line, line
 
     # a corrupt page in the loaded half: counted fallback, SGLang computes the span, the same output
-    last = page_files(s, ids)[pages - 1]
-    data = bytearray(last.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    last.write_bytes(bytes(data))
+    flip_middle_byte(page_files(s, ids)[pages - 1])
     before = metric_total(s.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total")
     s.flush_cache()
     mark = s.log_mark()
@@ -174,16 +178,11 @@ def test_a_span_left_to_sglangs_load_is_timed_whole_even_when_it_brings_nothing(
     from transformers import AutoTokenizer
 
     s = fp32_server
-    deadline = time.monotonic() + 60
-    while not s.log_lines("tiered kvpr: profile") and time.monotonic() < deadline:
-        time.sleep(0.3)
+    wait_for_profile(s, 60)
     ids = AutoTokenizer.from_pretrained(model_dir)(essays[21])["input_ids"][:200]  # 3 pages: a span size no other
     pages = (len(ids) - 1) // PAGE                                                   # test here stores
     cold = served_and_stored(s, ids, pages)
-    first = page_files(s, ids)[0]
-    data = bytearray(first.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    first.write_bytes(bytes(data))
+    flip_middle_byte(page_files(s, ids)[0])
     s.flush_cache()
     samples, given = counter(s, "choice_samples"), counter(s, "choice_sglang")
     out = ask(s, ids)  # auto: the first span of this size, so SGLang's load is tried first

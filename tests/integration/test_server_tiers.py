@@ -23,7 +23,7 @@ import pytest
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, send_until
 from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.helpers import chosen_dtype, wait_for_metric
+from tests.integration.helpers import chosen_dtype, flip_middle_byte, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -141,9 +141,7 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
         files = page_files(ssd)
         assert len(files) >= 20
         for p in files:  # flip one byte in the middle of every page file
-            data = bytearray(p.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            p.write_bytes(bytes(data))
+            flip_middle_byte(p)
         out = server.generate(essays[1])
         stats = wait_for_stats(ssd, lambda s: s["corrupt_pages"] >= 1, dtype=dtype)
     assert out["text"] == first_run["cold_b"]["text"]
