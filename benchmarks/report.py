@@ -525,6 +525,13 @@ MEET_RERUNS = [
     ("meet-busy2-amd", "at the end of this stop, all of its code: SmolLM2's busy-CPU point (a second client's "
      "2048-token prefills back to back), 5 rounds (`--models smollm2 --lengths 1024 --slow-mbps --skip-native "
      "--busy 100 --repeats 5 --max-repeats 10 --name meet-busy2-amd`)"),
+    ("meet-8k-amd", "a later AMD machine, the code of meet-busy2-amd (before the choice's decode samples and the "
+     "profile check): the 8064-token spans at 100, 50 and 25 MB/s, both models, not run with `measured` before. Two "
+     "wide intervals: SmolLM2 at 25 MB/s had a compute profile that disagreed with itself (a layer 27x its usual "
+     "time: compute joined no load, `auto` 18.0 s with its first two requests SGLang's load being measured, against "
+     "7.9 s for our loader alone), and the MHA model at 100 MB/s gave its first two `auto` requests to SGLang's "
+     "load (29 s each) to measure it (`--models smollm2 smollm2-mha --lengths 8064 --slow-mbps 100 50 25 "
+     "--skip-native --busy --name meet-8k-amd`)"),
 ]
 
 

@@ -12,9 +12,9 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   a request admitted right after another request's prefill forward still goes to our loader (`behind_prefills` in
   policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
   on such spans by more than that forward took; with `--tiered-kvpr-choice measured` (the default), the load
-  measured faster at idle takes the rest (`rule`: SGLang's). A taken span's L3 prefetch is skipped: its
-  tokens become extend tokens, filled by the forward below. The request prefills alone and its KV is exact, so it
-  enters the radix tree as usual.
+  measured faster takes the rest -- at idle, or among other requests' decodes on samples taken among decodes
+  (`rule`: SGLang's). A taken span's L3 prefetch is skipped: its tokens become extend tokens, filled by the forward
+  below. The request prefills alone and its KV is exact, so it enters the radix tree as usual.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -33,7 +33,8 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   on (SGLang's warm-up request: the weights are in memory by then, no longer being read from the same disk; the
   probe file counts against the SSD capacity, smaller where it leaves less room), then K/V recompute and layer
   times on the served model at the scheduler's first fully idle moment after that (seam `Scheduler.on_idle`,
-  BEFORE: on the thread that runs the forwards; `engine/kvpr_profile.py`, persisted). Until it is known SGLang
+  BEFORE: on the thread that runs the forwards; `engine/kvpr_profile.py`, persisted; taken again PROFILE_RETRY_S
+  later where its layer time disagrees with its whole-load time, `Unsettled`). Until it is known SGLang
   loads as usual (a forced load waits for it). The probe only seeds the read rate: every load's reads -- ours and
   SGLang's own -- fold into it, both ways (`policy/read_rate.py`). The meet itself follows the speeds of the
   moment; the profile only decides whether to start it.
@@ -62,6 +63,7 @@ import torch
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
     PROFILE_FILE,
+    Unsettled,
     describe,
     measure_compute,
     measure_read,
@@ -98,6 +100,8 @@ logger = logging.getLogger("sglang_tiered")
 _WRITE_QUEUE = 8  # batches of activations waiting to be written
 _MIN_PROBE_BYTES = 1 << 20  # a read-bandwidth probe smaller than this says nothing (then the stored profile is used)
 PROFILE_WAIT_S = 60.0  # the longest a forced load waits for the read bandwidth being measured (64 MiB at 1 MB/s)
+PROFILE_TRIES = 3  # compute profiles taken at most where they disagree with themselves (kvpr_profile.Unsettled)
+PROFILE_RETRY_S = 5.0  # ... each this long after the one before (what slowed it has likely ended)
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,8 @@ class KVPR:
         self.measuring = False
         self.read_measured = threading.Event()  # set once the read bandwidth is measured (or could not be)
         self.compute_failed = False
+        self._unsettled = 0  # compute profiles dropped for disagreeing with themselves
+        self._retry_at = 0.0  # time.monotonic() before which no compute profile is taken
         self.profile: Optional[Profile] = None
         self.key = ""
         self.lock = threading.Lock()
@@ -212,7 +218,7 @@ class KVPR:
             return "auto: " + behind
         if self.rt.settings.config.kvpr_choice != "measured":
             return None
-        choice = self.choice.choose(pages, self.timing.measurable(req))
+        choice = self.choice.choose(pages, self.timing.condition(req))
         self.rt.events.count("kvpr_choice_" + choice.load)
         if choice.exploring:
             self.rt.events.count("kvpr_choice_explorations")
@@ -276,22 +282,36 @@ class KVPR:
     def on_idle(self, scheduler) -> None:
         """`Scheduler.on_idle` (BEFORE): the compute part of the profile, at the scheduler's first fully idle moment
         once the read bandwidth is known -- on the thread that runs the forwards (see `measure_compute`), off every
-        request's path (about 0.1-0.4 s, once)."""
+        request's path (about 0.1-0.4 s, once; again PROFILE_RETRY_S later where it disagreed with itself)."""
         try:
-            if self.profile is None and self.read_measured.is_set() and scheduler.is_fully_idle():
+            if self.profile is None and self.read_measured.is_set() and scheduler.is_fully_idle() and \
+                    time.monotonic() >= self._retry_at:
                 self._measure_compute(scheduler)
         except Exception:  # noqa: BLE001 -- never the scheduler's problem
             self.compute_failed = True
             self.rt.events.count("hook_errors")
             logger.exception("tiered kvpr: the idle-time profile failed")
 
-    def _measure_compute(self, scheduler) -> None:
+    def _measure_compute(self, scheduler, final: bool = False) -> None:
         """Time the served model's compute and complete the profile (on the scheduler's thread; once: a failure
-        leaves the profile unmeasured and SGLang loading every stored span)."""
+        leaves the profile unmeasured and SGLang loading every stored span). A measurement that disagrees with
+        itself (`Unsettled`: something else slowed it) is dropped and taken again at an idle moment PROFILE_RETRY_S
+        later, PROFILE_TRIES times at most; the last one, or one `final` (a forced load waiting for it), is kept."""
         if self.profile is not None or self.rate is None or self.compute_failed:
             return
         try:
             compute = measure_compute(self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model))
+        except Unsettled as exc:
+            self._unsettled += 1
+            self.rt.events.count("kvpr_profile_retries")
+            if not final and self._unsettled < PROFILE_TRIES:
+                self._retry_at = time.monotonic() + PROFILE_RETRY_S
+                logger.info("tiered kvpr: the compute profile disagrees with itself (%s); measured again at an idle "
+                            "moment in %.0f s", exc, PROFILE_RETRY_S)
+                return
+            logger.warning("tiered kvpr: the compute profile disagrees with itself (%s), %d times; kept", exc,
+                           self._unsettled)
+            compute = exc.values
         except Exception:  # noqa: BLE001 -- no profile: SGLang keeps loading every stored span
             self.compute_failed = True
             self.rt.events.count("hook_errors")
@@ -313,7 +333,7 @@ class KVPR:
         now if the scheduler has not been idle since."""
         if self.profile is None and forced:
             self.read_measured.wait(PROFILE_WAIT_S)
-            self._measure_compute(scheduler)
+            self._measure_compute(scheduler, final=True)
         return self.profile
 
     def observe_read(self, nbytes: int, seconds: float) -> str:

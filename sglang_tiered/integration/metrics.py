@@ -290,7 +290,11 @@ EVENTS = {
     "kvpr_choice_behind_prefills": "Stored spans `auto` gave our loader because the request was admitted right after "
     "another request's prefill forward (SGLang's load would wait for the next one)",
     "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "
-    "at idle; our loader's also behind other prefills, by its forward's own time)",
+    "at idle or among decodes; our loader's also behind other prefills, by its forward's own time)",
+    "kvpr_profile_retries": "Compute profiles dropped because a layer timed far slower than the whole load allows "
+    "(something else slowed the measurement); taken again at a later idle moment",
+    "kvpr_choice_samples_decoding": "Of kvpr_choice_samples, those admitted while other requests were decoding (kept "
+    "apart: the choice among decodes follows them)",
     "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",
     "retain_released": "Pins released before their expiry to keep pinned pages within --tiered-retain-share",
     "retain_refused": "Pins refused: the prompt alone has more pages than retention may hold",

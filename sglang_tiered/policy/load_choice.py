@@ -6,18 +6,22 @@ which load brings the span in sooner -- and that differs by machine and model: o
 SmolLM2 at the disk's own speed on both machines measured (0.76-0.93x), and lost on the MHA model reading KV (1.24x
 and 1.36x). So each server measures both on its own loads:
 
-* a sample is one request admitted while the scheduler was idle and prefilled whole and alone, with the seconds from
+* a sample is one request admitted while the scheduler was idle -- or only decoding (`DECODING`: other requests'
+  decode batches running, no prefill waiting or in flight) -- and prefilled whole and alone, with the seconds from
   its admission to the end of its prefill forward (what its user waits for) over the stored tokens that one of the
   two loads brought in;
-* samples are kept per span size -- `bucket(pages)`, powers of two of pages, since a load's fixed costs weigh
+* samples are kept per condition (`IDLE`, `DECODING`: measured on SmolLM2 with a second client decoding, SGLang's
+  load took 0.18-0.30 s longer than our loader where at idle the gap was 0.04-0.1 s, so idle samples would pick the
+  wrong one) and per span size -- `bucket(pages)`, powers of two of pages, since a load's fixed costs weigh
   differently at 16 pages than at 126 -- as a moving average of seconds per stored token per load;
-* `choose`: a load with fewer than MIN_SAMPLES samples in the bucket is tried first (SGLang's before ours), but only
-  for a request whose sample will count (`measurable`); then the load with the lower average, and after every
-  `period(gap)` measurable decisions the other one, so that a change in either (a disk slowing down, a busy CPU)
-  is seen. The period grows with the square of the gap between the two: a retry of a load 2-3x slower (our loader
-  reading an MHA model's KV at the disk's own speed: 2.2-3.3x SGLang's load) costs at most 1/64 of the ahead load's
-  time on average, where a fixed 1/16 cost 7-14 %. Until both loads are measured in a bucket an unmeasurable
-  request gets SGLang's load, as before this choice existed.
+* `choose`: within the request's condition, a load with fewer than MIN_SAMPLES samples in the bucket is tried
+  first (SGLang's before ours), but only for a request whose sample will count (measurable); then the load with
+  the lower average, and after every `period(gap)` measurable decisions the other one, so that a change in either
+  (a disk slowing down, a busy CPU) is seen. The period grows with the square of the gap between the two: a retry
+  of a load 2-3x slower (our loader reading an MHA model's KV at the disk's own speed: 2.2-3.3x SGLang's load)
+  costs at most 1/64 of the ahead load's time on average, where a fixed 1/16 cost 7-14 %. An unmeasurable request
+  (condition None) is decided by the idle samples; until both loads are measured in its bucket it gets SGLang's
+  load, as before this choice existed.
 
 Behind other prefills the idle-time averages miss SGLang's load's real cost (`behind_prefills`): its scheduler skips a
 request whose L3 prefetch is still running ("skip staging requests that are ongoing prefetch", `Scheduler.
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 OURS, SGLANG = "ours", "sglang"
+IDLE, DECODING = "idle", "decoding"  # what the server did when a sampled request was admitted
 MIN_SAMPLES = 2  # samples of each load in a bucket before the averages decide
 EXPLORE_EVERY = 16  # measurable decisions in a bucket between retries of the load behind, at a near tie
 EXPLORE_MAX = 1024  # ... and at most, whatever the gap
@@ -95,13 +100,15 @@ class LoadChoice:
     """The per-process record of both loads' measured speeds (thread-safe)."""
 
     def __init__(self) -> None:
-        self._rates: dict[int, Rates] = {}
+        self._rates: dict[tuple[str, int], Rates] = {}  # per (condition, bucket)
         self._lock = threading.Lock()
 
-    def choose(self, pages: int, measurable: bool) -> Choice:
-        """The load for a stored span of `pages` pages; `measurable`: this request's load will be a sample."""
+    def choose(self, pages: int, condition: Optional[str]) -> Choice:
+        """The load for a stored span of `pages` pages; `condition`: IDLE or DECODING where this request's load will
+        be a sample under it, None where it will not (then the idle samples decide, and nothing is explored)."""
+        measurable = condition is not None
         with self._lock:
-            r = self._rates.setdefault(bucket(pages), Rates())
+            r = self._rates.setdefault((condition or IDLE, bucket(pages)), Rates())
             if not r.measured():
                 if not measurable:
                     return Choice(SGLANG, False)
@@ -116,24 +123,28 @@ class LoadChoice:
             return Choice(best, False)
 
     def slower_s(self, tokens: int, page_size: int) -> Optional[float]:
-        """Seconds our loader was measured to take beyond SGLang's load for `tokens` stored tokens (whole pages of
-        `page_size`; negative where it is faster), from the per-token averages of the span's bucket; None until both
-        loads are measured there."""
+        """Seconds our loader was measured to take beyond SGLang's load at idle for `tokens` stored tokens (whole
+        pages of `page_size`; negative where it is faster), from the per-token averages of the span's bucket; None
+        until both loads are measured there."""
         with self._lock:
-            r = self._rates.get(bucket(tokens // page_size))
+            r = self._rates.get((IDLE, bucket(tokens // page_size)))
             if r is None or not r.measured():
                 return None
             return tokens * (r.per_token_s[OURS] - r.per_token_s[SGLANG])
 
-    def observe(self, load: str, tokens: int, page_size: int, seconds: float) -> Rates:
-        """Fold one sample in: `load` brought `tokens` stored tokens (whole pages of `page_size`) in a request that
-        took `seconds` from admission to the end of its prefill. Returns the bucket's rates after it (a copy)."""
-        if load not in (OURS, SGLANG) or tokens < page_size or seconds <= 0:
-            raise ValueError(f"not a sample: {load!r}, {tokens} tokens, {seconds} s")
+    def observe(self, load: str, tokens: int, page_size: int, seconds: float, condition: str = IDLE,
+                conclusive: bool = False) -> Rates:
+        """Fold one sample in: `load` brought `tokens` stored tokens (whole pages of `page_size`) in a request
+        admitted under `condition` that took `seconds` from admission to the end of its prefill. `conclusive`: this
+        one sample measures the load (SGLang's load gave up on part of the span, which was then computed: a second
+        try costs the same), so it counts as MIN_SAMPLES where fewer were taken. Returns the bucket's rates after
+        it (a copy)."""
+        if load not in (OURS, SGLANG) or condition not in (IDLE, DECODING) or tokens < page_size or seconds <= 0:
+            raise ValueError(f"not a sample: {load!r} {condition!r}, {tokens} tokens, {seconds} s")
         with self._lock:
-            r = self._rates.setdefault(bucket(tokens // page_size), Rates())
+            r = self._rates.setdefault((condition, bucket(tokens // page_size)), Rates())
             rate = seconds / tokens
             old = r.per_token_s.get(load)
             r.per_token_s[load] = rate if old is None else WEIGHT * rate + (1 - WEIGHT) * old
-            r.samples[load] += 1
+            r.samples[load] = max(r.samples[load] + 1, MIN_SAMPLES if conclusive else 0)
             return Rates(dict(r.per_token_s), dict(r.samples), r.decisions)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from sglang_tiered.policy.load_choice import (
+    DECODING,
     EXPLORE_EVERY,
     EXPLORE_MAX,
+    IDLE,
     MIN_SAMPLES,
     OURS,
     SGLANG,
@@ -20,9 +22,9 @@ from sglang_tiered.policy.load_choice import (
 PS = 64
 
 
-def feed(choice: LoadChoice, load: str, n: int, pages: int, per_token_s: float) -> None:
+def feed(choice: LoadChoice, load: str, n: int, pages: int, per_token_s: float, condition: str = IDLE) -> None:
     for _ in range(n):
-        choice.observe(load, pages * PS, PS, per_token_s * pages * PS)
+        choice.observe(load, pages * PS, PS, per_token_s * pages * PS, condition)
 
 
 @pytest.mark.parametrize("pages, want", [(1, 0), (2, 1), (3, 1), (16, 4), (31, 4), (64, 6), (126, 6), (128, 7)])
@@ -32,32 +34,43 @@ def test_buckets_are_powers_of_two_of_pages(pages, want):
 
 def test_each_load_is_measured_before_the_averages_decide_sglangs_first():
     c = LoadChoice()
-    assert c.choose(16, measurable=True) == Choice(SGLANG, True)
+    assert c.choose(16, IDLE) == Choice(SGLANG, True)
     feed(c, SGLANG, MIN_SAMPLES - 1, 16, 1e-4)
-    assert c.choose(16, measurable=True) == Choice(SGLANG, True)
+    assert c.choose(16, IDLE) == Choice(SGLANG, True)
     feed(c, SGLANG, 1, 16, 1e-4)
-    assert c.choose(16, measurable=True) == Choice(OURS, True)
+    assert c.choose(16, IDLE) == Choice(OURS, True)
     feed(c, OURS, MIN_SAMPLES, 16, 0.8e-4)
-    assert c.choose(16, measurable=True) == Choice(OURS, False)  # measured, and ahead
+    assert c.choose(16, IDLE) == Choice(OURS, False)  # measured, and ahead
+
+
+def test_a_conclusive_sample_measures_a_load_at_once():
+    """SGLang's load that gave up on a span (its request computed it) is not tried a second time to measure it."""
+    c = LoadChoice()
+    assert c.choose(64, IDLE) == Choice(SGLANG, True)
+    r = c.observe(SGLANG, 64 * PS, PS, 12.0, IDLE, conclusive=True)
+    assert r.samples == {OURS: 0, SGLANG: MIN_SAMPLES}
+    assert c.choose(64, IDLE) == Choice(OURS, True)  # our loader's turn to be measured
+    r = c.observe(SGLANG, 64 * PS, PS, 12.0, IDLE, conclusive=True)
+    assert r.samples[SGLANG] == MIN_SAMPLES + 1  # one more sample, not MIN_SAMPLES more
 
 
 def test_until_both_are_measured_an_unmeasurable_request_gets_sglangs_load():
     c = LoadChoice()
     feed(c, OURS, 5, 16, 1e-5)  # ours looks far better, but SGLang's is unmeasured
-    assert c.choose(16, measurable=False) == Choice(SGLANG, False)
+    assert c.choose(16, None) == Choice(SGLANG, False)
     feed(c, SGLANG, MIN_SAMPLES, 16, 1e-4)
-    assert c.choose(16, measurable=False) == Choice(OURS, False)
+    assert c.choose(16, None) == Choice(OURS, False)
 
 
 def test_the_lower_average_wins_and_a_tie_is_sglangs():
     c = LoadChoice()
     feed(c, OURS, 2, 64, 2e-4)
     feed(c, SGLANG, 2, 64, 1e-4)
-    assert c.choose(100, measurable=True).load == SGLANG  # (100 pages: the same bucket as 64)
+    assert c.choose(100, IDLE).load == SGLANG  # (100 pages: the same bucket as 64)
     d = LoadChoice()
     feed(d, OURS, 2, 64, 1e-4)
     feed(d, SGLANG, 2, 64, 1e-4)
-    assert d.choose(64, measurable=False).load == SGLANG
+    assert d.choose(64, None).load == SGLANG
 
 
 def test_the_load_behind_is_retried_every_period_of_its_gap():
@@ -66,23 +79,23 @@ def test_the_load_behind_is_retried_every_period_of_its_gap():
     feed(c, SGLANG, 2, 16, 2e-4)  # 2x slower: a retry every 64 measurable decisions
     p = period(2.0)
     assert p == 4 * EXPLORE_EVERY
-    got = [c.choose(16, measurable=True) for _ in range(2 * p)]
+    got = [c.choose(16, IDLE) for _ in range(2 * p)]
     retries = [i for i, x in enumerate(got) if x.exploring]
     assert retries == [p - 1, 2 * p - 1]
     assert all(got[i].load == SGLANG for i in retries) and all(x.load == OURS for x in got if not x.exploring)
     for _ in range(3 * EXPLORE_EVERY):  # unmeasurable decisions never retry
-        assert c.choose(16, measurable=False) == Choice(OURS, False)
+        assert c.choose(16, None) == Choice(OURS, False)
 
 
 def test_a_load_that_slows_down_loses_its_lead():
     c = LoadChoice()
     feed(c, OURS, 2, 16, 1e-4)
     feed(c, SGLANG, 2, 16, 2e-4)
-    assert c.choose(16, measurable=False).load == OURS
+    assert c.choose(16, None).load == OURS
     rates = None
     for _ in range(4):  # the disk under ours slows to 4e-4 s per token: 1e-4 -> 1.9e-4 -> 2.53e-4 ...
         c.observe(OURS, 16 * PS, PS, 4e-4 * 16 * PS)
-        rates = c.choose(16, measurable=False)
+        rates = c.choose(16, None)
     assert rates.load == SGLANG
 
 
@@ -97,14 +110,46 @@ def test_sizes_are_measured_apart():
     c = LoadChoice()
     feed(c, OURS, 2, 16, 1e-4)
     feed(c, SGLANG, 2, 16, 2e-4)
-    assert c.choose(16, measurable=False).load == OURS
-    assert c.choose(64, measurable=False).load == SGLANG  # nothing measured at 64-127 pages
+    assert c.choose(16, None).load == OURS
+    assert c.choose(64, None).load == SGLANG  # nothing measured at 64-127 pages
 
 
-@pytest.mark.parametrize("load, tokens, seconds", [("mine", 640, 0.1), (OURS, 10, 0.1), (SGLANG, 640, 0.0)])
-def test_a_bad_sample_is_refused(load, tokens, seconds):
+def test_conditions_are_measured_apart_and_an_unmeasurable_request_follows_the_idle_samples():
+    """At idle SGLang's load is ahead (the MHA model at the disk's speed); among decodes ours is (SmolLM2 with a
+    decoding client: SGLang's load 0.18-0.30 s slower). Each condition explores and decides on its own samples."""
+    c = LoadChoice()
+    feed(c, SGLANG, 2, 16, 1e-4)
+    feed(c, OURS, 2, 16, 2e-4)
+    assert c.choose(16, IDLE) == Choice(SGLANG, False)
+    assert c.choose(16, DECODING) == Choice(SGLANG, True)  # nothing timed among decodes: SGLang's load first
+    feed(c, SGLANG, 2, 16, 3e-4, DECODING)
+    assert c.choose(16, DECODING) == Choice(OURS, True)
+    feed(c, OURS, 2, 16, 2e-4, DECODING)
+    assert c.choose(16, DECODING) == Choice(OURS, False)
+    assert c.choose(16, IDLE) == Choice(SGLANG, False)  # the idle samples are untouched
+    assert c.choose(16, None) == Choice(SGLANG, False)  # unmeasurable: the idle samples decide
+    assert c.slower_s(16 * PS, PS) == pytest.approx(16 * PS * 1e-4)  # behind prefills: the idle gap
+
+
+def test_retries_are_counted_per_condition():
+    c = LoadChoice()
+    for when in (IDLE, DECODING):
+        feed(c, OURS, 2, 16, 1e-4, when)
+        feed(c, SGLANG, 2, 16, 2e-4, when)
+    p = period(2.0)
+    for _ in range(p - 1):  # one short of a retry at idle ...
+        assert c.choose(16, IDLE) == Choice(OURS, False)
+    for _ in range(p - 1):  # ... and among decodes: neither condition's decisions count for the other
+        assert c.choose(16, DECODING) == Choice(OURS, False)
+    assert c.choose(16, IDLE) == Choice(SGLANG, True)
+    assert c.choose(16, DECODING) == Choice(SGLANG, True)
+
+
+@pytest.mark.parametrize("load, tokens, seconds, when", [("mine", 640, 0.1, IDLE), (OURS, 10, 0.1, IDLE),
+                                                         (SGLANG, 640, 0.0, IDLE), (OURS, 640, 0.1, "busy")])
+def test_a_bad_sample_is_refused(load, tokens, seconds, when):
     with pytest.raises(ValueError):
-        LoadChoice().observe(load, tokens, PS, seconds)
+        LoadChoice().observe(load, tokens, PS, seconds, when)
 
 
 @pytest.mark.parametrize("gap, want", [(1.0, EXPLORE_EVERY), (1.25, 25), (2.0, 64), (3.0, 144), (8.0, EXPLORE_MAX),
@@ -124,7 +169,7 @@ def test_a_near_tie_is_retried_about_every_explore_every_decisions():
     c = LoadChoice()
     feed(c, OURS, 2, 64, 1.0e-4)
     feed(c, SGLANG, 2, 64, 1.1e-4)  # 1.1x: ceil(16 x 1.21) = 20
-    got = [c.choose(64, measurable=True) for _ in range(20)]
+    got = [c.choose(64, IDLE) for _ in range(20)]
     assert [i for i, x in enumerate(got) if x.exploring] == [19] and got[19].load == SGLANG
 
 
