@@ -117,7 +117,10 @@ class Busy:
 
     def resume(self) -> None:
         self.go.set()
-        time.sleep(0.2)  # its prefill is under way when the measured request arrives
+        # prefills: its prefill is under way when the measured request arrives; decode: its short prefill (about
+        # 0.2 s) is done and it decodes (at 0.2 s the measured request came right after that prefill: `auto` then
+        # judged it behind prefills, not among decodes)
+        time.sleep(0.2 if self.new_tokens == 1 else 1.0)
 
     def close(self) -> None:
         self.stop.set()

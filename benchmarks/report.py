@@ -532,6 +532,16 @@ MEET_RERUNS = [
      "7.9 s for our loader alone), and the MHA model at 100 MB/s gave its first two `auto` requests to SGLang's "
      "load (29 s each) to measure it (`--models smollm2 smollm2-mha --lengths 8064 --slow-mbps 100 50 25 "
      "--skip-native --busy --name meet-8k-amd`)"),
+    ("meet-decode2-amd", "right after meet-8k-amd, the same machine, with the measured choice's samples among decodes "
+     "(commit 0a0e668): both models with a second client decoding, at 100 MB/s and the disk's own speed, 3 rounds. "
+     "The benchmark resumed that client 0.2 s before each measured request, so the request often came right after "
+     "the client's own short prefill and `auto` judged it behind prefills (the MHA model's 4096-token miss at the "
+     "disk's own speed; the benchmark now waits 1 s for that client) (`--models smollm2 smollm2-mha --lengths 1024 "
+     "4096 --skip-native --slow-mbps --busy 100 --busy-native --busy-client decode --repeats 3 --max-repeats 8 "
+     "--name meet-decode2-amd`)"),
+    ("meet-8k2-mha-amd", "right after meet-decode2-amd, the same code: the MHA model's 8064-token point at 100 MB/s "
+     "again, with SGLang's load that gives up timed once (a conclusive sample) instead of twice (`--models "
+     "smollm2-mha --lengths 8064 --skip-native --slow-mbps 100 --busy --name meet-8k2-mha-amd`)"),
 ]
 
 

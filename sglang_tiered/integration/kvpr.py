@@ -239,7 +239,7 @@ class KVPR:
             return None
         self.rt.events.count("kvpr_choice_behind_prefills")
         return (f"behind prefills ({prefill_s:.2f} s the last), our loader" +
-                ("" if slower_s is None else f" ({slower_s:+.2f} s against SGLang's load at idle)"))
+                ("" if slower_s is None else f" ({slower_s:+.2f} s against SGLang's load as measured)"))
 
     # ------------------------------------------------------------------------------------- profile
     def _measure_read(self) -> None:

@@ -123,14 +123,16 @@ class LoadChoice:
             return Choice(best, False)
 
     def slower_s(self, tokens: int, page_size: int) -> Optional[float]:
-        """Seconds our loader was measured to take beyond SGLang's load at idle for `tokens` stored tokens (whole
-        pages of `page_size`; negative where it is faster), from the per-token averages of the span's bucket; None
-        until both loads are measured there."""
+        """Seconds our loader was measured to take beyond SGLang's load for `tokens` stored tokens (whole pages of
+        `page_size`; negative where it is faster), from the per-token averages of the span's bucket at idle, or
+        among decodes where the idle ones are not both measured (a server that is never idle); None until both
+        loads are measured under one of the two."""
         with self._lock:
-            r = self._rates.get((IDLE, bucket(tokens // page_size)))
-            if r is None or not r.measured():
-                return None
-            return tokens * (r.per_token_s[OURS] - r.per_token_s[SGLANG])
+            for when in (IDLE, DECODING):
+                r = self._rates.get((when, bucket(tokens // page_size)))
+                if r is not None and r.measured():
+                    return tokens * (r.per_token_s[OURS] - r.per_token_s[SGLANG])
+            return None
 
     def observe(self, load: str, tokens: int, page_size: int, seconds: float, condition: str = IDLE,
                 conclusive: bool = False) -> Rates:

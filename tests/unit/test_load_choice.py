@@ -129,6 +129,11 @@ def test_conditions_are_measured_apart_and_an_unmeasurable_request_follows_the_i
     assert c.choose(16, IDLE) == Choice(SGLANG, False)  # the idle samples are untouched
     assert c.choose(16, None) == Choice(SGLANG, False)  # unmeasurable: the idle samples decide
     assert c.slower_s(16 * PS, PS) == pytest.approx(16 * PS * 1e-4)  # behind prefills: the idle gap
+    d = LoadChoice()  # never idle: the gap among decodes
+    feed(d, SGLANG, 2, 16, 3e-4, DECODING)
+    feed(d, OURS, 2, 16, 2e-4, DECODING)
+    feed(d, OURS, 2, 16, 9e-4)  # (ours alone at idle: not both measured there)
+    assert d.slower_s(16 * PS, PS) == pytest.approx(-16 * PS * 1e-4)
 
 
 def test_retries_are_counted_per_condition():
