@@ -542,6 +542,10 @@ MEET_RERUNS = [
     ("meet-8k2-mha-amd", "right after meet-decode2-amd, the same code: the MHA model's 8064-token point at 100 MB/s "
      "again, with SGLang's load that gives up timed once (a conclusive sample) instead of twice (`--models "
      "smollm2-mha --lengths 8064 --skip-native --slow-mbps 100 --busy --name meet-8k2-mha-amd`)"),
+    ("meet-decode3-mha-amd", "right after the suite run of this stop, the same machine and code, the benchmark's "
+     "decoding client now resumed 1 s before each measured request (so the request arrives among decodes): the MHA "
+     "model at the disk's own speed (`--models smollm2-mha --lengths 1024 4096 --skip-native --slow-mbps --busy "
+     "--busy-native --busy-client decode --repeats 3 --max-repeats 8 --name meet-decode3-mha-amd`)"),
 ]
 
 
