@@ -303,8 +303,8 @@ class KVPR:
             compute = measure_compute(self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model))
         except Unsettled as exc:
             self._unsettled += 1
-            self.rt.events.count("kvpr_profile_retries")
             if not final and self._unsettled < PROFILE_TRIES:
+                self.rt.events.count("kvpr_profile_retries")
                 self._retry_at = time.monotonic() + PROFILE_RETRY_S
                 logger.info("tiered kvpr: the compute profile disagrees with itself (%s); measured again at an idle "
                             "moment in %.0f s", exc, PROFILE_RETRY_S)

@@ -4,7 +4,7 @@
 * Start: admission (`Door`, via `KVPR.admit`), for a request admitted while the scheduler is fully idle (nothing
   running or waiting: its time is its own) or only decoding (other requests' decode batches running, nothing
   waiting, no prefill in flight: its time is what a request costs among decodes); `req.tiered_admitted_at`, and
-  the condition, `req.tiered_condition` (`condition`). Samples of the two conditions are kept apart.
+  the condition, `req.tiered_condition` (`admission_condition`). Samples of the two conditions are kept apart.
 * End: the end of its prefill forward (`ForwardHook.after_extend`), if that forward computed its whole prompt and
   nothing else. One sample per request, at its first extend forward.
 * Our loader waits for nothing before its forward (no prefetch: the read is in the forward), so a request of ours
@@ -48,7 +48,7 @@ class LoadTiming:
 
     def admitted(self, scheduler, req) -> None:
         """At admission: start the clock of a request admitted while the scheduler is idle or only decoding."""
-        req.tiered_condition = condition(scheduler)
+        req.tiered_condition = admission_condition(scheduler)
         req.tiered_admitted_at = time.perf_counter() if req.tiered_condition is not None else None
         req.tiered_pure_load = False
         req.tiered_given_sglang = 0
@@ -60,14 +60,13 @@ class LoadTiming:
 
     @staticmethod
     def condition(req) -> Optional[str]:
-        """IDLE or DECODING: `req`'s load will be a sample under that condition; None: it will not."""
-        return getattr(req, "tiered_condition", None) if getattr(req, "tiered_admitted_at", None) is not None else None
+        """At admission: IDLE or DECODING, `req`'s load will be a sample under that condition; None: it will not."""
+        return getattr(req, "tiered_condition", None)
 
     def ended(self, fb, by: Optional[str]) -> None:
         """After an extend forward (`ForwardHook.after_extend`): fold in the sample of its request, if it is one."""
         reqs = self.rt.forward.batch_requests(fb)
         admitted = [getattr(r, "tiered_admitted_at", None) for r in reqs]
-        when = [getattr(r, "tiered_condition", None) for r in reqs]
         for r in reqs:
             r.tiered_admitted_at = None  # one sample per request, at its first extend forward
         if len(reqs) != 1 or not self.page_size:
@@ -80,7 +79,7 @@ class LoadTiming:
         if load is None or tokens < self.page_size:
             return
         if t0 is not None:
-            self._fold(load, tokens, time.perf_counter() - t0, when[0], conclusive)
+            self._fold(load, tokens, time.perf_counter() - t0, req.tiered_condition, conclusive)
         elif load == OURS:  # admitted behind other prefills: its forward is its own time, as at idle
             self._fold(load, tokens, self.rt.forward.last_extend_s, IDLE)
 
@@ -115,7 +114,7 @@ def _pages(b: int) -> str:
     return f"{1 << b}-{(2 << b) - 1} pages" if b else "1 page"
 
 
-def condition(scheduler) -> Optional[str]:
+def admission_condition(scheduler) -> Optional[str]:
     """What the scheduler is doing as a request is admitted, for the measured choice: IDLE (nothing running or
     waiting), DECODING (a decode batch running; nothing waiting, no chunked prefill, the last batch not a prefill:
     behind a prefill `behind_prefills` decides), or None (a load admitted now is no sample)."""
