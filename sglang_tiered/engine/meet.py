@@ -6,7 +6,8 @@ tokens C. Two workers share S's pages:
 
 * compute (the caller's thread) prefills pages from the front, a chunk of up to `chunk` pages at a time through
   every layer, each chunk attending to P and to the pages computed before it (a chunked prefill);
-* load (one background thread) reads whole pages (`PageSource.read`) from the back, the last page first: every
+* load (a background thread, or several: `loaders`) reads whole pages (`PageSource.read`) from the back, the last
+  page first (each thread one page at a time, the next unclaimed one): every
   layer's K and V, or -- where a page's activations are stored and cheaper to read (MHA models, KVPR) -- every
   layer's attention input X, from which the loader recomputes K = X W_K (with RoPE at the page's positions) and
   V = X W_V. Either way a page arrives exact; the loader's rate (reads plus recomputes) is what compute decides by.
@@ -51,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -76,8 +78,8 @@ class PageSource(Protocol):
     page_size: int
 
     def read(self, page: int) -> StoredPage:
-        """Page `page` of the span. Runs on the loader thread. Raises SpanMiss (engine.group_span) when the page
-        cannot be served."""
+        """Page `page` of the span. Runs on a loader thread (several at once where `meet_prefill` has `loaders` >
+        1). Raises SpanMiss (engine.group_span) when the page cannot be served."""
         ...
 
 
@@ -89,10 +91,10 @@ class MeetResult:
     loaded_pages: int  # pages [m, pages) read from storage
     recomputed_pages: int  # of those, the pages read as activations (K and V recomputed)
     compute_s: float  # seconds computing the span's front
-    load_s: float  # seconds the loader spent on its pages (reads, recomputes from activations, copies)
+    load_s: float  # wall seconds from the loader's first read to its last page placed (reads, recomputes, copies)
     wait_s: float  # seconds compute waited, at the meet, for loads in flight
     inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
-    reads: tuple[float, ...] = ()  # seconds of each page the loader placed, in its order (their sum is load_s)
+    reads: tuple[float, ...] = ()  # seconds of each page the loader placed (read to placed), in its order
 
 
 def best_claim(free: int, compute_s: float, read_s: float) -> int:
@@ -104,18 +106,23 @@ def best_claim(free: int, compute_s: float, read_s: float) -> int:
 
 class _Claims:
     """Which pages compute and the loader hold: [0, front) compute's, [low, pages) the loader's (shared, locked),
-    and the rates compute decides by (see the module docstring)."""
+    and the rates compute decides by (see the module docstring). The loader may be `workers` threads, each reading
+    one page at a time: a page then comes in every (seconds per read) / workers."""
 
     def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float],
-                 min_read_share: float = 0.0, page_read_s: float = 0.0, first_in_flight: bool = True) -> None:
+                 min_read_share: float = 0.0, page_read_s: float = 0.0, first_in_flight: bool = True,
+                 workers: int = 1) -> None:
         self.front, self.low = 0, pages
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
         self.min_read_share = min_read_share  # compute joins only while a read takes this share of a page's compute
-        self.page_read_s = page_read_s  # the estimate of a read until the loader's first one is in
+        self.page_read_s = page_read_s  # the estimate of a read (per page the loader brings in) until one is in
         self.first_in_flight = first_in_flight  # whether the first read's time in flight counts before it is in
-        self.reads: list[float] = []  # the loader's seconds per page so far
-        self.read_started_at: Optional[float] = None  # when the loader's read in flight began (None: none is)
+        self.workers = workers
+        self.reads: list[float] = []  # the loader's seconds per page so far (each on its own thread)
+        self.started: deque[float] = deque()  # when the reads in flight began, oldest first
+        self.recomputed = 0  # pages the loader recomputed from activations
+        self.began = self.ended = 0.0  # the loader's first read and its last page placed (time.perf_counter())
         self.lock = threading.Lock()
         self.read_done = threading.Condition(self.lock)
 
@@ -134,11 +141,10 @@ class _Claims:
                 # flight as one of them once it has taken longer (a single stall between fast reads is not the rate
                 # either: a throttle that lets reads through in bursts stalls one read in ten or so)
                 recent = self.reads[-4:]
-                per_read = sum(recent) / len(recent) if recent else self.page_read_s
-                started = self.read_started_at if self.reads or self.first_in_flight else None
-                if started is not None:
-                    in_flight = time.perf_counter() - started
-                    per_read = max(per_read, (sum(recent) + in_flight) / (len(recent) + 1))
+                per_read = sum(recent) / len(recent) / self.workers if recent else self.page_read_s
+                if self.started and (self.reads or self.first_in_flight):
+                    in_flight = time.perf_counter() - self.started[0]
+                    per_read = max(per_read, (sum(recent) + in_flight) / (len(recent) + 1) / self.workers)
                 if per_read < self.min_read_share * self.page_compute_s:
                     return range(0)  # reads are fast next to compute: computing would gain little and slow them
                 take = min(take, best_claim(free, self.page_compute_s, per_read))
@@ -166,13 +172,17 @@ class _Claims:
             if page < self.front or (self.split is not None and page < self.split):
                 return None
             self.low = page
-            self.read_started_at = time.perf_counter()
+            self.started.append(time.perf_counter())
+            self.began = self.began or self.started[-1]
             return page
 
-    def loaded(self, seconds: float) -> None:
+    def loaded(self, seconds: float, recomputed: bool = False) -> None:
+        """A page is placed, `seconds` after its read began (the oldest read in flight is taken as its)."""
         with self.lock:
             self.reads.append(seconds)
-            self.read_started_at = None
+            self.started.popleft()
+            self.recomputed += recomputed
+            self.ended = time.perf_counter()
             self.read_done.notify_all()
 
     def computed(self, pages: int, seconds: float) -> None:
@@ -184,7 +194,8 @@ class _Claims:
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
                  split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
-                 page_read_s: float = 0.0, rope: Optional[Rope] = None, inputs: bool = False) -> MeetResult:
+                 page_read_s: float = 0.0, rope: Optional[Rope] = None, inputs: bool = False,
+                 loaders: int = 1) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
     stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most pages compute takes at
     once (a forced split or a plain race takes this many).
@@ -193,7 +204,10 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     loader's reads take at least this share of a page's compute (else the loader takes the span alone), and
     `page_read_s`: an estimate of one page's read, used until the loader's first read is in. `rope`: the
     rotation (`LlamaModel.qkv`; a server passes its own kernel, so that computed keys match the ones it stored).
-    `inputs`: also return the new tokens' attention inputs (to store them as activations in turn)."""
+    `inputs`: also return the new tokens' attention inputs (to store them as activations in turn). `loaders`: threads
+    reading pages at once (`source.read` is then called from several threads; a CPU model only, a CUDA model's loader
+    is one thread): a disk that serves several reads at once brings a span in faster, and the pages' copies spread
+    over the cores (while compute runs they compete with it for them)."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -206,10 +220,11 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     model.reserve_positions(p + s + n)
     span_ids, new_ids = span_ids.to(dev), new_ids.to(dev)
     out = model.empty_kv(s + n)
-    claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=dev.type != "cuda")
-    errors: list[BaseException] = []
-    recomputed = [0]
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
+    workers = 1 if copies is not None else max(1, loaders)
+    claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,
+                     workers=workers)
+    errors: list[BaseException] = []
     # (on a CUDA model a page arrives whole in one buffer, then is spread over the layers: no allocation per page)
     stage = torch.empty_like(out[:, :ps]) if copies is not None else None
 
@@ -222,20 +237,19 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                     return
                 t0 = time.perf_counter()
                 try:
-                    recomputed[0] += _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
-                                            torch.arange(p + page * ps, p + (page + 1) * ps, device=dev), rope,
-                                            stage)
+                    recomputed = _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
+                                        torch.arange(p + page * ps, p + (page + 1) * ps, device=dev), rope, stage)
                     if copies is not None:
                         copies.synchronize()  # the page is on the device: its read time is the transfer's
                 except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
                     errors.append(exc)
                     return
-                claims.loaded(time.perf_counter() - t0)
+                claims.loaded(time.perf_counter() - t0, recomputed == 1)
 
     if copies is not None:  # (`out` may reuse memory that kernels queued before this call still touch)
         copies.wait_stream(torch.cuda.current_stream(dev))
-    pool = one_thread_pool("meet-load")  # torch on one thread there: spinning workers would slow compute's
-    loader = pool.submit(load)
+    pool = one_thread_pool("meet-load", workers)  # torch on one thread each: spinning workers would slow compute's
+    loading = [pool.submit(load) for _ in range(workers)]
     t0 = time.perf_counter()
     computed = 0
     try:
@@ -254,7 +268,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
             computed = pages_now.stop
         compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        loader.result()
+        for loader in loading:
+            loader.result()
         wait_s = time.perf_counter() - t1
     finally:
         errors.append(RuntimeError("stopped"))  # (a no-op once done) the loader stops at its next page
@@ -272,8 +287,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, s:, 0], out[layer, s:, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
-    return MeetResult(out, x[-1], computed, len(claims.reads), recomputed[0], compute_s, sum(claims.reads), wait_s,
-                      xs, tuple(claims.reads))
+    return MeetResult(out, x[-1], computed, len(claims.reads), claims.recomputed, compute_s,
+                      claims.ended - claims.began, wait_s, xs, tuple(claims.reads))
 
 
 def _on_stream(stream: Optional[torch.cuda.Stream]):

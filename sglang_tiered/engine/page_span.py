@@ -6,11 +6,14 @@ activations.py) when `activations` is on and they are stored -- the loader recom
 and as its KV otherwise, or when the activation page turns out missing or corrupt (counted). A KV page that is
 missing or corrupt ends the load (`SpanMiss`): the caller computes the span instead. Every segment is checked
 against its own checksum; the tier counts a miss and removes a corrupt file. Counters: `bytes_x`, `bytes_kv`,
-`act_misses`, `read_s` (seconds in the tier's reads: the read rate without the loader's recomputes and copies).
+`act_misses`, `read_s` (wall seconds during which at least one of the tier's reads ran: the read rate without the
+loader's recomputes and copies, reads on several threads at once counted once). `read` may run on several threads at
+once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -31,6 +34,9 @@ class TierPages:
         self.activations = activations and hidden > 0
         self.bytes_x = self.bytes_kv = self.act_misses = 0
         self.read_s = 0.0
+        self._reading = 0  # reads running now
+        self._since = 0.0  # when the running ones began to overlap (the first of them started)
+        self._lock = threading.Lock()
 
     @property
     def bytes_read(self) -> int:
@@ -43,19 +49,29 @@ class TierPages:
             if self.tier.contains(act):
                 x = torch.empty(self.x_shape, dtype=self.dtype)
                 if self._fill(act, [x[layer] for layer in range(self.x_shape[0])]):
-                    self.bytes_x += x.numel() * x.element_size()
+                    self._count("bytes_x", x.numel() * x.element_size())
                     return StoredPage(x=x)
-            self.act_misses += 1
+            self._count("act_misses", 1)
         kv = torch.empty(self.kv_shape, dtype=self.dtype)
         if not self._fill(key, [kv[layer, i] for layer in range(self.kv_shape[0]) for i in range(2)]):
             raise SpanMiss(f"KV page {key} is not readable")
-        self.bytes_kv += kv.numel() * kv.element_size()
+        self._count("bytes_kv", kv.numel() * kv.element_size())
         return StoredPage(kv=kv.permute(0, 2, 1, 3, 4))  # [layers, page_size, 2, kv_heads, head_dim]
+
+    def _count(self, name: str, n: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
 
     def _fill(self, key: str, parts: list[torch.Tensor]) -> bool:
         """Read the stored file `key`'s segments into `parts` (contiguous views); False for a miss of any kind."""
-        t0 = time.perf_counter()
+        with self._lock:
+            if not self._reading:
+                self._since = time.perf_counter()
+            self._reading += 1
         try:
             return self.tier.read_pages([(key, [memoryview(t.view(torch.uint8).numpy()) for t in parts])])[0]
         finally:
-            self.read_s += time.perf_counter() - t0
+            with self._lock:
+                self._reading -= 1
+                if not self._reading:
+                    self.read_s += time.perf_counter() - self._since

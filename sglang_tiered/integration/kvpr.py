@@ -86,6 +86,7 @@ from sglang_tiered.policy.kvpr import (
     auto_example,
     decide,
     gate,
+    loaders,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills
 from sglang_tiered.policy.read_rate import ReadRate
@@ -118,6 +119,7 @@ class Plan:
     page_s: float
     read_s: float
     activations: bool
+    loaders: int = 1  # threads reading pages at once (policy/kvpr.loaders)
 
 
 class KVPR:
@@ -208,7 +210,7 @@ class KVPR:
             if how is None:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations)
+        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, loaders(d, forced))
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
@@ -487,7 +489,7 @@ class KVPRHandler(SpanHandler):
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
                            chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
                            page_compute_s=plan.page_s, page_read_s=plan.read_s, rope=sglang_rope(module),
-                           inputs=kvpr.writer is not None,
+                           inputs=kvpr.writer is not None, loaders=plan.loaders,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
         req.tiered_pure_load = res.computed_pages == 0  # (a sample of our loader for the measured choice)
@@ -509,10 +511,12 @@ class KVPRHandler(SpanHandler):
                                                                                   kvpr.shape.x_bytes)))
         events.count("kvpr_activation_misses", source.act_misses)
         logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
-                    "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs (%d from "
+                    "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
+                    "thread(s) (%d from "
                     "activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; read path %s), "
                     "waited %.3fs at the meet, total=%.3fs", req.rid, s, prefix, ext - s, plan.mode,
-                    res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s, recomputed,
+                    res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s, plan.loaders,
+                    recomputed,
                     source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20, source.act_misses, read,
                     res.wait_s, time.perf_counter() - t0)
         return hidden

@@ -18,7 +18,10 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
   claim rule in engine/meet.py measures both as the load runs; the loader alone takes the span otherwise).
   `auto` takes a span on which compute may not join (a page read below MEET_TAKE_READ_SHARE of a page's compute)
   only where the loader reads activations: reading KV alone, our loader is SGLang's load with more CPU work per
-  byte (measured: 1.24x / 1.36x SGLang's load on the MHA model at the disk's own speed, 4096 / 8064 tokens).
+  byte (measured: 1.24x / 1.36x SGLang's load on the MHA model at the disk's own speed, 4096 / 8064 tokens);
+* `loaders`: how many threads read pages at once -- MEET_LOADERS where the loader is expected to take the span
+  alone (a disk serves two reads at once faster than one after the other), one where compute may join (the threads'
+  copies would take the cores from compute).
 """
 
 from __future__ import annotations
@@ -97,6 +100,11 @@ MEET_MIN_READ_SHARE = 0.25
 # 0.04) SGLang loads the span
 MEET_TAKE_READ_SHARE = MEET_MIN_READ_SHARE / 2
 
+# loader threads for a span the loader is expected to take alone: reading files of 4.2 MB (the MHA model's pages) from
+# this machine's own disk with the page cache dropped, 2 at once took 0.65-0.9x the time of 1 after the other (4 at
+# once no better than 2); each page's checksum and copy then also run beside another's, on 2 cores
+MEET_LOADERS = 2
+
 
 # `auto` takes a span only where reading it takes longer than computing this many pages: below, our loader could
 # gain a few milliseconds at most, and SGLang's own load keeps the hit in SGLang's cached-token counts
@@ -133,6 +141,12 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     joins = read_s >= MEET_MIN_READ_SHARE * page_s
     take = forced or (meet_pays(pages, read_s, page_s) and (use_x or read_s >= MEET_TAKE_READ_SHARE * page_s))
     return Decision(take, use_x, read_s, page_s, joins)
+
+
+def loaders(d: Decision, forced_pages: Optional[int]) -> int:
+    """Threads for the loader of a span decided as `d` with the meet point forced to `forced_pages` pages (None:
+    they meet): MEET_LOADERS where compute computes nothing or is not expected to join, else 1."""
+    return MEET_LOADERS if forced_pages == 0 or (forced_pages is None and not d.compute_joins) else 1
 
 
 def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096) -> str:

@@ -4,6 +4,8 @@ tier (checksums per segment; missing or corrupt activations fall back to that pa
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.meet import MemoryPages, meet_prefill
 from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.policy.kvpr import (
+    MEET_LOADERS,
     MEET_MIN_PAGES,
     MEET_MIN_READ_SHARE,
     MEET_TAKE_READ_SHARE,
@@ -21,6 +24,7 @@ from sglang_tiered.policy.kvpr import (
     auto_example,
     decide,
     gate,
+    loaders,
     meet_pays,
     page_compute_s,
     page_read_s,
@@ -82,6 +86,15 @@ def test_decide_forced_loads_read_activations_wherever_stored_and_take_every_spa
     assert not decide(mha_shape(), fast, 16, 64, stored_activations=False, forced=True).activations
     slow = decide(mha_shape(), Profile(50e6, 1e-6, 25e-6), 16, 64, stored_activations=True, forced=False)
     assert slow.take and slow.activations and slow.compute_joins
+
+
+def test_two_loader_threads_only_where_compute_is_not_expected_to_join():
+    fast = decide(mha_shape(), Profile(20e9, 1e-6, 25e-6), 16, 64, stored_activations=False, forced=False)
+    slow = decide(mha_shape(), Profile(50e6, 1e-6, 25e-6), 16, 64, stored_activations=False, forced=False)
+    assert not fast.compute_joins and slow.compute_joins
+    assert loaders(fast, None) == MEET_LOADERS == 2 and loaders(slow, None) == 1
+    assert loaders(slow, 0) == MEET_LOADERS  # forced: the loader reads everything, compute nothing
+    assert loaders(fast, 3) == 1  # forced: compute runs beside the loader
 
 
 def test_auto_lets_the_loader_alone_take_a_fast_span_only_where_it_reads_activations():
@@ -238,6 +251,23 @@ def test_stored_pages_load_exactly_and_read_fewer_bytes(mha, tier):
     res = meet_prefill(model, ids[:80], ids[80:], prefix_len=0, source=as_kv, split=0)
     assert res.recomputed_pages == 0 and as_kv.bytes_x == 0 and as_kv.bytes_kv == 5 * kv_page * MHA.layers
     assert torch.equal(res.kv[:, :80], kv[:, :80])
+
+
+def test_two_loader_threads_load_stored_pages_exactly_and_count_each_read_once(mha, tier):
+    """`loaders=2`: the same KV and counters as one loader (TierPages.read on two threads at once), and read_s is
+    the wall time reads ran, not their sum."""
+    model, ids, logits, kv, xs = mha
+    keys = store_span(tier, kv, xs, 80, with_x={0, 2, 3})
+    source = tier_pages(tier, keys)
+    t = time.perf_counter()
+    res = meet_prefill(model, ids[:80], ids[80:], prefix_len=0, source=source, split=0, loaders=2)
+    wall = time.perf_counter() - t
+    assert res.loaded_pages == 5 and res.recomputed_pages == 3 and source.act_misses == 2
+    x_page, kv_page = PS * MHA.hidden * 4, PS * 2 * MHA.kv_heads * MHA.head_dim * 4
+    assert source.bytes_x == 3 * x_page * MHA.layers and source.bytes_kv == 2 * kv_page * MHA.layers
+    torch.testing.assert_close(res.kv, kv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.logits(res.hidden[None])[0], logits, rtol=1e-4, atol=1e-4)
+    assert 0 < source.read_s <= res.load_s <= wall
 
 
 def test_missing_or_corrupt_activations_fall_back_to_that_pages_kv(mha, tier):

@@ -39,3 +39,16 @@ def test_a_bare_set_on_a_worker_does_change_the_default(two_threads):
     worker.start()
     worker.join()
     assert _count_on_a_new_thread() == 1
+
+
+def test_every_worker_of_a_wider_pool_runs_on_one_thread(two_threads):
+    with one_thread_pool("test-two", workers=2) as pool:
+        gate = threading.Barrier(2)  # both tasks at once: they run on the two workers
+
+        def count() -> tuple[str, int]:
+            gate.wait(timeout=5)
+            return threading.current_thread().name, torch.get_num_threads()
+
+        seen = dict(job.result() for job in [pool.submit(count) for _ in range(2)])
+        assert len(seen) == 2 and set(seen.values()) == {1}
+        assert torch.get_num_threads() == 2 and _count_on_a_new_thread() == 2
