@@ -106,6 +106,30 @@ class Unsettled(RuntimeError):
         self.values = values
 
 
+class ProfileTries:
+    """When a compute profile that disagrees with itself (`Unsettled`: something else slowed it) is taken again: at
+    most `tries` profiles in all, each `retry_s` seconds after the one dropped (what slowed it has likely ended); the
+    last, or one taken `final` (a forced load is waiting for it), is kept. Times are time.monotonic() seconds."""
+
+    def __init__(self, tries: int, retry_s: float) -> None:
+        self.tries, self.retry_s = tries, retry_s
+        self.dropped = 0  # profiles dropped so far
+        self.not_before = 0.0  # no profile is taken before this
+
+    def due(self, now: float) -> bool:
+        """Whether a profile may be taken at `now`."""
+        return now >= self.not_before
+
+    def drop(self, now: float, final: bool) -> bool:
+        """An unsettled profile taken at `now`: True to drop it and take another `retry_s` later, False to keep it
+        (the `tries`-th, or `final`)."""
+        if final or self.dropped + 1 >= self.tries:
+            return False
+        self.dropped += 1
+        self.not_before = now + self.retry_s
+        return True
+
+
 def settled_layer_s(first: float, again: Callable[[], float], bound: float,
                     tries: int = LAYER_TRIES) -> tuple[float, bool]:
     """A layer's time per new token: `first`, measured again (`again()`, the fastest kept) while it is more than

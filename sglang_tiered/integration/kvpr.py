@@ -63,6 +63,7 @@ import torch
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
     PROFILE_FILE,
+    ProfileTries,
     Unsettled,
     describe,
     measure_compute,
@@ -87,6 +88,7 @@ from sglang_tiered.policy.kvpr import (
     decide,
     gate,
     loaders,
+    reads_as_auto,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills
 from sglang_tiered.policy.read_rate import ReadRate
@@ -120,6 +122,7 @@ class Plan:
     read_s: float
     activations: bool
     loaders: int = 1  # threads reading pages at once (policy/kvpr.loaders)
+    as_auto: bool = True  # it reads pages as `auto` would (activations or KV): a whole read is a sample of our loader
 
 
 class KVPR:
@@ -141,8 +144,7 @@ class KVPR:
         self.measuring = False
         self.read_measured = threading.Event()  # set once the read bandwidth is measured (or could not be)
         self.compute_failed = False
-        self._unsettled = 0  # compute profiles dropped for disagreeing with themselves
-        self._retry_at = 0.0  # time.monotonic() before which no compute profile is taken
+        self.tries = ProfileTries(PROFILE_TRIES, PROFILE_RETRY_S)  # compute profiles that disagree with themselves
         self.profile: Optional[Profile] = None
         self.key = ""
         self.lock = threading.Lock()
@@ -203,14 +205,17 @@ class KVPR:
                 self.handler.fallback([req.rid], "no measured profile (see the `tiered kvpr: cannot measure` or "
                                       "`measuring the compute profile failed` line); SGLang loads the stored prefix")
             return None
-        d = decide(self.shape, profile, n, ps, stored_activations=self.writer is not None, forced=mode != "auto")
+        stored_x = self.writer is not None
+        d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
+        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, n, ps, stored_activations=stored_x)
         how = str(mode)
         if not d.take:  # compute would gain little: our loader only where it is the faster load
             how = self._ours_anyway(scheduler, req, n) if mode == "auto" else None
             if how is None:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, loaders(d, forced))
+        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, loaders(d, forced),
+                    as_auto)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
@@ -287,7 +292,7 @@ class KVPR:
         request's path (about 0.1-0.4 s, once; again PROFILE_RETRY_S later where it disagreed with itself)."""
         try:
             if self.profile is None and self.read_measured.is_set() and scheduler.is_fully_idle() and \
-                    time.monotonic() >= self._retry_at:
+                    self.tries.due(time.monotonic()):
                 self._measure_compute(scheduler)
         except Exception:  # noqa: BLE001 -- never the scheduler's problem
             self.compute_failed = True
@@ -304,15 +309,13 @@ class KVPR:
         try:
             compute = measure_compute(self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model))
         except Unsettled as exc:
-            self._unsettled += 1
-            if not final and self._unsettled < PROFILE_TRIES:
+            if self.tries.drop(time.monotonic(), final):
                 self.rt.events.count("kvpr_profile_retries")
-                self._retry_at = time.monotonic() + PROFILE_RETRY_S
                 logger.info("tiered kvpr: the compute profile disagrees with itself (%s); measured again at an idle "
                             "moment in %.0f s", exc, PROFILE_RETRY_S)
                 return
             logger.warning("tiered kvpr: the compute profile disagrees with itself (%s), %d times; kept", exc,
-                           self._unsettled)
+                           self.tries.dropped + 1)
             compute = exc.values
         except Exception:  # noqa: BLE001 -- no profile: SGLang keeps loading every stored span
             self.compute_failed = True
@@ -492,7 +495,7 @@ class KVPRHandler(SpanHandler):
                            inputs=kvpr.writer is not None, loaders=plan.loaders,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
-        req.tiered_pure_load = res.computed_pages == 0  # (a sample of our loader for the measured choice)
+        req.tiered_pure_load = res.computed_pages == 0 and plan.as_auto  # (a sample of our loader: load_timing)
         if res.loaded_pages and not req.retracted_stain:  # read, not computed: reported as SGLang reports its own
             req.cached_tokens += res.loaded_pages * ps      # L3 hits (meta_info.cached_tokens_details, /metrics)
             req.cached_tokens_storage += res.loaded_pages * ps

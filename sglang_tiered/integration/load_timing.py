@@ -11,15 +11,17 @@
   admitted while others ran (given our loader behind other prefills, kvpr.py) is a sample too: its forward's own
   seconds (`ForwardHook.last_extend_s`). That is how a `rule` server learns what our loader costs on spans it
   otherwise leaves to SGLang, and stops taking them behind prefills shorter than that cost.
-* Which load: ours, where our loader took the span and computed none of it (`req.tiered_pure_load`, set by the
-  handler); SGLang's, where SGLang's own forward ran it and SGLang reports tokens it took from storage
-  (`req.cached_tokens_storage`), or where the choice gave it the span (`left_to_sglang`): then the sample is over
-  the whole span, whatever SGLang's load brought in -- a prefetch that gives up and leaves the span to be computed
-  is that load's cost (measured: the MHA model at 100 MB/s, 4096 tokens, SGLang's prefetch brought nothing in and
-  the request took 12-13 s; counted as no sample, it left SGLang's load unmeasured, so the choice kept trying it).
-  Such a sample, where SGLang's load brought in less than half of the span, is conclusive (`LoadChoice.observe`):
-  the choice does not give SGLang's load a second span of that size to measure, which would cost the same again
-  (12-13 s there, for each of the first two).
+* Which load: ours, where our loader took the span and computed none of it, reading its pages as `auto` would
+  (`req.tiered_pure_load`, set by the handler: a forced load that reads activations where `auto` reads KV -- the MHA
+  model at the disk's own speed, where recomputing from activations is the slower way -- is another load, and its
+  samples had made `auto` keep SGLang's load without ever timing ours as it would run); SGLang's, where SGLang's own
+  forward ran it and SGLang reports tokens it took from storage (`req.cached_tokens_storage`), or where the choice
+  gave it the span (`left_to_sglang`): then the sample is over the whole span, whatever SGLang's load brought in -- a
+  prefetch that gives up and leaves the span to be computed is that load's cost (measured: the MHA model at 100 MB/s,
+  4096 tokens, SGLang's prefetch brought nothing in and the request took 12-13 s; counted as no sample, it left
+  SGLang's load unmeasured, so the choice kept trying it). Such a sample, where SGLang's load brought in less than
+  half of the span, is conclusive (`LoadChoice.observe`): the choice does not give SGLang's load a second span of that
+  size to measure, which would cost the same again (12-13 s there, for each of the first two).
   Anything else (a two-sided load, blending, a fallback) is no sample.
 """
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from sglang_tiered.engine.kvpr_profile import measure_compute, settled_layer_s
+from sglang_tiered.engine.kvpr_profile import ProfileTries, measure_compute, settled_layer_s
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.meet import MemoryPages, meet_prefill
 from sglang_tiered.kernels.extend_attention import causal_attention
@@ -28,6 +28,7 @@ from sglang_tiered.policy.kvpr import (
     meet_pays,
     page_compute_s,
     page_read_s,
+    reads_as_auto,
 )
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
 
@@ -97,6 +98,13 @@ def test_two_loader_threads_only_where_compute_is_not_expected_to_join():
     assert loaders(fast, 3) == 1  # forced: compute runs beside the loader
 
 
+def test_a_forced_load_reads_as_auto_only_where_both_read_the_same_way():
+    fast, slow = Profile(20e9, 1e-6, 25e-6), Profile(50e6, 1e-6, 25e-6)  # X pays only on the slow disk
+    assert not reads_as_auto(mha_shape(), fast, 16, 64, stored_activations=True)  # forced: X; auto: KV
+    assert reads_as_auto(mha_shape(), slow, 16, 64, stored_activations=True)  # both X
+    assert reads_as_auto(mha_shape(), fast, 16, 64, stored_activations=False)  # none stored: both KV
+
+
 def test_auto_lets_the_loader_alone_take_a_fast_span_only_where_it_reads_activations():
     # 2 GB/s, recompute 0.5 us: X pays (0.58 + 0.5 < 1.15 us per token-layer), a page reads in 2.1 ms against 49.9 ms
     # of compute: compute cannot join, but the loader still reads half the bytes SGLang's load would
@@ -121,6 +129,18 @@ def test_a_layer_timed_far_slower_than_the_whole_load_is_measured_again():
     slow = iter([2000e-6, 1900e-6, 1.0])
     assert settled_layer_s(2125e-6, lambda: next(slow), bound=77e-6) == (1900e-6, False)  # 3 in all, the fastest
     assert settled_layer_s(80e-6, lambda: 1 / 0, bound=77e-6) == (80e-6, True)  # agrees: not measured again
+
+
+def test_a_profile_that_disagrees_with_itself_is_taken_again_later_and_the_third_is_kept():
+    tries = ProfileTries(tries=3, retry_s=5.0)
+    assert tries.due(0.0)
+    assert tries.drop(10.0, final=False)  # the first: dropped, the next not before 15 s
+    assert not tries.due(14.9) and tries.due(15.0)
+    assert tries.drop(15.0, final=False) and not tries.due(19.9) and tries.due(20.0)
+    assert not tries.drop(20.0, final=False)  # the third: kept
+    assert tries.dropped == 2
+    waiting = ProfileTries(tries=3, retry_s=5.0)
+    assert not waiting.drop(1.0, final=True) and waiting.dropped == 0 and waiting.due(1.0)  # a forced load keeps it
 
 
 def test_measure_compute_gives_a_layer_time_the_whole_load_can_contain(mha):
