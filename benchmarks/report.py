@@ -546,6 +546,19 @@ MEET_RERUNS = [
      "decoding client now resumed 1 s before each measured request (so the request arrives among decodes): the MHA "
      "model at the disk's own speed (`--models smollm2-mha --lengths 1024 4096 --skip-native --slow-mbps --busy "
      "--busy-native --busy-client decode --repeats 3 --max-repeats 8 --name meet-decode3-mha-amd`)"),
+    ("meet-loaders-amd", "a later AMD machine, with two loader threads where the loader is expected to take the span "
+     "alone (commit 379c4bf), before the sample fix below: both models at the disk's own speed (`--models smollm2 "
+     "smollm2-mha --lengths 1024 4096 8064 --slow-mbps --busy --repeats 5 --max-repeats 9 --name meet-loaders-amd`); "
+     "on the MHA model the forced loads (activations) were the measured choice's samples of our loader, so `auto` "
+     "kept SGLang's load"),
+    ("meet-loaders2-mha-amd", "right after meet-loaders-amd, the same machine, with the sample fix (a forced load "
+     "that reads activations where `auto` reads KV is no sample): the MHA model at the disk's own speed (`--models "
+     "smollm2-mha --lengths 1024 4096 8064 --slow-mbps --busy --repeats 5 --max-repeats 9 --name "
+     "meet-loaders2-mha-amd`)"),
+    ("meet-loaders-decode-mha-amd", "right after meet-loaders2-mha-amd, the same machine and code: the MHA model with "
+     "a second client decoding, at 100 MB/s and the disk's own speed (`--models smollm2-mha --lengths 1024 4096 "
+     "--skip-native --slow-mbps --busy 100 --busy-native --busy-client decode --repeats 3 --max-repeats 8 --name "
+     "meet-loaders-decode-mha-amd`)"),
 ]
 
 
