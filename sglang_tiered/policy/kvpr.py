@@ -18,7 +18,8 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
   claim rule in engine/meet.py measures both as the load runs; the loader alone takes the span otherwise).
   `auto` takes a span on which compute may not join (a page read below MEET_TAKE_READ_SHARE of a page's compute)
   only where the loader reads activations: reading KV alone, our loader is SGLang's load with more CPU work per
-  byte (measured: 1.24x / 1.36x SGLang's load on the MHA model at the disk's own speed, 4096 / 8064 tokens);
+  byte (measured on one loader thread: 1.24x / 1.36x SGLang's load on the MHA model at the disk's own speed, 4096 /
+  8064 tokens; `--tiered-kvpr-choice measured` times the two where compute would not join);
 * `loaders`: how many threads read pages at once -- MEET_LOADERS where the loader is expected to take the span
   alone (a disk serves two reads at once faster than one after the other), one where compute may join (the threads'
   copies would take the cores from compute).
