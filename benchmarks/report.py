@@ -559,6 +559,10 @@ MEET_RERUNS = [
      "a second client decoding, at 100 MB/s and the disk's own speed (`--models smollm2-mha --lengths 1024 4096 "
      "--skip-native --slow-mbps --busy 100 --busy-native --busy-client decode --repeats 3 --max-repeats 8 --name "
      "meet-loaders-decode-mha-amd`)"),
+    ("meet-loaders-slow-amd", "right after the suite run of this stop, the same machine and code (4ba719f): both "
+     "models behind a throttled disk at idle, where plans that expect compute to stay out now read on two threads "
+     "(`--models smollm2 smollm2-mha --lengths 1024 4096 --skip-native --slow-mbps 200 100 50 --busy --repeats 3 "
+     "--max-repeats 6 --point-budget 40 --name meet-loaders-slow-amd`)"),
 ]
 
 
