@@ -563,6 +563,9 @@ MEET_RERUNS = [
      "models behind a throttled disk at idle, where plans that expect compute to stay out now read on two threads "
      "(`--models smollm2 smollm2-mha --lengths 1024 4096 --skip-native --slow-mbps 200 100 50 --busy --repeats 3 "
      "--max-repeats 6 --point-budget 40 --name meet-loaders-slow-amd`)"),
+    ("meet-25-8k-amd", "right after meet-loaders-slow-amd, the same machine and code: SmolLM2's 8064-token point at "
+     "25 MB/s, which had the profile that disagreed with itself in meet-8k-amd (`--models smollm2 --lengths 8064 "
+     "--skip-native --slow-mbps 25 --busy --repeats 3 --max-repeats 5 --point-budget 60 --name meet-25-8k-amd`)"),
 ]
 
 
