@@ -566,6 +566,9 @@ MEET_RERUNS = [
     ("meet-25-8k-amd", "right after meet-loaders-slow-amd, the same machine and code: SmolLM2's 8064-token point at "
      "25 MB/s, which had the profile that disagreed with itself in meet-8k-amd (`--models smollm2 --lengths 8064 "
      "--skip-native --slow-mbps 25 --busy --repeats 3 --max-repeats 5 --point-budget 60 --name meet-25-8k-amd`)"),
+    ("meet-busy3-amd", "right after meet-25-8k-amd, the same machine and code: SmolLM2 at 100 MB/s, 1024 tokens, with "
+     "the second client's 2048-token prefills back to back (`--models smollm2 --lengths 1024 --skip-native "
+     "--slow-mbps --busy 100 --repeats 3 --max-repeats 6 --point-budget 60 --name meet-busy3-amd`)"),
 ]
 
 
