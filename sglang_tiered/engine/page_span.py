@@ -49,18 +49,17 @@ class TierPages:
             if self.tier.contains(act):
                 x = torch.empty(self.x_shape, dtype=self.dtype)
                 if self._fill(act, [x[layer] for layer in range(self.x_shape[0])]):
-                    self._count("bytes_x", x.numel() * x.element_size())
+                    with self._lock:
+                        self.bytes_x += x.numel() * x.element_size()
                     return StoredPage(x=x)
-            self._count("act_misses", 1)
+            with self._lock:
+                self.act_misses += 1
         kv = torch.empty(self.kv_shape, dtype=self.dtype)
         if not self._fill(key, [kv[layer, i] for layer in range(self.kv_shape[0]) for i in range(2)]):
             raise SpanMiss(f"KV page {key} is not readable")
-        self._count("bytes_kv", kv.numel() * kv.element_size())
-        return StoredPage(kv=kv.permute(0, 2, 1, 3, 4))  # [layers, page_size, 2, kv_heads, head_dim]
-
-    def _count(self, name: str, n: int) -> None:
         with self._lock:
-            setattr(self, name, getattr(self, name) + n)
+            self.bytes_kv += kv.numel() * kv.element_size()
+        return StoredPage(kv=kv.permute(0, 2, 1, 3, 4))  # [layers, page_size, 2, kv_heads, head_dim]
 
     def _fill(self, key: str, parts: list[torch.Tensor]) -> bool:
         """Read the stored file `key`'s segments into `parts` (contiguous views); False for a miss of any kind."""

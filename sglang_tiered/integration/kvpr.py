@@ -207,7 +207,7 @@ class KVPR:
             return None
         stored_x = self.writer is not None
         d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
-        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, n, ps, stored_activations=stored_x)
+        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, stored_activations=stored_x)
         how = str(mode)
         if not d.take:  # compute would gain little: our loader only where it is the faster load
             how = self._ours_anyway(scheduler, req, n) if mode == "auto" else None
@@ -515,13 +515,11 @@ class KVPRHandler(SpanHandler):
         events.count("kvpr_activation_misses", source.act_misses)
         logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
                     "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
-                    "thread(s) (%d from "
-                    "activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; read path %s), "
-                    "waited %.3fs at the meet, total=%.3fs", req.rid, s, prefix, ext - s, plan.mode,
+                    "thread(s) (%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; "
+                    "read path %s), waited %.3fs at the meet, total=%.3fs", req.rid, s, prefix, ext - s, plan.mode,
                     res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s, plan.loaders,
-                    recomputed,
-                    source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20, source.act_misses, read,
-                    res.wait_s, time.perf_counter() - t0)
+                    recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
+                    source.act_misses, read, res.wait_s, time.perf_counter() - t0)
         return hidden
 
 

@@ -144,12 +144,10 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     return Decision(take, use_x, read_s, page_s, joins)
 
 
-def reads_as_auto(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_activations: bool) -> bool:
-    """Whether a forced load of this span reads its pages as `auto` would (activations or KV): only then is it a
-    sample of our loader as `auto` runs it (a forced load reads activations wherever stored)."""
-    forced = decide(shape, prof, pages, page_size, stored_activations=stored_activations, forced=True)
-    auto = decide(shape, prof, pages, page_size, stored_activations=stored_activations, forced=False)
-    return forced.activations == auto.activations
+def reads_as_auto(shape: Shape, prof: Profile, *, stored_activations: bool) -> bool:
+    """Whether a forced load reads its pages as `auto` would (activations or KV): only then is it a sample of our
+    loader as `auto` runs it. A forced load reads activations wherever stored (`decide`), `auto` where they pay."""
+    return not stored_activations or activations_pay(shape, prof)
 
 
 def loaders(d: Decision, forced_pages: Optional[int]) -> int:

@@ -100,9 +100,12 @@ def test_two_loader_threads_only_where_compute_is_not_expected_to_join():
 
 def test_a_forced_load_reads_as_auto_only_where_both_read_the_same_way():
     fast, slow = Profile(20e9, 1e-6, 25e-6), Profile(50e6, 1e-6, 25e-6)  # X pays only on the slow disk
-    assert not reads_as_auto(mha_shape(), fast, 16, 64, stored_activations=True)  # forced: X; auto: KV
-    assert reads_as_auto(mha_shape(), slow, 16, 64, stored_activations=True)  # both X
-    assert reads_as_auto(mha_shape(), fast, 16, 64, stored_activations=False)  # none stored: both KV
+    assert not reads_as_auto(mha_shape(), fast, stored_activations=True)  # forced: X; auto: KV
+    assert reads_as_auto(mha_shape(), slow, stored_activations=True)  # both X
+    assert reads_as_auto(mha_shape(), fast, stored_activations=False)  # none stored: both KV
+    for prof, stored in ((fast, True), (slow, True), (fast, False)):  # the same as the two decisions agreeing
+        forced, auto = (decide(mha_shape(), prof, 16, 64, stored_activations=stored, forced=f) for f in (True, False))
+        assert reads_as_auto(mha_shape(), prof, stored_activations=stored) == (forced.activations == auto.activations)
 
 
 def test_auto_lets_the_loader_alone_take_a_fast_span_only_where_it_reads_activations():
