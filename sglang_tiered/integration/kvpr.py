@@ -341,13 +341,15 @@ class KVPR:
             self._measure_compute(scheduler, final=True)
         return self.profile
 
-    def observe_read(self, nbytes: int, seconds: float) -> str:
+    def observe_read(self, nbytes: int, seconds: float, *, spread: bool = False) -> str:
         """Fold a load's reads (bytes over the wall seconds they took: the read path as it really runs, readahead and
         checksums included; the loader's recomputes and copies not) into the read rate -- our loader's and SGLang's
         own (`TieredSSDStorage.batch_get_v1`) alike; called from the scheduler and from SGLang's prefetch thread.
-        The profile follows the rate both ways (policy/read_rate.py)."""
+        `spread`: the loader recomputed activations between its reads, so a throttle may have let them through
+        faster than it sustains; such a rate only pulls the estimate down. The profile follows the rate
+        (policy/read_rate.py)."""
         with self.lock:
-            if self.rate is None or not self.rate.observe(nbytes, seconds):
+            if self.rate is None or not self.rate.observe(nbytes, seconds, spread=spread):
                 return "not updated"
             bps, samples = self.rate.bps, self.rate.samples
             if self.profile is not None:
@@ -504,7 +506,8 @@ class KVPRHandler(SpanHandler):
             keys = page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
             rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
             kvpr.writer.submit(keys, res.inputs[:, rows].clone())
-        read = kvpr.observe_read(source.bytes_read, source.read_s) if res.loaded_pages else "nothing read"
+        read = (kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
+                if res.loaded_pages else "nothing read")
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
         events.count("kvpr_loads")
         events.count("kvpr_tokens_computed", computed)
