@@ -569,6 +569,13 @@ MEET_RERUNS = [
     ("meet-busy3-amd", "right after meet-25-8k-amd, the same machine and code: SmolLM2 at 100 MB/s, 1024 tokens, with "
      "the second client's 2048-token prefills back to back (`--models smollm2 --lengths 1024 --skip-native "
      "--slow-mbps --busy 100 --repeats 3 --max-repeats 6 --point-budget 60 --name meet-busy3-amd`)"),
+    ("meet-readrate2-mha-amd", "loads that recomputed activations between their reads now only pull the read rate "
+     "down: the MHA model behind the throttle, and at 100 MB/s with a decoding client (`--models smollm2-mha "
+     "--lengths 1024 4096 --slow-mbps 200 100 50 --skip-native --busy 100 --busy-client decode --repeats 3 "
+     "--max-repeats 6 --point-budget 40 --name meet-readrate2-mha-amd`)"),
+    ("meet-readrate2-native-mha-amd", "the same code right after, the MHA model at the disk's own speed with more "
+     "rounds (`--models smollm2-mha --lengths 1024 4096 8064 --slow-mbps --busy --repeats 3 --max-repeats 12 "
+     "--point-budget 90 --name meet-readrate2-native-mha-amd`)"),
 ]
 
 
