@@ -576,6 +576,9 @@ MEET_RERUNS = [
     ("meet-readrate2-native-mha-amd", "the same code right after, the MHA model at the disk's own speed with more "
      "rounds (`--models smollm2-mha --lengths 1024 4096 8064 --slow-mbps --busy --repeats 3 --max-repeats 12 "
      "--point-budget 90 --name meet-readrate2-native-mha-amd`)"),
+    ("meet-100-1k-amd", "the same code after the suite: SmolLM2 at 100 MB/s, 1024 tokens, the 1.24x point of "
+     "meet-loaders-slow-amd (`--models smollm2 --lengths 1024 --skip-native --slow-mbps 100 --busy --repeats 3 "
+     "--max-repeats 12 --point-budget 90 --name meet-100-1k-amd`)"),
 ]
 
 
