@@ -81,6 +81,7 @@ from sglang_tiered.integration.load_timing import LoadTiming
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
+    MEET_LOADERS,
     MEET_MIN_READ_SHARE,
     Profile,
     Shape,
@@ -91,6 +92,7 @@ from sglang_tiered.policy.kvpr import (
     reads_as_auto,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills
+from sglang_tiered.policy.read_rate import WEIGHT as READ_WEIGHT
 from sglang_tiered.policy.read_rate import ReadRate
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -207,7 +209,7 @@ class KVPR:
             return None
         stored_x = self.writer is not None
         d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
-        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, stored_activations=stored_x)
+        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         how = str(mode)
         if not d.take:  # compute would gain little: our loader only where it is the faster load
             how = self._ours_anyway(scheduler, req, n) if mode == "auto" else None
@@ -362,6 +364,21 @@ class KVPR:
             logger.info("tiered kvpr: read rate now %.0f MB/s (%d loads since the probe)", bps / 1e6, samples)
         return f"{nbytes / seconds / 1e6:.0f} MB/s, v now {bps / 1e6:.0f} MB/s"
 
+    def observe_activation_load(self, seconds: float, token_layers: int) -> None:
+        """Fold a load that read only activations on MEET_LOADERS threads, compute taking no page (`seconds` of the
+        loader's wall time for `token_layers`), into the profile's `x_load_s`: the first replaces the model's
+        stand-in, later ones a moving average (read_rate.WEIGHT of each)."""
+        per = seconds / token_layers
+        with self.lock:
+            if self.profile is None:
+                return
+            old = self.profile.x_load_s
+            new = per if old == 0 else READ_WEIGHT * per + (1 - READ_WEIGHT) * old
+            self.profile = replace(self.profile, x_load_s=new)
+        if old == 0 or abs(new - old) > 0.25 * old:
+            logger.info("tiered kvpr: activation loads now %.2f us per token-layer on %d threads", new * 1e6,
+                        MEET_LOADERS)
+
     # ------------------------------------------------------------------------------------- activation capture
     def around_attention(self, original, attn_module, positions, hidden_states, forward_batch, *args, **kwargs):
         mode = forward_batch.forward_mode
@@ -508,6 +525,8 @@ class KVPRHandler(SpanHandler):
             kvpr.writer.submit(keys, res.inputs[:, rows].clone())
         read = (kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
                 if res.loaded_pages else "nothing read")
+        if plan.loaders == MEET_LOADERS and res.computed_pages == 0 and res.recomputed_pages == source.pages > 0:
+            kvpr.observe_activation_load(res.load_s, source.pages * ps * c.layers)
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
         events.count("kvpr_loads")
         events.count("kvpr_tokens_computed", computed)

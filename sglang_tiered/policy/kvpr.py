@@ -9,8 +9,10 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
 
 * `gate`: whether activations can ever pay on this model (X smaller than the KV it replaces: MHA models; GQA models
   such as SmolLM2 store none);
-* `activations_pay`: whether the loader reads a page as X rather than KV at the measured read rate:
-  x_bytes / v + recompute_s < kv_bytes / v (per token-layer);
+* `activations_pay`: whether the loader brings a page in faster as X than as KV at the measured read rate
+  (`activation_read_s`): on one thread, read then recompute, x_bytes / v + recompute_s against kv_bytes / v (per
+  token-layer); where that is too fast for compute to join, on MEET_LOADERS threads, one page's read beside another's
+  recompute: max(x_bytes / v, the activation loads' own measured cost, recompute_s until one is in);
 * `meet_pays`: whether to take the span at all (`auto`) rather than leave it to SGLang's own load (which reports
   the hit in SGLang's own cached-token counts): only where reading it takes longer than computing MEET_MIN_PAGES of
   its pages;
@@ -40,6 +42,8 @@ class Profile:
     layer_s: float  # seconds of one layer of the model for one new token (projections and MLP, no long attention)
     stored_s: float = 0.0  # compute-stream seconds per stored token-layer, however it arrived (assembling the
     #                        span's KV, attending over it, writing it to the pool)
+    x_load_s: float = 0.0  # wall seconds per token-layer of loads that read only activations on MEET_LOADERS
+    #                        threads, as measured (integration/kvpr.py); 0: none yet
 
 
 @dataclass(frozen=True)
@@ -59,12 +63,11 @@ def gate(shape: Shape) -> Optional[str]:
     return None
 
 
-def activations_pay(shape: Shape, prof: Profile) -> bool:
-    """Is a page faster to read as activations (and recompute K, V) than as KV at the profile's read rate?"""
+def activations_pay(shape: Shape, prof: Profile, page_size: int) -> bool:
+    """Does the loader bring a page in faster as activations (K, V recomputed) than as KV, under `prof`?"""
     if gate(shape) is not None:
         return False
-    v = prof.read_bytes_per_s
-    return shape.x_bytes / v + prof.recompute_s < shape.kv_bytes / v
+    return activation_read_s(shape, prof, page_size)[0] < page_read_s(shape, prof, page_size, False)
 
 
 def page_compute_s(prof: Profile, layers: int, page_size: int) -> float:
@@ -74,10 +77,27 @@ def page_compute_s(prof: Profile, layers: int, page_size: int) -> float:
 
 
 def page_read_s(shape: Shape, prof: Profile, page_size: int, activations: bool) -> float:
-    """Seconds for the loader to bring one page in: its KV read, or its activations read and K, V recomputed."""
+    """Seconds for the loader to bring one page in: its KV read, or its activations read and K, V recomputed
+    (`activation_read_s`)."""
     if activations:
-        return shape.layers * page_size * (shape.x_bytes / prof.read_bytes_per_s + prof.recompute_s)
+        return activation_read_s(shape, prof, page_size)[0]
     return shape.layers * page_size * shape.kv_bytes / prof.read_bytes_per_s
+
+
+def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[float, int]:
+    """(seconds per page, threads) for the loader bringing pages in as activations. On MEET_LOADERS threads where
+    that is too fast for compute to join (below MEET_MIN_READ_SHARE of a page's compute, so `loaders` gives them):
+    one page's read runs beside another's recompute, so a page every max(read, recompute) -- the recompute term the
+    activation loads' own measured cost once one is in (`x_load_s`), the profile's one-thread recompute before
+    (two threads do not halve it: on the MHA model at the disk's own speed, 2 cores, whole-span activation loads
+    took about 12 us per token-layer against 7.4-8.3 us for one recompute on one thread). Otherwise on one
+    thread, read then recompute."""
+    tokens = shape.layers * page_size
+    read = shape.x_bytes / prof.read_bytes_per_s
+    apart = tokens * max(read, prof.x_load_s or prof.recompute_s)
+    if apart < MEET_MIN_READ_SHARE * page_compute_s(prof, shape.layers, page_size):
+        return apart, MEET_LOADERS
+    return tokens * (read + prof.recompute_s), 1
 
 
 # the most pages compute prefills at once in a two-sided load: a wider chunk runs wider matrix products (on the CPU
@@ -136,7 +156,7 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     taken always when `forced`, else where `meet_pays` and either the loader reads activations or compute may join
     (a page read takes MEET_TAKE_READ_SHARE of a page's compute or more; alone on KV the loader only repeats
     SGLang's load, slower)."""
-    use_x = stored_activations and (forced or activations_pay(shape, prof))
+    use_x = stored_activations and (forced or activations_pay(shape, prof, page_size))
     read_s = page_read_s(shape, prof, page_size, use_x)
     page_s = page_compute_s(prof, shape.layers, page_size)
     joins = read_s >= MEET_MIN_READ_SHARE * page_s
@@ -144,10 +164,10 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     return Decision(take, use_x, read_s, page_s, joins)
 
 
-def reads_as_auto(shape: Shape, prof: Profile, *, stored_activations: bool) -> bool:
+def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool) -> bool:
     """Whether a forced load reads its pages as `auto` would (activations or KV): only then is it a sample of our
     loader as `auto` runs it. A forced load reads activations wherever stored (`decide`), `auto` where they pay."""
-    return not stored_activations or activations_pay(shape, prof)
+    return not stored_activations or activations_pay(shape, prof, page_size)
 
 
 def loaders(d: Decision, forced_pages: Optional[int]) -> int:

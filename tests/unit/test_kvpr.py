@@ -5,6 +5,7 @@ tier (checksums per segment; missing or corrupt activations fall back to that pa
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from sglang_tiered.policy.kvpr import (
     MEET_TAKE_READ_SHARE,
     Profile,
     Shape,
+    activation_read_s,
     activations_pay,
     auto_example,
     decide,
@@ -44,18 +46,51 @@ def mha_shape(layers=30):
 def test_gate_refuses_gqa_models_where_activations_are_larger():
     smollm2 = Shape(layers=30, x_bytes=576 * 2, kv_bytes=2 * 3 * 64 * 2)  # GQA 9/3: X is 1.5x its KV
     assert gate(smollm2) is not None and "1.50x" in gate(smollm2)
-    assert not activations_pay(smollm2, Profile(1e6, 1e-12, 1e-6))  # even a very slow link and free recompute
+    assert not activations_pay(smollm2, Profile(1e6, 1e-12, 1e-6), 64)  # even a very slow link and free recompute
     assert gate(mha_shape()) is None
 
 
 def test_activations_pay_where_the_bytes_saved_outweigh_the_recompute():
     shape = mha_shape()  # X 1152 B, KV 2304 B per token-layer: 1152 B saved
-    assert activations_pay(shape, Profile(100e6, 1e-6, 25e-6))  # 11.5 us saved vs 1 us recompute
-    assert not activations_pay(shape, Profile(20e9, 1e-6, 25e-6))  # 20 GB/s: 0.06 us saved
-    border = Profile(1152 / 1e-6, 1e-6, 25e-6)  # exactly as long either way: KV
-    assert not activations_pay(shape, border)
+    assert activations_pay(shape, Profile(100e6, 1e-6, 25e-6), 64)  # 11.5 us saved vs 1 us recompute
+    assert not activations_pay(shape, Profile(20e9, 1e-6, 25e-6), 64)  # 20 GB/s: 0.06 us saved
+    # one thread (a page's X read, 1.9 ms, is above a quarter of its 3.8 ms compute): read + recompute against 2 us
+    # for KV, a read 1 us: X where the recompute takes a little less than 1 us, KV where a little more
+    for recompute, pays in ((0.99e-6, True), (1.01e-6, False)):
+        prof = Profile(1152 / 1e-6, recompute, 2e-6)
+        assert activation_read_s(shape, prof, 64)[1] == 1 and activations_pay(shape, prof, 64) == pays
     assert page_read_s(shape, Profile(100e6, 1e-6, 25e-6), 64, True) == pytest.approx(30 * 64 * (11.52e-6 + 1e-6))
     assert page_read_s(shape, Profile(100e6, 1e-6, 25e-6), 64, False) == pytest.approx(30 * 64 * 23.04e-6)
+
+
+def test_activations_on_two_threads_cost_the_slower_of_read_and_recompute():
+    """Where an activation load is too fast for compute to join, two threads read one page beside another's
+    recompute: a page every max(read, recompute) per token-layer -- the measured cost once activation loads are in."""
+    shape, tl = mha_shape(), 30 * 64  # token-layers in a page
+    # 200 MB/s, the profile's recompute 7.8 us, a layer 57 us + 3 us stored: a page's compute 115.2 ms
+    prof = Profile(200e6, 7.8e-6, 57e-6, 3e-6)
+    seconds, threads = activation_read_s(shape, prof, 64)
+    assert threads == MEET_LOADERS and seconds == pytest.approx(tl * 7.8e-6)  # 15.0 ms < 28.8 ms: alone
+    assert page_read_s(shape, prof, 64, False) == pytest.approx(tl * 11.52e-6)  # KV: 22.1 ms
+    assert activations_pay(shape, prof, 64)  # read then recompute on one thread, 13.56 us, would have said KV
+    d = decide(shape, prof, 16, 64, stored_activations=True, forced=False)
+    assert d.activations and d.take and not d.compute_joins and loaders(d, None) == MEET_LOADERS
+    assert d.read_s == pytest.approx(tl * 7.8e-6)
+    # activation loads measured at 13 us per token-layer: slower than KV's 11.52 us, so KV
+    measured = replace(prof, x_load_s=13e-6)
+    assert activation_read_s(shape, measured, 64) == (pytest.approx(tl * 13e-6), MEET_LOADERS)
+    assert not activations_pay(shape, measured, 64)
+    assert not decide(shape, measured, 16, 64, stored_activations=True, forced=False).activations
+    # the disk's own speed (1 GB/s): KV, 2.3 us, whatever the recompute
+    assert not activations_pay(shape, Profile(1e9, 7.8e-6, 57e-6, 3e-6), 64)
+    # 100 MB/s: the read (11.52 us) is the slower side, 22.1 ms a page, still alone: X on two threads
+    at_100 = Profile(100e6, 7.8e-6, 57e-6, 3e-6)
+    assert activation_read_s(shape, at_100, 64) == (pytest.approx(tl * 11.52e-6), MEET_LOADERS)
+    # 50 MB/s: 44.2 ms a page on two threads, compute would join: one thread, read then recompute, 31.0 us
+    at_50 = Profile(50e6, 7.8e-6, 57e-6, 3e-6)
+    assert activation_read_s(shape, at_50, 64) == (pytest.approx(tl * (23.04e-6 + 7.8e-6)), 1)
+    slow = decide(shape, at_50, 16, 64, stored_activations=True, forced=False)
+    assert slow.activations and slow.compute_joins and loaders(slow, None) == 1
 
 
 def test_auto_reads_alone_where_reads_are_fast_next_to_compute():
@@ -100,19 +135,21 @@ def test_two_loader_threads_only_where_compute_is_not_expected_to_join():
 
 def test_a_forced_load_reads_as_auto_only_where_both_read_the_same_way():
     fast, slow = Profile(20e9, 1e-6, 25e-6), Profile(50e6, 1e-6, 25e-6)  # X pays only on the slow disk
-    assert not reads_as_auto(mha_shape(), fast, stored_activations=True)  # forced: X; auto: KV
-    assert reads_as_auto(mha_shape(), slow, stored_activations=True)  # both X
-    assert reads_as_auto(mha_shape(), fast, stored_activations=False)  # none stored: both KV
+    assert not reads_as_auto(mha_shape(), fast, 64, stored_activations=True)  # forced: X; auto: KV
+    assert reads_as_auto(mha_shape(), slow, 64, stored_activations=True)  # both X
+    assert reads_as_auto(mha_shape(), fast, 64, stored_activations=False)  # none stored: both KV
     for prof, stored in ((fast, True), (slow, True), (fast, False)):  # the same as the two decisions agreeing
         forced, auto = (decide(mha_shape(), prof, 16, 64, stored_activations=stored, forced=f) for f in (True, False))
-        assert reads_as_auto(mha_shape(), prof, stored_activations=stored) == (forced.activations == auto.activations)
+        assert reads_as_auto(mha_shape(), prof, 64, stored_activations=stored) == (forced.activations ==
+                                                                                   auto.activations)
 
 
 def test_auto_lets_the_loader_alone_take_a_fast_span_only_where_it_reads_activations():
-    # 2 GB/s, recompute 0.5 us: X pays (0.58 + 0.5 < 1.15 us per token-layer), a page reads in 2.1 ms against 49.9 ms
-    # of compute: compute cannot join, but the loader still reads half the bytes SGLang's load would
+    # 2 GB/s, recompute 0.5 us: X pays (two threads: max(0.58, 0.5) < 1.15 us per token-layer), a page comes in
+    # every 1.1 ms against 49.9 ms of compute: compute cannot join, but the loader still reads half the bytes SGLang's
+    # load would (128 pages: longer than computing 2 pages)
     fast = Profile(2e9, 0.5e-6, 25e-6, 1e-6)
-    with_x = decide(mha_shape(), fast, 64, 64, stored_activations=True, forced=False)
+    with_x = decide(mha_shape(), fast, 128, 64, stored_activations=True, forced=False)
     assert with_x.activations and with_x.read_s < MEET_TAKE_READ_SHARE * with_x.page_s and with_x.take
     assert "read by our loader, as activations" in auto_example(mha_shape(), fast, 64, tokens=65536)
     kv_only = decide(mha_shape(), fast, 1024, 64, stored_activations=False, forced=False)  # KV: SGLang loads it
