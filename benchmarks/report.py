@@ -579,6 +579,9 @@ MEET_RERUNS = [
     ("meet-100-1k-amd", "the same code after the suite: SmolLM2 at 100 MB/s, 1024 tokens, the 1.24x point of "
      "meet-loaders-slow-amd (`--models smollm2 --lengths 1024 --skip-native --slow-mbps 100 --busy --repeats 3 "
      "--max-repeats 12 --point-budget 90 --name meet-100-1k-amd`)"),
+    ("meet-xthreads-mha-amd", "activation loads costed on two loader threads with their own measured cost: the MHA "
+     "model at the disk's own speed, 200 and 100 MB/s (`--models smollm2-mha --lengths 1024 4096 8064 --slow-mbps "
+     "200 100 --busy --repeats 3 --max-repeats 6 --point-budget 40 --name meet-xthreads-mha-amd`)"),
 ]
 
 
