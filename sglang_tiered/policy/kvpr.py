@@ -89,9 +89,9 @@ def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[floa
     that is too fast for compute to join (below MEET_MIN_READ_SHARE of a page's compute, so `loaders` gives them):
     one page's read runs beside another's recompute, so a page every max(read, recompute) -- the recompute term the
     activation loads' own measured cost once one is in (`x_load_s`), the profile's one-thread recompute before
-    (two threads do not halve it: on the MHA model at the disk's own speed, 2 cores, whole-span activation loads
-    took about 12 us per token-layer against 7.4-8.3 us for one recompute on one thread). Otherwise on one
-    thread, read then recompute."""
+    (two threads do not halve it: on the MHA model, 2 cores, activation loads measured 9.9-10.1 us per
+    token-layer at the disk's own speed and at 200 MB/s against 8.2-8.3 us for one recompute on one thread).
+    Otherwise on one thread, read then recompute."""
     tokens = shape.layers * page_size
     read = shape.x_bytes / prof.read_bytes_per_s
     apart = tokens * max(read, prof.x_load_s or prof.recompute_s)
