@@ -92,8 +92,7 @@ from sglang_tiered.policy.kvpr import (
     reads_as_auto,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills
-from sglang_tiered.policy.read_rate import WEIGHT as READ_WEIGHT
-from sglang_tiered.policy.read_rate import ReadRate
+from sglang_tiered.policy.read_rate import ReadRate, moving_average
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -367,13 +366,13 @@ class KVPR:
     def observe_activation_load(self, seconds: float, token_layers: int) -> None:
         """Fold a load that read only activations on MEET_LOADERS threads, compute taking no page (`seconds` of the
         loader's wall time for `token_layers`), into the profile's `x_load_s`: the first replaces the model's
-        stand-in, later ones a moving average (read_rate.WEIGHT of each)."""
+        stand-in, later ones a moving average (`read_rate.moving_average`)."""
         per = seconds / token_layers
         with self.lock:
             if self.profile is None:
                 return
             old = self.profile.x_load_s
-            new = per if old == 0 else READ_WEIGHT * per + (1 - READ_WEIGHT) * old
+            new = per if old == 0 else moving_average(old, per)
             self.profile = replace(self.profile, x_load_s=new)
         if old == 0 or abs(new - old) > 0.25 * old:
             logger.info("tiered kvpr: activation loads now %.2f us per token-layer on %d threads", new * 1e6,
@@ -525,7 +524,7 @@ class KVPRHandler(SpanHandler):
             kvpr.writer.submit(keys, res.inputs[:, rows].clone())
         read = (kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
                 if res.loaded_pages else "nothing read")
-        if plan.loaders == MEET_LOADERS and res.computed_pages == 0 and res.recomputed_pages == source.pages > 0:
+        if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0:  # (so compute took no page)
             kvpr.observe_activation_load(res.load_s, source.pages * ps * c.layers)
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
         events.count("kvpr_loads")

@@ -27,6 +27,11 @@ MIN_BYTES = 8 << 20  # reads summed before a sample folds in
 WEIGHT = 0.3  # of a new sample in the moving average
 
 
+def moving_average(estimate: float, sample: float) -> float:
+    """`estimate` moved towards `sample` by WEIGHT (also the activation loads' cost, integration/kvpr.py)."""
+    return WEIGHT * sample + (1 - WEIGHT) * estimate
+
+
 class ReadRate:
     """Bytes per second of the SSD read path, as loads see it."""
 
@@ -48,6 +53,6 @@ class ReadRate:
         rate = summed / spent
         if summed < MIN_BYTES or (spread and rate >= self.bps):
             return False
-        self.bps = WEIGHT * rate + (1 - WEIGHT) * self.bps
+        self.bps = moving_average(self.bps, rate)
         self.samples += 1
         return True
