@@ -10,6 +10,12 @@ The per-layer steps are public so that other executors can interleave their own 
 `prefill` is the single-process reference; chained prefill (KV-Runahead), blending (CacheBlend) and partial-recompute
 loading (KVPR) reuse the same steps. KV buffers are [layers, tokens, 2 (k, v), kv_heads, head_dim].
 Supports Llama checkpoints in Hugging Face layout (safetensors), GQA and MHA, default RoPE (no rope_scaling).
+
+In a reduced dtype (bf16, fp16) the engine rounds as SGLang's Llama does with its native CPU ops: the residual
+stream `x` is carried in fp32 (the sum before rounding, which SGLang's fused add + RMSNorm normalises), the residual
+is rounded to the model's dtype before each add, and RMSNorm multiplies by its weight in fp32 and rounds once
+(Hugging Face's Llama rounds before the weight). So, given the same attention output, a layer's result is SGLang's bit
+for bit. In fp32 nothing of this rounds.
 """
 
 from __future__ import annotations
@@ -148,7 +154,9 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ per-layer steps
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens[ids]
+        """The residual stream of tokens `ids` before the first layer: their embeddings, fp32 (see the module
+        docstring)."""
+        return self.embed_tokens[ids].float()
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate [n, H, D] by absolute `positions` (Hugging Face's rotate-half convention). The cos/sin rows come
@@ -177,9 +185,14 @@ class LlamaModel:
         return cos.to(self.device), sin.to(self.device)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x (any float dtype) in the model's dtype: normalised and scaled in fp32, rounded once."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
-        return weight * xf.to(x.dtype)
+        return (xf * weight).to(self.dtype)
+
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual SGLang adds to a sublayer's output: the stream rounded to the model's dtype, as fp32."""
+        return x.to(self.dtype).float()
 
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rope: Optional[Rope] = None):
         """Queries [n, Hq, D], keys [n, Hkv, D] (post-RoPE) and values [n, Hkv, D] of tokens at `positions`.
@@ -208,11 +221,11 @@ class LlamaModel:
         return (self.rope(k, positions) if rope is None else rope(layer, k, positions)), kv[:, 1]
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual stream after the layer, given the attention output [n, Hq, D] of its tokens."""
+        """Residual stream (fp32) after the layer, given the attention output [n, Hq, D] of its tokens."""
         w = self.layer_weights[layer]
-        x = x + F.linear(attn.reshape(attn.shape[0], -1), w.wo)
+        x = F.linear(attn.reshape(attn.shape[0], -1), w.wo).float() + self._residual(x)
         h = self._rms(x, w.post_norm)
-        return x + F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+        return F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down).float() + self._residual(x)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The last RMSNorm: what a serving engine's logits processor expects as the model's output."""

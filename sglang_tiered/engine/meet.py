@@ -61,7 +61,7 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaModel, Rope
 from sglang_tiered.engine.one_thread import one_thread_pool
-from sglang_tiered.kernels.extend_attention import causal_attention
+from sglang_tiered.kernels.extend_attention import causal_attention, part_attention
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                 claims.wait_done(relook_s)
                 continue
             t_chunk = time.perf_counter()
-            _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader, rope)
+            _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader, rope, p + s + n)
             if copies is not None:
                 torch.cuda.current_stream(dev).synchronize()  # the chunk is done, not only queued
             claims.computed(len(pages_now), time.perf_counter() - t_chunk)
@@ -315,25 +315,31 @@ def _place(model: LlamaModel, page: StoredPage, out: torch.Tensor, positions: to
 
 
 def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, out: torch.Tensor, pages: range, ps: int, p: int,
-                   prefix_loader: Optional[Callable[[int], torch.Tensor]], rope: Optional[Rope]) -> None:
-    """Compute the KV of span pages `pages` (a chunked prefill over the prefix and the pages before them)."""
+                   prefix_loader: Optional[Callable[[int], torch.Tensor]], rope: Optional[Rope], total: int) -> None:
+    """Compute the KV of span pages `pages` (a chunked prefill over the prefix and the pages before them). On a CPU
+    their attention rounds as the server's prefill of the whole prompt after the prefix (`total` tokens in all)
+    would (`part_attention`), so the pages' KV is what SGLang's own prefill computes, bit for bit."""
     a, b = pages.start * ps, pages.stop * ps
     x = model.embed(span_ids[a:b])
     positions = torch.arange(p + a, p + b, device=x.device)
     for layer in range(model.cfg.layers):
         q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, a:b, 0], out[layer, a:b, 1] = k, v
-        x = model.finish_layer(layer, x, _attend(q, out[layer, :b], p, prefix_loader, layer, p + a))
+        x = model.finish_layer(layer, x, _attend(q, out[layer, :b], p, prefix_loader, layer, p + a,
+                                                 None if q.is_cuda else total))
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, p: int, prefix_loader, layer: int, offset: int) -> torch.Tensor:
+def _attend(q: torch.Tensor, kv: torch.Tensor, p: int, prefix_loader, layer: int, offset: int,
+            total: Optional[int] = None) -> torch.Tensor:
     """Causal attention of queries `q` (the last of the keys, after `offset` earlier ones) over the prefix's KV and
-    `kv` [tokens, 2, H, D]."""
+    `kv` [tokens, 2, H, D]; with `total`, rounded as one extend of [p, total) rounds them (`part_attention`)."""
     if p:
         prefix = prefix_loader(layer)
         keys, values = torch.cat([prefix[:, 0], kv[:, 0]]), torch.cat([prefix[:, 1], kv[:, 1]])
     else:
         keys, values = kv[:, 0], kv[:, 1]
+    if total is not None:
+        return part_attention(q, keys, values, offset, prefix=p, total=total)
     return causal_attention(q, keys, values, offset)
 
 

@@ -21,6 +21,9 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
+KV_BLOCK = 512  # torch's CPU flash attention reads keys in blocks of this many (kvSplitSize, torch 2.x)
+QUERY_BLOCK = 256  # `positioned_attention`'s default block of queries
+
 
 def _as_list(x) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
@@ -50,7 +53,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Op
 
 
 def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                         scale: Optional[float] = None, block: int = 256,
+                         scale: Optional[float] = None, block: int = QUERY_BLOCK,
                          host_positions: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Queries [n, Hq, D] at ascending absolute positions `q_pos` (any gaps), each attending keys 0 .. its position.
     Runs in blocks of `block` queries, each against only the keys up to its last query's position, so the masked
@@ -64,6 +67,43 @@ def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
         keys = pos[j - 1] + 1
         mask = torch.arange(keys, device=q.device)[None, :] <= q_pos[i:j, None]
         out[i:j] = _sdpa(q[i:j], k[:keys], v[:keys], mask, False, scale)
+    return out
+
+
+def part_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, *, prefix: int, total: int,
+                   scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of some of an extend's queries, q [n, Hq, D] at positions q_start .. q_start + n - 1, over
+    k/v [>= q_start + n, Hkv, D] (rows past q_start + n are never read), rounded bit for bit as `causal_attention`
+    rounds them when it runs the whole extend [prefix, total) in one call (what a CPU server does for its prefill).
+
+    Why it is not simply `causal_attention` of the part: torch's CPU flash attention reads keys in blocks of
+    KV_BLOCK from position 0, and a query's result depends on the length of the block that holds its last key,
+    which the number of keys in the call decides (the whole extend's call: all `total` keys where prefix == 0;
+    else those up to the end of the query's block of QUERY_BLOCK, counted from `prefix`). So each query runs against
+    its own keys, then masked zeros up to that block length. Keys past the query are masked in either call, which
+    changes no bit. CPU only (a CUDA caller keeps `causal_attention`)."""
+    n = q.shape[0]
+    if q_start < prefix or q_start + n > total or k.shape[0] < q_start + n:
+        raise ValueError(f"queries {q_start}..{q_start + n - 1} outside the extend [{prefix}, {total}) or its keys")
+    out = q.new_empty((n, q.shape[1], v.shape[-1]))
+    i = 0
+    while i < n:
+        whole = total if prefix == 0 else prefix + min(total - prefix, (q_start + i - prefix) // QUERY_BLOCK
+                                                        * QUERY_BLOCK + QUERY_BLOCK)  # keys the whole call passes
+        j = min(n, i + QUERY_BLOCK, whole - q_start)
+        need = q_start + j  # keys these queries see
+        keys = min(whole, -(-need // KV_BLOCK) * KV_BLOCK)
+        kk, vv = k[:need], v[:need]
+        if keys > need:
+            kk = torch.cat([kk, kk.new_zeros((keys - need, *kk.shape[1:]))])
+            vv = torch.cat([vv, vv.new_zeros((keys - need, *vv.shape[1:]))])
+        if q_start + i == 0:  # from key 0: torch's causal mask (upper left) is this one, and skips masked blocks
+            out[i:j] = _sdpa(q[i:j], kk, vv, None, True, scale)
+        else:
+            mask = torch.arange(keys, device=q.device)[None, :] <= torch.arange(q_start + i, need,
+                                                                                device=q.device)[:, None]
+            out[i:j] = _sdpa(q[i:j], kk, vv, mask, False, scale)
+        i = j
     return out
 
 

@@ -12,15 +12,23 @@ MHA = LlamaConfig(hidden=576, layers=6, heads=9, kv_heads=9, head_dim=64, interm
 PAGE = 64
 
 
-def ask(s: ServerProcess, prompt: str | list[int], mode=None) -> dict:
-    """10 greedy tokens of a text or of token ids; `mode` sets the request's `tiered_kvpr` custom parameter."""
+def ask(s: ServerProcess, prompt: str | list[int], mode=None, logprobs: bool = False) -> dict:
+    """10 greedy tokens of a text or of token ids; `mode` sets the request's `tiered_kvpr` custom parameter;
+    `logprobs`: also the output tokens' log-probabilities (`token_logprobs`)."""
     params: dict = {"max_new_tokens": 10, "temperature": 0}
     if mode is not None:
         params["custom_params"] = {"tiered_kvpr": mode}
-    status, body = s.request("/generate", {"input_ids" if isinstance(prompt, list) else "text": prompt,
-                                           "sampling_params": params})
+    request = {"input_ids" if isinstance(prompt, list) else "text": prompt, "sampling_params": params}
+    if logprobs:
+        request["return_logprob"] = True
+    status, body = s.request("/generate", request)
     assert status == 200, body
     return body
+
+
+def token_logprobs(out: dict) -> list[float]:
+    """The output tokens' log-probabilities of a reply to `ask(..., logprobs=True)`."""
+    return [row[0] for row in out["meta_info"]["output_token_logprobs"]]
 
 
 def counter(s: ServerProcess, name: str) -> float:

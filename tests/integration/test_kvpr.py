@@ -24,7 +24,7 @@ from sglang_tiered.engine.llama import LlamaConfig
 from sglang_tiered.models import random_model_dir
 from sglang_tiered.server_process import ServerProcess, cached_details
 from tests.integration.helpers import tiered_args
-from tests.integration.kvpr_helpers import MHA, PAGE, ask, counter, wait_for_activations
+from tests.integration.kvpr_helpers import MHA, PAGE, ask, counter, token_logprobs, wait_for_activations
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -54,15 +54,16 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(mha_server, essays):
     pages = (ids - 1) // PAGE  # (the last token is always computed)
     wait_for_activations(s, ids // PAGE)
     s.flush_cache()
-    native = ask(s, prompt, "off")
+    native = ask(s, prompt, "off", logprobs=True)
     assert cached_details(native)["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
     assert native["output_ids"] == cold["output_ids"]
     recomputed = counter(s, "tokens_recomputed")
     for split in (0, 1, pages // 2, pages - 1, pages):
         s.flush_cache()
         mark = s.log_mark()
-        out = ask(s, prompt, split * PAGE)
+        out = ask(s, prompt, split * PAGE, logprobs=True)
         assert out["output_ids"] == native["output_ids"], split
+        assert token_logprobs(out) == token_logprobs(native), split  # bit for bit
         lines = load_lines(s, mark)
         assert len(lines) == 1 and f"met at page {split} of {pages}:" in lines[0], lines
         assert f"({(pages - split) * PAGE} from activations" in lines[0], lines[0]  # the loaded half: recomputed

@@ -21,7 +21,7 @@ import pytest
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from tests.integration.helpers import flip_middle_byte
-from tests.integration.kvpr_helpers import PAGE, ask, counter
+from tests.integration.kvpr_helpers import PAGE, ask, counter, token_logprobs
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -74,22 +74,27 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
         time.sleep(0.3)
     s.flush_cache()
     samples = counter(s, "read_samples")
-    native = ask(s, ids, "off")
+    native = ask(s, ids, "off", logprobs=True)
     assert cached_details(native)["storage"] >= (pages - 1) * PAGE and native["output_ids"] == cold["output_ids"]
     assert counter(s, "read_samples") > samples  # SGLang's own reads (> 8 MiB) tell the read rate the disk's speed
     for split in (0, 1, pages // 2, pages - 1, pages):
         s.flush_cache()
-        out = ask(s, ids, split * PAGE)
+        out = ask(s, ids, split * PAGE, logprobs=True)
         assert out["output_ids"] == native["output_ids"], split
+        assert token_logprobs(out) == token_logprobs(native), split  # bit for bit (engine/llama.py's rounding)
         assert cached_details(out).get("storage", 0) == (pages - split) * PAGE, split  # the pages read, reported
         line = meet_line(s, out)
         assert f"met at page {split} of {pages}:" in line and "prefix=0 " in line, line
 
-    # a device-cached prefix ahead of the span: its first 3 pages on device, the rest from SSD
-    s.flush_cache()
-    ask(s, ids[: 3 * PAGE + 5], "off")
-    out = ask(s, ids, 2 * PAGE)
-    assert cached_details(out)["device"] == 3 * PAGE and out["output_ids"] == native["output_ids"]
+    # a device-cached prefix ahead of the span: its first 3 pages on device, the rest from SSD; the reference is
+    # SGLang's load behind the same device prefix
+    behind_prefix = []
+    for mode in ("off", 2 * PAGE):
+        s.flush_cache()
+        ask(s, ids[: 3 * PAGE + 5], "off")
+        behind_prefix.append(out := ask(s, ids, mode, logprobs=True))
+        assert cached_details(out)["device"] == 3 * PAGE and out["output_ids"] == native["output_ids"], mode
+    assert token_logprobs(out) == token_logprobs(behind_prefix[0])
     assert cached_details(out)["storage"] == (pages - 5) * PAGE  # 3 pages from device, 2 computed, the rest read
     line = meet_line(s, out)
     assert f"prefix={3 * PAGE} " in line and f"met at page 2 of {pages - 3}:" in line, line
@@ -104,6 +109,27 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
     assert s.log_lines("tiered kvpr: rid", since=mark) and \
         "runs a normal prefill (stored span unreadable" in s.log_lines("tiered kvpr: rid", since=mark)[0]
     assert metric_total(s.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total") == before + 1
+
+
+def test_meet_points_give_sglangs_load_bit_for_bit_in_the_servers_dtype(shared_server, essays, model_dir):
+    """The default server's dtype (`--dtype auto`: bf16 on a CPU with AVX-512 BF16): the pages computed from token
+    ids round as SGLang's own prefill of the prompt (engine/llama.py, `part_attention`), so the output's
+    log-probabilities are those of SGLang's load, bit for bit, not only within the dtype's rounding."""
+    from transformers import AutoTokenizer
+
+    s = shared_server
+    text = essays[13] + "\n\nQuestion: What is the point?\nAnswer:"
+    ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
+    pages = (len(ids) - 1) // PAGE
+    served_and_stored(s, ids, pages)
+    s.flush_cache()
+    native = ask(s, ids, "off", logprobs=True)
+    assert cached_details(native)["storage"] >= (pages - 1) * PAGE
+    for split in (1, pages // 2, pages - 1):
+        s.flush_cache()
+        out = ask(s, ids, split * PAGE, logprobs=True)
+        assert f"met at page {split} of {pages}:" in meet_line(s, out)
+        assert out["output_ids"] == native["output_ids"] and token_logprobs(out) == token_logprobs(native), split
 
 
 def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, model_dir):

@@ -11,6 +11,7 @@ from sglang_tiered.kernels.extend_attention import (
     causal_attention,
     chunk_attention,
     extend_attention,
+    part_attention,
     positioned_attention,
     reference_attention,
 )
@@ -110,3 +111,31 @@ def test_chunk_attention_is_causal_attention_of_the_last_queries(hq, hkv, n, tot
     q, k, v = (torch.randn(rows, h, 16, generator=g) for rows, h in ((n, hq), (total, hkv), (total, hkv)))
     want = positioned_attention(q, k, v, torch.arange(total - n, total), block=16)
     torch.testing.assert_close(chunk_attention(q, k, v), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("prefix,total", [(0, 1100), (0, 1400), (0, 700), (192, 1500), (640, 2200)])
+def test_part_attention_rounds_as_the_whole_extend(dtype, prefix, total):
+    """Chunks of an extend [prefix, total), each computed with only the keys up to its end (rows past them NaN),
+    give bit for bit what one call over the whole extend gives those queries (a server's prefill)."""
+    g = torch.Generator().manual_seed(total + prefix)
+    q, k, v = (torch.randn(rows, h, 64, generator=g).to(dtype) for rows, h in
+               ((total - prefix, 9), (total, 3), (total, 3)))
+    whole = causal_attention(q, k, v, prefix)
+    for size in (64, 256, 192):
+        start = prefix
+        while start < total:
+            end = min(total, start + size)
+            kk, vv = k.clone(), v.clone()
+            kk[end:], vv[end:] = float("nan"), float("nan")  # not computed yet: never read
+            got = part_attention(q[start - prefix : end - prefix], kk, vv, start, prefix=prefix, total=total)
+            assert torch.equal(got, whole[start - prefix : end - prefix]), (size, start)
+            start = end
+
+
+def test_part_attention_refuses_queries_outside_the_extend():
+    q, kv = torch.zeros(4, 2, 8), torch.zeros(20, 2, 8)
+    with pytest.raises(ValueError, match="outside the extend"):
+        part_attention(q, kv, kv, 2, prefix=4, total=20)
+    with pytest.raises(ValueError, match="outside the extend"):
+        part_attention(q, kv, kv, 18, prefix=0, total=20)
