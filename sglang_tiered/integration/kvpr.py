@@ -45,7 +45,8 @@ activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation b
 `..._kvpr_activation_misses_total` (activation pages missing or corrupt: read as KV),
 `..._kvpr_activation_pages_written_total`, `..._kvpr_activation_bytes_written_total`,
 `..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`, `..._kvpr_read_samples_total`,
-`..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills); one log line per load with the meet
+`..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills), `..._kvpr_choice_sglang_gives_up_total`
+(spans taken because SGLang's prefetch would give up on them); one log line per load with the meet
 point, one when the read rate moves by more than a quarter.
 """
 
@@ -91,7 +92,7 @@ from sglang_tiered.policy.kvpr import (
     loaders,
     reads_as_auto,
 )
-from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills
+from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills, prefetch_gives_up
 from sglang_tiered.policy.read_rate import ReadRate, moving_average
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -226,14 +227,31 @@ class KVPR:
             return "auto: " + behind
         if self.rt.settings.config.kvpr_choice != "measured":
             return None
-        choice = self.choice.choose(pages, self.timing.condition(req))
+        gives_up = self._sglang_gives_up(scheduler, pages)
+        choice = self.choice.choose(pages, self.timing.condition(req), sglang_gives_up=gives_up is not None)
         self.rt.events.count("kvpr_choice_" + choice.load)
         if choice.exploring:
             self.rt.events.count("kvpr_choice_explorations")
         if choice.load != OURS:
             self.timing.left_to_sglang(req, pages * self.tier.namespace.page_size)
             return None
+        if choice.predicted:
+            self.rt.events.count("kvpr_choice_sglang_gives_up")
+            return "auto: measured choice, our loader: " + gives_up
         return "auto: measured choice, " + ("trying our loader" if choice.exploring else "our loader is faster")
+
+    def _sglang_gives_up(self, scheduler, pages: int) -> Optional[str]:
+        """Why SGLang's load of `pages` stored pages would give up (`prefetch_gives_up`: its `timeout` prefetch
+        policy's deadline against the pages' KV read at the read rate), or None."""
+        cache = scheduler.tree_cache
+        if getattr(cache, "prefetch_stop_policy", None) != "timeout" or self.rate is None:
+            return None
+        deadline_s = cache.prefetch_timeout_base + pages * cache.prefetch_timeout_per_page
+        nbytes = pages * self.tier.namespace.page_size * self.shape.layers * self.shape.kv_bytes
+        if not prefetch_gives_up(nbytes, self.rate.bps, deadline_s):
+            return None
+        return (f"SGLang's prefetch would give up ({nbytes / 2**20:.0f} MiB of KV take {nbytes / self.rate.bps:.2f} s "
+                f"at {self.rate.bps / 1e6:.0f} MB/s, its deadline is {deadline_s:.2f} s)")
 
     def _behind_prefills(self, scheduler, tokens: int) -> Optional[str]:
         """Why our loader takes a span of `tokens` stored tokens admitted right after another request's prefill

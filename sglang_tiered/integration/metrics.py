@@ -289,6 +289,8 @@ EVENTS = {
     "retry) rather than because it was ahead",
     "kvpr_choice_behind_prefills": "Stored spans `auto` gave our loader because the request was admitted right after "
     "another request's prefill forward (SGLang's load would wait for the next one)",
+    "kvpr_choice_sglang_gives_up": "Stored spans `auto` gave our loader, not trying SGLang's load, because SGLang's "
+    "prefetch would give up on them (its timeout shorter than the span's KV read at the measured read rate)",
     "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "
     "at idle or among decodes; our loader's also behind other prefills, by its forward's own time)",
     "kvpr_profile_retries": "Compute profiles dropped because a layer timed far slower than the whole load allows "

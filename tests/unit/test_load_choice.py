@@ -17,6 +17,7 @@ from sglang_tiered.policy.load_choice import (
     behind_prefills,
     bucket,
     period,
+    prefetch_gives_up,
 )
 
 PS = 64
@@ -201,3 +202,23 @@ def test_slower_s_is_the_measured_gap_over_the_span_and_none_until_both_are_meas
 def test_behind_prefills_weighs_the_forward_sglangs_load_would_wait_for_against_our_loaders_measured_gap(
         prefill_s, slower_s, want):
     assert behind_prefills(prefill_s, slower_s) is want
+
+
+def test_sglangs_prefetch_gives_up_where_the_read_outlasts_its_deadline():
+    """The MHA model's 4,096-token KV, 283 MB: 2.83 s at 100 MB/s against SGLang's 2.0 s deadline (1 s + 0.25 s per
+    1k tokens); 1.42 s at 200 MB/s."""
+    assert prefetch_gives_up(283_000_000, 100e6, 2.0)
+    assert not prefetch_gives_up(283_000_000, 200e6, 2.0)
+    assert not prefetch_gives_up(200_000_000, 100e6, 2.0)  # exactly at the deadline: it does not give up
+
+
+def test_a_load_predicted_to_give_up_is_not_tried_while_unsampled():
+    c = LoadChoice()
+    assert c.choose(64, IDLE, sglang_gives_up=True) == Choice(OURS, True, predicted=True)  # ours measured instead
+    feed(c, OURS, MIN_SAMPLES, 64, 2e-4)
+    assert c.choose(64, IDLE, sglang_gives_up=True) == Choice(OURS, False, predicted=True)
+    assert c.choose(64, None, sglang_gives_up=True) == Choice(OURS, False, predicted=True)  # unmeasurable too
+    assert c.choose(64, IDLE) == Choice(SGLANG, True)  # the disk got faster: SGLang's load is tried as usual
+    feed(c, SGLANG, 1, 64, 1e-4)
+    assert c.choose(64, IDLE, sglang_gives_up=True) == Choice(SGLANG, True)  # sampled: the samples decide
+    assert c.choose(16, IDLE, sglang_gives_up=True) == Choice(OURS, True, predicted=True)  # another size: its own
