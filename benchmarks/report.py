@@ -582,6 +582,9 @@ MEET_RERUNS = [
     ("meet-xthreads-mha-amd", "activation loads costed on two loader threads with their own measured cost: the MHA "
      "model at the disk's own speed, 200 and 100 MB/s (`--models smollm2-mha --lengths 1024 4096 8064 --slow-mbps "
      "200 100 --busy --repeats 3 --max-repeats 6 --point-budget 40 --name meet-xthreads-mha-amd`)"),
+    ("meet-bitexact-mha-amd", "the engine rounding as SGLang's prefill does (bit for bit in bf16): the MHA model at "
+     "200 and 100 MB/s, where one answer differed before (`--models smollm2-mha --lengths 1024 4096 8064 "
+     "--slow-mbps 200 100 --skip-native --busy --name meet-bitexact-mha-amd`)"),
 ]
 
 
