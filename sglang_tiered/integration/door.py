@@ -113,7 +113,8 @@ class SpanHandler(ForwardHandler):
             try:
                 return self.load(engine, module, req, fb, plan)
             except SpanMiss as exc:
-                why = f"stored span unreadable: {exc}"
+                how = getattr(plan, "mode", None)  # why the loader took the span, where its plan says
+                why = f"stored span unreadable: {exc}" + (f" (taken by {how})" if how else "")
         for r in reqs:
             r.tiered_load = None
         self.fallback([r.rid for r in reqs], why + "; SGLang computes the span")
