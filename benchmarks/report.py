@@ -585,6 +585,9 @@ MEET_RERUNS = [
     ("meet-bitexact-mha-amd", "the engine rounding as SGLang's prefill does (bit for bit in bf16): the MHA model at "
      "200 and 100 MB/s, where one answer differed before (`--models smollm2-mha --lengths 1024 4096 8064 "
      "--slow-mbps 200 100 --skip-native --busy --name meet-bitexact-mha-amd`)"),
+    ("meet-bitexact-smollm2-amd", "the same code on SmolLM2 behind the throttle, where compute takes part of the "
+     "span and the padded chunk attention costs most (`--models smollm2 --lengths 1024 4096 --slow-mbps 100 50 25 "
+     "--skip-native --busy --name meet-bitexact-smollm2-amd`)"),
 ]
 
 
