@@ -588,6 +588,8 @@ MEET_RERUNS = [
     ("meet-bitexact-smollm2-amd", "the same code on SmolLM2 behind the throttle, where compute takes part of the "
      "span and the padded chunk attention costs most (`--models smollm2 --lengths 1024 4096 --slow-mbps 100 50 25 "
      "--skip-native --busy --name meet-bitexact-smollm2-amd`)"),
+    ("meet-bitexact-native-mha-amd", "the same code, the MHA model at the disk's own speed, right after (`--models "
+     "smollm2-mha --lengths 4096 8064 --slow-mbps --busy --name meet-bitexact-native-mha-amd`)"),
 ]
 
 
