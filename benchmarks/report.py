@@ -590,6 +590,9 @@ MEET_RERUNS = [
      "--skip-native --busy --name meet-bitexact-smollm2-amd`)"),
     ("meet-bitexact-native-mha-amd", "the same code, the MHA model at the disk's own speed, right after (`--models "
      "smollm2-mha --lengths 4096 8064 --slow-mbps --busy --name meet-bitexact-native-mha-amd`)"),
+    ("meet-giveup-mha-amd", "a try at showing the give-up prediction live: the MHA model at 150 MB/s, 8064 tokens, "
+     "where SGLang's prefetch gives up (`auto` took the span two-sided there, so the measured choice was not asked; "
+     "`--models smollm2-mha --lengths 8064 --slow-mbps 150 --skip-native --busy --name meet-giveup-mha-amd`)"),
 ]
 
 
