@@ -31,13 +31,13 @@ import functools
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
+from sglang_tiered.storage.checksum import crc32
 from sglang_tiered.storage.page_file import read_meta_block
 
 MAGIC = b"SGTKG\x00\x01\x00"
@@ -157,10 +157,10 @@ def write_group(path: str, meta: dict, probes: Sequence[tuple[np.ndarray, np.nda
         for c0 in range(0, tokens, chunk):
             layer.append(k[c0 : c0 + chunk].tobytes() + v[c0 : c0 + chunk].tobytes())
         data_chunks.append(layer)
-    full = dict(meta, probe_crc=[zlib.crc32(b) for b in probe_bytes],
-                data_crc=[[zlib.crc32(b) for b in layer] for layer in data_chunks])
+    full = dict(meta, probe_crc=[crc32(b) for b in probe_bytes],
+                data_crc=[[crc32(b) for b in layer] for layer in data_chunks])
     blob = msgpack.packb(full)
-    parts = [_FIXED.pack(MAGIC, len(blob), zlib.crc32(blob)), blob, *probe_bytes,
+    parts = [_FIXED.pack(MAGIC, len(blob), crc32(blob)), blob, *probe_bytes,
              *(b for layer in data_chunks for b in layer)]
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
@@ -193,7 +193,7 @@ def read_meta(fd: int) -> GroupMeta:
 
 def _read(fd: int, offset: int, n: int, crc: int, what: str) -> bytes:
     b = os.pread(fd, n, offset)
-    if len(b) != n or zlib.crc32(b) != crc:
+    if len(b) != n or crc32(b) != crc:
         raise GroupError(f"{what} checksum mismatch")
     return b
 
@@ -228,7 +228,7 @@ def read_chunks(fd: int, meta: GroupMeta, layer: int,
         for c in wanted[i : j + 1]:
             n = meta.chunk_tokens(c) * meta.row_bytes
             piece = blob[pos : pos + 2 * n]
-            if zlib.crc32(piece) != meta.data_crc[layer][c]:
+            if crc32(piece) != meta.data_crc[layer][c]:
                 raise GroupError(f"layer {layer} chunk {c} checksum mismatch")
             out[c] = (piece[:n], piece[n:])
             pos += 2 * n

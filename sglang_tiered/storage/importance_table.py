@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from sglang_tiered.policy.importance import ema
+from sglang_tiered.storage.checksum import crc32
 
 LOG_NAME = "importance.log"
 _HEAD = struct.Struct("<2sH32sI")  # magic, page size, key (32 bytes: a 64-hex-digit key), reuse count
@@ -174,7 +174,7 @@ class ImportanceTable:
     def _encode(self, key: str, page: PageImportance) -> bytes:
         body = _HEAD.pack(_MAGIC, self.page_size, bytes.fromhex(key), page.reuses) + \
             page.tokens.astype(np.float16).tobytes()
-        return body + struct.pack("<I", zlib.crc32(body))
+        return body + struct.pack("<I", crc32(body))
 
     def _append(self, key: str, page: PageImportance) -> None:
         if self._fd is None:
@@ -198,7 +198,7 @@ class ImportanceTable:
             rec = data[off : off + size]
             body, crc = rec[:-4], struct.unpack("<I", rec[-4:])[0]
             magic, page_size, key, reuses = _HEAD.unpack(body[: _HEAD.size])
-            if magic != _MAGIC or page_size != self.page_size or zlib.crc32(body) != crc:
+            if magic != _MAGIC or page_size != self.page_size or crc32(body) != crc:
                 return  # torn or corrupt: keep what came before
             tokens = np.frombuffer(body[_HEAD.size :], dtype=np.float16).astype(np.float32)
             yield key.hex(), PageImportance(tokens, reuses)

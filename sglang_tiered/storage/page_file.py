@@ -21,12 +21,13 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import msgpack
+
+from sglang_tiered.storage.checksum import crc32
 
 MAGIC = b"SGTKV\x00\x01\x00"
 _FIXED = struct.Struct("<8sII")
@@ -68,15 +69,15 @@ def checksum(segments: Sequence[memoryview]) -> int:
     """crc32 over the concatenation of `segments`."""
     crc = 0
     for seg in segments:
-        crc = zlib.crc32(seg, crc)
+        crc = crc32(seg, crc)
     return crc
 
 
 def encode_header(namespace: str, key: str, segments: Sequence[memoryview]) -> bytes:
     nbytes = sum(seg.nbytes for seg in segments)
     meta = msgpack.packb({"ns": namespace, "key": key, "nbytes": nbytes, "crc32": None,
-                          "segs": [seg.nbytes for seg in segments], "seg_crc": [zlib.crc32(seg) for seg in segments]})
-    return _FIXED.pack(MAGIC, len(meta), zlib.crc32(meta)) + meta
+                          "segs": [seg.nbytes for seg in segments], "seg_crc": [crc32(seg) for seg in segments]})
+    return _FIXED.pack(MAGIC, len(meta), crc32(meta)) + meta
 
 
 def header_bound(namespace: str, key: str, segment_bytes: Sequence[int]) -> int:
@@ -139,7 +140,7 @@ def read_meta_block(source: Source, magic: bytes, max_len: int, error: type[Exce
     if meta_len > max_len:
         raise error("implausible metadata length")
     blob = _pread(source, meta_len, _FIXED.size)
-    if len(blob) != meta_len or zlib.crc32(blob) != meta_crc:
+    if len(blob) != meta_len or crc32(blob) != meta_crc:
         raise error("metadata checksum mismatch")
     try:
         meta = msgpack.unpackb(blob)
@@ -269,7 +270,7 @@ def _split(segments: Sequence[memoryview], sizes: Sequence[int]) -> list[memoryv
 
 def _verify(header: PageHeader, indices: Sequence[int], bufs: Sequence[memoryview]) -> None:
     for i, buf in zip(indices, bufs):
-        if zlib.crc32(buf) != header.seg_crc[i]:
+        if crc32(buf) != header.seg_crc[i]:
             raise CorruptPage(f"segment {i} checksum mismatch")
 
 
