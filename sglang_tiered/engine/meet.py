@@ -195,7 +195,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
                  split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
                  page_read_s: float = 0.0, rope: Optional[Rope] = None, inputs: bool = False,
-                 loaders: int = 1) -> MeetResult:
+                 loaders: int = 1, out: Optional[torch.Tensor] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
     stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most pages compute takes at
     once (a forced split or a plain race takes this many).
@@ -207,7 +207,9 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     `inputs`: also return the new tokens' attention inputs (to store them as activations in turn). `loaders`: threads
     reading pages at once (`source.read` is then called from several threads; a CPU model only, a CUDA model's loader
     is one thread): a disk that serves several reads at once brings a span in faster, and the pages' copies spread
-    over the cores (while compute runs they compete with it for them)."""
+    over the cores (while compute runs they compete with it for them). `out`: where the result's KV goes,
+    [layers, |S| + |C|, 2, kv_heads, head_dim] on the model's device (a server's reused buffer, `KVScratch`);
+    default a new one."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -219,7 +221,10 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     dev = model.device
     model.reserve_positions(p + s + n)
     span_ids, new_ids = span_ids.to(dev), new_ids.to(dev)
-    out = model.empty_kv(s + n)
+    if out is None:
+        out = model.empty_kv(s + n)
+    elif out.shape != (model.cfg.layers, s + n, 2, model.cfg.kv_heads, model.cfg.head_dim):
+        raise ValueError(f"out is {tuple(out.shape)}, the span and the new tokens need {s + n} tokens")
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
     workers = 1 if copies is not None else max(1, loaders)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,

@@ -75,6 +75,7 @@ from sglang_tiered.engine.kvpr_profile import (
 )
 from sglang_tiered.engine.meet import meet_prefill
 from sglang_tiered.engine.page_span import TierPages
+from sglang_tiered.engine.scratch import KVScratch
 from sglang_tiered.integration import faults, model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
@@ -152,6 +153,7 @@ class KVPR:
         self.lock = threading.Lock()
         self._capture_errors = 0
         self.choice = LoadChoice()  # our loader or SGLang's, where compute would not join (policy/load_choice.py)
+        self.scratch = KVScratch()  # the loads' KV, one buffer kept (engine/scratch.py)
         self.timing = LoadTiming(rt, self.choice, self.name)
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
@@ -529,7 +531,8 @@ class KVPRHandler(SpanHandler):
                            chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
                            page_compute_s=plan.page_s, page_read_s=plan.read_s, rope=sglang_rope(module),
                            inputs=kvpr.writer is not None, loaders=plan.loaders,
-                           prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None)
+                           prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
+                           out=kvpr.scratch.take(engine, ext))
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
         req.tiered_pure_load = res.computed_pages == 0 and plan.as_auto  # (a sample of our loader: load_timing)
         if res.loaded_pages and not req.retracted_stain:  # read, not computed: reported as SGLang reports its own

@@ -241,3 +241,23 @@ def test_waiting_for_the_loader_to_finish_returns_when_it_does_and_not_at_each_r
     t = time.perf_counter()
     claims.wait_done(5.0)
     assert time.perf_counter() - t < 1.0
+
+
+def test_a_reused_buffer_gives_the_same_result_and_is_reused():
+    from sglang_tiered.engine.scratch import KVScratch
+
+    model = LlamaModel.random(SHAPES["gqa"], seed=3)
+    scratch = KVScratch()
+    ids, ref, span = case(model, 0, 6, 5)
+    fresh, _ = run(model, ids, ref, span, 0, split=2)
+    big = scratch.take(model, ids.shape[0] + PS)
+    big.fill_(float("nan"))  # what a previous request left there must not matter
+    out = scratch.take(model, ids.shape[0])
+    assert out.is_contiguous() and out.data_ptr() == big.data_ptr() and scratch.nbytes == big.nbytes
+    reused, _ = run(model, ids, ref, span, 0, split=2, out=out)
+    assert torch.equal(reused.kv, fresh.kv) and torch.equal(reused.hidden, fresh.hidden)
+    assert reused.kv.data_ptr() == out.data_ptr()
+    grown = scratch.take(model, 2 * ids.shape[0])
+    assert grown.shape[1] == 2 * ids.shape[0] and scratch.nbytes == grown.numel() * grown.element_size()
+    with pytest.raises(ValueError, match="need"):
+        run(model, ids, ref, span, 0, split=2, out=scratch.take(model, ids.shape[0] - 1))
