@@ -15,7 +15,6 @@ PAGE, PAGES, LAYERS, HEADS, DIM = 16, 12, 3, 2, 8
 
 
 def pool(cls=None, dtype=torch.bfloat16):
-    import sglang_tiered_boot  # noqa: F401 -- SGLang importable on a CPU-only torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     return (cls or MHATokenToKVPool)(size=PAGES * PAGE, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=DIM,
