@@ -593,6 +593,13 @@ MEET_RERUNS = [
     ("meet-giveup-mha-amd", "a try at showing the give-up prediction live: the MHA model at 150 MB/s, 8064 tokens, "
      "where SGLang's prefetch gives up (`auto` took the span two-sided there, so the measured choice was not asked; "
      "`--models smollm2-mha --lengths 8064 --slow-mbps 150 --skip-native --busy --name meet-giveup-mha-amd`)"),
+    ("meet-rows-native-mha-amd", "our loader's KV in one kept buffer and written into SGLang's pool as slice copies "
+     "(with zlib-ng's crc32): the MHA model at the disk's own speed (`--models smollm2-mha --lengths 4096 8064 "
+     "--slow-mbps --busy --name meet-rows-native-mha-amd`; 3-4 rounds)"),
+    ("meet-rows9-native-mha-amd", "the same code and point with 9 rounds, right after (`... --repeats 9 --name "
+     "meet-rows9-native-mha-amd`)"),
+    ("meet-rows-smollm2-amd", "the same code on SmolLM2 at the disk's own speed and at 25 MB/s, right after "
+     "(`--models smollm2 --lengths 1024 4096 8064 --slow-mbps 25 --busy --name meet-rows-smollm2-amd`)"),
 ]
 
 
