@@ -527,12 +527,17 @@ class KVPRHandler(SpanHandler):
                            dtype=engine.dtype, hidden=c.hidden, activations=plan.activations)
         s = source.pages * ps
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
+        kept = kvpr.scratch.nbytes
+        out = kvpr.scratch.take(engine, ext)
+        if kvpr.scratch.nbytes > kept:
+            logger.info("tiered kvpr: the loads' KV buffer now holds %.1f MiB (%d tokens' KV), kept for the next "
+                        "loads", kvpr.scratch.nbytes / 2**20, ext)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
                            chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
                            page_compute_s=plan.page_s, page_read_s=plan.read_s, rope=sglang_rope(module),
                            inputs=kvpr.writer is not None, loaders=plan.loaders,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
-                           out=kvpr.scratch.take(engine, ext))
+                           out=out)
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
         req.tiered_pure_load = res.computed_pages == 0 and plan.as_auto  # (a sample of our loader: load_timing)
         if res.loaded_pages and not req.retracted_stain:  # read, not computed: reported as SGLang reports its own

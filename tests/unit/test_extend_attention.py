@@ -15,6 +15,7 @@ from sglang_tiered.kernels.extend_attention import (
     positioned_attention,
     reference_attention,
 )
+from tests.rounding import attention_rows_alone
 
 
 def paged_batch(rng: random.Random, hq: int, hkv: int, d: int, reqs: list[tuple[int, int]], dtype):
@@ -117,11 +118,14 @@ def test_chunk_attention_is_causal_attention_of_the_last_queries(hq, hkv, n, tot
 @pytest.mark.parametrize("prefix,total", [(0, 1100), (0, 1400), (0, 700), (192, 1500), (640, 2200)])
 def test_part_attention_rounds_as_the_whole_extend(dtype, prefix, total):
     """Chunks of an extend [prefix, total), each computed with only the keys up to its end (rows past them NaN),
-    give bit for bit what one call over the whole extend gives those queries (a server's prefill)."""
+    give bit for bit what one call over the whole extend gives those queries (a server's prefill) -- on a CPU whose
+    flash attention rounds a query alone (tests/rounding.py: not Intel's AMX in bf16 or fp32); elsewhere within the
+    dtype's rounding."""
     g = torch.Generator().manual_seed(total + prefix)
     q, k, v = (torch.randn(rows, h, 64, generator=g).to(dtype) for rows, h in
                ((total - prefix, 9), (total, 3), (total, 3)))
     whole = causal_attention(q, k, v, prefix)
+    exact = attention_rows_alone(dtype)
     for size in (64, 256, 192):
         start = prefix
         while start < total:
@@ -129,7 +133,11 @@ def test_part_attention_rounds_as_the_whole_extend(dtype, prefix, total):
             kk, vv = k.clone(), v.clone()
             kk[end:], vv[end:] = float("nan"), float("nan")  # not computed yet: never read
             got = part_attention(q[start - prefix : end - prefix], kk, vv, start, prefix=prefix, total=total)
-            assert torch.equal(got, whole[start - prefix : end - prefix]), (size, start)
+            want = whole[start - prefix : end - prefix]
+            if exact:
+                assert torch.equal(got, want), (size, start)
+            else:  # this CPU's kernels round a query by what else is in its call: close, not equal
+                torch.testing.assert_close(got, want, msg=lambda m, at=(size, start): f"{at}: {m}")
             start = end
 
 
