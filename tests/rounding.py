@@ -19,6 +19,7 @@ import torch
 from sglang_tiered.kernels.extend_attention import _sdpa, causal_attention
 
 ROWS = 1400  # the batch a part is compared against
+SMOLLM2 = (576, 3 * 64, 1536)  # the embedded model's hidden size, KV width and intermediate size
 PARTS = (1, 8, 16, 24, 32, 40, 48, 56, 60, 64, 100, 192, 256, 320, 512, 1024)  # row counts of the parts tried
 SEEDS = 3  # data sets tried by the attention probe (a kernel's difference shows only in some elements)
 

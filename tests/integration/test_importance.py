@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
 from tests.integration.conftest import PROMPT_CHARS
 from tests.integration.helpers import chosen_dtype, tiered_args
+from tests.rounding import SMOLLM2, rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -100,4 +102,7 @@ def test_importance_placement_keeps_the_reused_prompt_on_device(tmp_path, essays
     assert cached_details(again)["device"] >= 640, cached_details(again)  # kept on device
     lru = [shared_server.generate(t, max_new_tokens=8)["output_ids"] for t in (popular, *others)]
     assert [r["output_ids"] for r in (first[0], *rest)] == lru
-    assert again["output_ids"] == first[0]["output_ids"]
+    assert again["output_ids"] == first[2]["output_ids"]  # device hits of the same pages (a cold prefill's answer
+    # can differ from a hit's on a CPU whose kernels round a batch's rows by its shape: tests/rounding.py)
+    if rows_alone(getattr(torch, chosen_dtype(shared_server)), *SMOLLM2):
+        assert again["output_ids"] == first[0]["output_ids"]

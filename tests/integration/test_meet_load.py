@@ -24,9 +24,7 @@ import torch
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from tests.integration.helpers import chosen_dtype, flip_middle_byte
 from tests.integration.kvpr_helpers import PAGE, ask, assert_as_sglangs_load, counter
-from tests.rounding import rows_alone
-
-SMOLLM2 = (576, 3 * 64, 1536)  # hidden, KV width, intermediate: the shapes of its projections
+from tests.rounding import SMOLLM2, rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

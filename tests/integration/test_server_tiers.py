@@ -23,7 +23,7 @@ import pytest
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, send_until
 from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.helpers import chosen_dtype, flip_middle_byte, wait_for_metric
+from tests.integration.helpers import answers, chosen_dtype, flip_middle_byte, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -78,10 +78,11 @@ def first_run(tmp_path_factory, essays):
         metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", 1)
         stats = ssd_stats(ssd)  # written on the same publishing tick as the metrics
         dtype = chosen_dtype(server)
+        ref_a = answers(server, essays[0], dtype)  # SGLang's own answers to A, cold and from its device cache
         late = server.generate(LATE + essays[0])  # then stopped at once, gracefully: its pages must be kept
         server.stop(graceful=30)
     return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,
-            "stats": stats, "dtype": dtype, "late": late}
+            "stats": stats, "dtype": dtype, "late": late, "ref_a": ref_a}
 
 
 def test_a_prompt_is_served(first_run):
@@ -94,7 +95,8 @@ def test_b_evicted_prompt_is_an_ssd_hit_with_identical_output(first_run):
     hit, cold = first_run["hit_a"], first_run["cold_a"]
     d = cached_details(hit)
     assert d["storage"] >= 640 and d["device"] == 0 and d["host"] == 0, d
-    assert hit["text"] == cold["text"]
+    assert cold["text"] == first_run["ref_a"].cold["text"]
+    first_run["ref_a"].check(hit, "b")  # SGLang's own hit's answer (and the cold one where rows round alone)
     s = first_run["stats"]
     assert s["hit_pages"] >= 10 and s["written_pages"] >= 20 and s["corrupt_pages"] == 0
 
@@ -128,10 +130,12 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
         again = server.generate(essays[0])
         d = cached_details(again)
         assert d["storage"] >= 640 and d["device"] == 0, d
-        assert again["text"] == first_run["cold_a"]["text"]
+        first_run["ref_a"].check(again, "c")
         late = server.generate(LATE + essays[0])  # sent just before server 1's graceful stop
         assert cached_details(late)["storage"] == (late["meta_info"]["prompt_tokens"] - 1) // 64 * 64, late["meta_info"]
-        assert late["text"] == first_run["late"]["text"]
+        ref_late = answers(server, LATE + essays[0], first_run["dtype"])
+        assert first_run["late"]["text"] == ref_late.cold["text"]
+        ref_late.check(late, "c, late")
         assert server.log_lines("as measured on this machine at") or server.log_lines("(explicit)")  # dtype kept
         dtype = first_run["dtype"]
         served = (d["storage"] + cached_details(late)["storage"]) // 64  # the stats file lags: wait for both requests
@@ -168,16 +172,17 @@ def test_e_f_h_other_model_gets_nothing_and_capacity_holds(first_run, essays, ot
         server.flush_cache()
         status, forced = server.request("/generate", {"text": essays[0], "sampling_params": {
             "max_new_tokens": 8, "temperature": 0, "custom_params": {"tiered_kvpr": "force"}}})
-        assert status == 200 and forced["text"] == first["text"]  # (h)
-        assert cached_details(forced)["storage"] >= 2 * 64  # SGLang's load
+        assert status == 200 and cached_details(forced)["storage"] >= 2 * 64  # SGLang's load
+        ref = answers(server, essays[0], dtype)  # (its pages, written through, may push the first's out: after)
+        ref.check(first, "f")
+        ref.check(forced, "h")
         assert metric_total(server.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total") == 1
         probe = server.log_lines("cannot measure the SSD read bandwidth (injected fault in kvpr_probe")
         assert probe and "KVPR stays off" in probe[0], probe
         assert server.log_lines("runs a normal prefill (no measured profile")
         for text in essays[1:4]:  # (e) about 2000 tokens = 30+ pages through a 12-page tier
             assert server.generate(text, max_new_tokens=1)["text"] is not None
-        again = server.generate(essays[0])
-        assert again["text"] == first["text"]
+        ref.check(server.generate(essays[0]), "e")
     other_ns = {p.parent.parent for p in page_files(ssd)} - {p.parent.parent for p in real_pages}
     assert len(other_ns) == 1
     used = sum(p.stat().st_size for p in ssd.rglob("*") if p.is_file())  # every file under the directory
