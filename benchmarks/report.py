@@ -600,6 +600,9 @@ MEET_RERUNS = [
      "meet-rows9-native-mha-amd`)"),
     ("meet-rows-smollm2-amd", "the same code on SmolLM2 at the disk's own speed and at 25 MB/s, right after "
      "(`--models smollm2 --lengths 1024 4096 8064 --slow-mbps 25 --busy --name meet-rows-smollm2-amd`)"),
+    ("meet-amx-intel", "the whole grid (both models, 1k/4k/8k, the disk's own speed, 200/100/50/25 MB/s and a busy "
+     "CPU at 100 MB/s) on an Intel Xeon with AMX, in bf16 (what `--dtype auto` chose there), with the code of "
+     "`meet-rows-*` (`--name meet-amx-intel`, 87 minutes)"),
 ]
 
 
