@@ -9,7 +9,8 @@ run on the CPU) and stored span (`--lengths` tokens, whole pages of `--page-size
   * `load`: every page read and copied to the device (its KV is `compute`'s);
   * `meet`: both at once, meeting where they meet (Cake's scheme: no estimates);
   * `meet-rule`: the same with the claim rule the server uses, fed this point's own per-page compute and read times
-    (from the warm-up runs).
+    (from the warm-up runs: compute's seconds on the span's pages and the loader's wall seconds, each per page; the
+    new tokens' layers left out, as a server's profile of reads and compute leaves them out).
 Where the stored pages are read from (`--source`): `host`, pinned host memory page by page, as a host tier holds
 them (one asynchronous transfer per page); `disk`, one file per page under `--disk-dir` (an SSD tier's layout), the
 files evicted from the page cache before every run and each page read into a pinned buffer, then copied.
@@ -161,6 +162,7 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - t0
         return model.logits(res.hidden[None])[0], {"s": seconds, "computed_pages": res.computed_pages,
                                                    "loaded_pages": res.loaded_pages, "load_s": res.load_s,
+                                                   "span_s": res.compute_s if config == "compute" else res.load_s,
                                                    "first_reads_s": list(res.reads[:4])}
 
     out: dict = {"pages": pages, "chunk_pages": chunk, "source": a.source, "kv_bytes": source.bytes}
@@ -179,9 +181,9 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     continue
-                if rnd == 0:
-                    if config in ("compute", "load"):
-                        per_page[config] = row["s"] / pages
+                if rnd == 0:  # the rule's inputs: the engine's own times on the span, as a server profiles them
+                    if config in ("compute", "load"):  # (not the whole run's: that has the new tokens' layers)
+                        per_page[config] = row["span_s"] / pages
                 else:
                     runs[config].append(row)
     finally:

@@ -354,6 +354,13 @@ MEET_GPU_RUNS = (
                       "GQA only"),
     ("meet_gpu_disk_rule", "the same code, pages read from files on the GPU machine's disk (page cache evicted "
                            "before every run), 2 rounds"),
+    ("meet_gpu_fp32res", "stop 42's engine on CUDA (fp32 residual stream, the loads' kept buffer; CUDA tests 6/6 once "
+                         "zlib-ng was carried there), pages from pinned host memory; the rule fed each warm-up's whole "
+                         "time per page, the new tokens' layers included"),
+    ("meet_gpu_disk_fp32res", "the same, pages read from files on the GPU machine's disk, 2 rounds"),
+    ("meet_gpu_span", "the same engine, the rule fed the engine's own per-page times on the span (compute's seconds "
+                      "on its pages, the loader's wall seconds), as a server's profile feeds it; CUDA tests 6/6"),
+    ("meet_gpu_disk_span", "the same, pages read from files on the GPU machine's disk, 2 rounds"),
 )
 
 
@@ -414,7 +421,7 @@ def meet_gpu_section() -> list[str]:
         out += ["", "Not consistently: at 4096 tokens the shorter interval came out lower in both pairs, at 8192 and "
                 "16384 not; the losses come with a compute claim (the staged run above shows why compute claims).",
                 ""]
-    for name in ("meet_gpu_rule", "meet_gpu_disk_rule"):
+    for name in ("meet_gpu_span", "meet_gpu_disk_span"):
         if (d := _results(name)) is not None:
             out += [f"![{name}](benchmarks/results/{name}.png)", ""]
     return out
