@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.storage.geometry import KVGeometry
 
-Rope = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, k [n, H, D], positions) -> rotated k
+# (layer, q [n, Hq, D] or None, k [n, Hkv, D], positions) -> (rotated q or None, rotated k): one call per layer, as
+# a server's own kernel rotates a layer's queries and keys together
+Rope = Callable[[int, Optional[torch.Tensor], torch.Tensor, torch.Tensor], tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -196,14 +198,15 @@ class LlamaModel:
 
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rope: Optional[Rope] = None):
         """Queries [n, Hq, D], keys [n, Hkv, D] (post-RoPE) and values [n, Hkv, D] of tokens at `positions`.
-        `rope(layer, t, positions)` replaces this engine's rotation (see `kv_from_input`)."""
+        `rope(layer, q, k, positions)` replaces this engine's rotation (see `kv_from_input`)."""
         w, c = self.layer_weights[layer], self.cfg
         h = self.attention_input(layer, x)
         q = F.linear(h, w.wq).view(-1, c.heads, c.head_dim)
         k = F.linear(h, w.wk).view(-1, c.kv_heads, c.head_dim)
         v = F.linear(h, w.wv).view(-1, c.kv_heads, c.head_dim)
         if rope is not None:
-            return rope(layer, q, positions), rope(layer, k, positions), v
+            q, k = rope(layer, q, k, positions)
+            return q, k, v
         return self.rope(q, positions), self.rope(k, positions), v
 
     def attention_input(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -212,13 +215,13 @@ class LlamaModel:
 
     def kv_from_input(self, layer: int, h: torch.Tensor, positions: torch.Tensor, rope: Optional[Rope] = None):
         """Keys [n, Hkv, D] (post-RoPE) and values of tokens at `positions` from their attention input `h`
-        [n, hidden] (`attention_input`): the partial-recompute loader's K = X W_K, V = X W_V. `rope(layer, k,
+        [n, hidden] (`attention_input`): the partial-recompute loader's K = X W_K, V = X W_V. `rope(layer, None, k,
         positions)` replaces this engine's rotation (a server passes its own kernel, so that the recomputed keys
         are bit-identical to the ones it stored)."""
         w, c = self.layer_weights[layer], self.cfg
         kv = F.linear(h, w.wkv).view(-1, 2, c.kv_heads, c.head_dim)
         k = kv[:, 0].contiguous()
-        return (self.rope(k, positions) if rope is None else rope(layer, k, positions)), kv[:, 1]
+        return (self.rope(k, positions) if rope is None else rope(layer, None, k, positions)[1]), kv[:, 1]
 
     def finish_layer(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual stream (fp32) after the layer, given the attention output [n, Hq, D] of its tokens."""

@@ -27,14 +27,18 @@ faster per page (wider matrix products), so the first claim is the biggest. Seco
 last reads, with the read in flight counted as one of them once it has taken longer (timed from its own start: the
 loader's start-up -- a thread waking, a CUDA stream's first copy -- is no read; a kernel throttle passes reads in bursts
 and stalls about one in ten, measured at 200 MB/s: 2-3 ms reads and 40-70 ms stalls, and that one stall is not the
-disk's rate), and before the first read the caller's `page_read_s` estimate (the profile's). When reads are fast next to
-compute (below `min_read_share` of a page's compute: computing would gain little and, on a CPU, slow the loader's own
-work) or no page is worth taking, compute looks again after `min_read_share` of a page's compute (at once if the loader
-is done): a kernel I/O throttle lets a first burst through fast, then reads slow down, and their new rate may be slow
-enough to join. Not at every read: on a GPU a read takes a fraction of a millisecond, and compute's thread waking at
-each one takes the GIL from the loader's. Both rates are this load's own (the estimates are replaced by each computed
-chunk's time and each read's), so the rule follows a disk or a CPU that slows down under load. Without an estimate the
-two simply race (Cake's scheme).
+disk's rate), and before the first read the caller's `page_read_s` estimate (the profile's). The reads, not the
+estimate, decide once one is in: a span still in the page cache reads fast behind a slow disk, and a chunk claimed on
+the estimate then holds the load up (a chunk cannot be abandoned); the price is that a throttle idle before the load
+lets its first reads through at once (measured at 25 MB/s: 3-9 ms, then 110 ms), and compute looks two to four times
+before it joins.
+When reads are fast next to compute (below `min_read_share` of a page's compute: computing would gain little and, on a
+CPU, slow the loader's own work) or no page is worth taking, compute looks again after `min_read_share` of a page's
+compute (at once if the loader is done): a kernel I/O throttle lets a first burst through fast, then reads slow down,
+and their new rate may be slow enough to join. Not at every read: on a GPU a read takes a fraction of a millisecond, and
+compute's thread waking at each one takes the GIL from the loader's. Both rates are this load's own (the estimates are
+replaced by each computed chunk's time and each read's), so the rule follows a disk or a CPU that slows down under load.
+Without an estimate the two simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 
@@ -95,6 +99,7 @@ class MeetResult:
     wait_s: float  # seconds compute waited, at the meet, for loads in flight
     inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
     reads: tuple[float, ...] = ()  # seconds of each page the loader placed (read to placed), in its order
+    chunks: tuple[tuple[float, int, float], ...] = ()  # compute's claims: (seconds into the load, pages, seconds)
 
 
 def best_claim(free: int, compute_s: float, read_s: float) -> int:
@@ -257,6 +262,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     loading = [pool.submit(load) for _ in range(workers)]
     t0 = time.perf_counter()
     computed = 0
+    chunks: list[tuple[float, int, float]] = []
     try:
         relook_s = page_compute_s * (min_read_share or 1.0) if page_compute_s is not None else 0.0
         if split is None and page_compute_s is not None:
@@ -270,6 +276,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
             if copies is not None:
                 torch.cuda.current_stream(dev).synchronize()  # the chunk is done, not only queued
             claims.computed(len(pages_now), time.perf_counter() - t_chunk)
+            chunks.append((t_chunk - t0, len(pages_now), time.perf_counter() - t_chunk))
             computed = pages_now.stop
         compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -293,7 +300,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         out[layer, s:, 0], out[layer, s:, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
     return MeetResult(out, x[-1], computed, len(claims.reads), claims.recomputed, compute_s,
-                      claims.ended - claims.began, wait_s, xs, tuple(claims.reads))
+                      claims.ended - claims.began, wait_s, xs, tuple(claims.reads), tuple(chunks))
 
 
 def _on_stream(stream: Optional[torch.cuda.Stream]):

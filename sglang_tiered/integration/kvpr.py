@@ -563,23 +563,31 @@ class KVPRHandler(SpanHandler):
         logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
                     "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
                     "thread(s) (%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; "
-                    "read path %s), waited %.3fs at the meet, total=%.3fs", req.rid, s, prefix, ext - s, plan.mode,
-                    res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s, plan.loaders,
-                    recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
-                    source.act_misses, read, res.wait_s, time.perf_counter() - t0)
+                    "read path %s), waited %.3fs at the meet, total=%.3fs; compute's chunks %s", req.rid, s, prefix,
+                    ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s,
+                    plan.loaders, recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
+                    source.act_misses, read, res.wait_s, time.perf_counter() - t0, _chunks(res.chunks))
         return hidden
+
+
+def _chunks(chunks) -> str:
+    """Compute's claims for the load's log line: pages at seconds into the load, in seconds."""
+    return ", ".join(f"{pages} at {at:.3f}s in {took:.3f}s" for at, pages, took in chunks) or "none"
 
 
 def sglang_rope(module):
     """The served model's own rotary kernels as an engine `Rope`: recomputed keys come out bit-identical to the
     keys SGLang stored (the engine's rotation differs from SGLang's CPU kernel by a bf16 ulp in ~40 % of the
-    elements, enough to flip a near-tie greedy token)."""
+    elements, enough to flip a near-tie greedy token). A layer's queries and keys in one call, as SGLang's forward
+    rotates them (two calls, one per tensor, cost 22 against 11 ms per 192 tokens over SmolLM2's 30 layers); the
+    kernel may rotate in place, so it gets copies (of the keys twice where there are no queries)."""
     layers = module.layers
 
-    def rope(layer: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        flat = k.reshape(k.shape[0], -1)
-        _, rotated = layers[layer].self_attn.rotary_emb(positions, flat.clone(), flat.clone())
-        return rotated.view_as(k)
+    def rope(layer: int, q: Optional[torch.Tensor], k: torch.Tensor, positions: torch.Tensor):
+        keys = k.reshape(k.shape[0], -1).clone()
+        queries = q.reshape(q.shape[0], -1).clone() if q is not None else keys.clone()
+        queries, keys = layers[layer].self_attn.rotary_emb(positions, queries, keys)
+        return (queries.view_as(q) if q is not None else None), keys.view_as(k)
 
     return rope
 

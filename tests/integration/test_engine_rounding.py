@@ -64,10 +64,12 @@ class SGLangLlama:
         self.norms = [(norm(w.input_norm), norm(w.post_norm)) for w in model.layer_weights]
         self.final = norm(model.norm)
 
-    def rope(self, layer: int, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rope(self, layer: int, q, k: torch.Tensor, positions: torch.Tensor):
         """The engine's `Rope` over SGLang's kernel (what the server passes: `integration.kvpr.sglang_rope`)."""
-        flat = t.reshape(t.shape[0], -1)
-        return self.rotary(positions, flat.clone(), flat.clone())[1].view_as(t)
+        keys = k.reshape(k.shape[0], -1).clone()
+        queries = q.reshape(q.shape[0], -1).clone() if q is not None else keys.clone()
+        queries, keys = self.rotary(positions, queries, keys)
+        return (queries.view_as(q) if q is not None else None), keys.view_as(k)
 
     def extend(self, ids: torch.Tensor, start: int, kv: torch.Tensor) -> torch.Tensor:
         """Prefill ids[start:] over kv[:, :start] (cached), writing their KV into kv; the last token's output."""

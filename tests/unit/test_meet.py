@@ -56,6 +56,8 @@ def test_every_meet_point_equals_a_full_prefill(model, prefix, split, loaders):
     assert sorted(span.reads) == list(range(res.computed_pages, pages))  # each loaded page read once
     if split is not None:
         assert res.computed_pages == split
+    assert sum(pages for _, pages, _ in res.chunks) == res.computed_pages  # compute's claims, as logged
+    assert all(seconds > 0 for _, _, seconds in res.chunks)
     if loaders == 1:
         assert span.reads == sorted(span.reads, reverse=True)  # the loader goes back to front
 
@@ -170,6 +172,16 @@ def test_before_the_first_read_compute_claims_by_the_read_estimate():
     assert estimated.next_chunk(4) == range(0, 4)
     blind = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25)
     assert blind.next_chunk(4) == range(0)
+
+
+def test_once_a_read_is_in_the_reads_decide_not_the_estimate():
+    """A span still in the page cache reads fast behind a disk the profile knows as slow: one 1 ms read keeps compute
+    out although the estimate says 59 ms a read (a chunk claimed on the estimate would hold the load up; before any
+    read is in, the estimate decides: `test_before_the_first_read_compute_claims_by_the_read_estimate`)."""
+    claims = _Claims(16, None, page_compute_s=0.045, min_read_share=0.25, page_read_s=0.059)
+    assert claims.next_load() == 15
+    claims.loaded(0.001)
+    assert claims.next_chunk(4) == range(0)
 
 
 def test_a_read_in_flight_counts_from_its_own_start():
