@@ -610,6 +610,18 @@ MEET_RERUNS = [
     ("meet-amx-intel", "the whole grid (both models, 1k/4k/8k, the disk's own speed, 200/100/50/25 MB/s and a busy "
      "CPU at 100 MB/s) on an Intel Xeon with AMX, in bf16 (what `--dtype auto` chose there), with the code of "
      "`meet-rows-*` (`--name meet-amx-intel`, 87 minutes)"),
+    ("meet-1k-slow-intel", "stop 43, the same kind of machine: SmolLM2's 1024-token misses again, 50 MB/s with the "
+     "rule of meet-amx-intel, 25 MB/s (its server started later) already with the experiment of the next run "
+     "(`--models smollm2 --lengths 1024 --slow-mbps 50 25 --skip-native --busy --repeats 5 --name "
+     "meet-1k-slow-intel`)"),
+    ("meet-1k-estimate-intel", "an experiment, not kept: the profile's read estimate counted as a second read beside "
+     "the loader's first (compute then joined 4 ms into most loads instead of after two to four looks), the same "
+     "points (`--name meet-1k-estimate-intel`)"),
+    ("meet-1k-estimate2-intel", "the same experiment at 25 MB/s, 4 rounds, the scheduler's threads sampled with "
+     "`top` meanwhile (`--slow-mbps 25 --repeats 4 --max-repeats 4 --name meet-1k-estimate2-intel`)"),
+    ("meet-1k-25-intel", "the kept rule, 25 MB/s, 8 rounds, right before the next (`--slow-mbps 25 --repeats 8 "
+     "--max-repeats 8 --name meet-1k-25-intel`)"),
+    ("meet-1k-25-estimate-intel", "the experiment again, 8 rounds, right after (`--name meet-1k-25-estimate-intel`)"),
 ]
 
 
