@@ -163,7 +163,8 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
         return model.logits(res.hidden[None])[0], {"s": seconds, "computed_pages": res.computed_pages,
                                                    "loaded_pages": res.loaded_pages, "load_s": res.load_s,
                                                    "span_s": res.compute_s if config == "compute" else res.load_s,
-                                                   "first_reads_s": list(res.reads[:4])}
+                                                   "first_reads_s": list(res.reads[:4]),
+                                                   "chunks": [list(c) for c in res.chunks]}
 
     out: dict = {"pages": pages, "chunk_pages": chunk, "source": a.source, "kv_bytes": source.bytes}
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
@@ -198,6 +199,7 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
                        "computed_pages": [r.get("computed_pages") for r in rows],
                        "loaded_pages": [r.get("loaded_pages") for r in rows],
                        "first_reads_s": [r.get("first_reads_s") for r in rows],
+                       "chunks": [r.get("chunks") for r in rows],  # compute's claims: [seconds in, pages, seconds]
                        "same_token": int(logits[config].argmax()) == reference_token,
                        "max_logit_diff": float((logits[config] - reference_logits).abs().max())}
     out["per_page_s"] = per_page
