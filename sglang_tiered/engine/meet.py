@@ -31,14 +31,13 @@ disk's rate), and before the first read the caller's `page_read_s` estimate (the
 estimate, decide once one is in: a span still in the page cache reads fast behind a slow disk, and a chunk claimed on
 the estimate then holds the load up (a chunk cannot be abandoned); the price is that a throttle idle before the load
 lets its first reads through at once (measured at 25 MB/s: 3-9 ms, then 110 ms), and compute looks two to four times
-before it joins.
-When reads are fast next to compute (below `min_read_share` of a page's compute: computing would gain little and, on a
-CPU, slow the loader's own work) or no page is worth taking, compute looks again after `min_read_share` of a page's
-compute (at once if the loader is done): a kernel I/O throttle lets a first burst through fast, then reads slow down,
-and their new rate may be slow enough to join. Not at every read: on a GPU a read takes a fraction of a millisecond, and
-compute's thread waking at each one takes the GIL from the loader's. Both rates are this load's own (the estimates are
-replaced by each computed chunk's time and each read's), so the rule follows a disk or a CPU that slows down under load.
-Without an estimate the two simply race (Cake's scheme).
+before it joins. When reads are fast next to compute (below `min_read_share` of a page's compute: computing would gain
+little and, on a CPU, slow the loader's own work) or no page is worth taking, compute looks again after `min_read_share`
+of a page's compute (at once if the loader is done): a kernel I/O throttle lets a first burst through fast, then reads
+slow down, and their new rate may be slow enough to join. Not at every read: on a GPU a read takes a fraction of a
+millisecond, and compute's thread waking at each one takes the GIL from the loader's. Both rates are this load's own
+(the estimates are replaced by each computed chunk's time and each read's), so the rule follows a disk or a CPU that
+slows down under load. Without an estimate the two simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 

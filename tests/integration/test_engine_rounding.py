@@ -10,6 +10,7 @@ hidden state are those of SGLang's load of the span (the span's KV read, the new
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,13 +64,12 @@ class SGLangLlama:
 
         self.norms = [(norm(w.input_norm), norm(w.post_norm)) for w in model.layer_weights]
         self.final = norm(model.norm)
+        # the engine's `Rope` over SGLang's kernel, as the server passes it (over the shape of SGLang's LlamaModel
+        # that it reads: layers[i].self_attn.rotary_emb)
+        from sglang_tiered.integration.kvpr import sglang_rope
 
-    def rope(self, layer: int, q, k: torch.Tensor, positions: torch.Tensor):
-        """The engine's `Rope` over SGLang's kernel (what the server passes: `integration.kvpr.sglang_rope`)."""
-        keys = k.reshape(k.shape[0], -1).clone()
-        queries = q.reshape(q.shape[0], -1).clone() if q is not None else keys.clone()
-        queries, keys = self.rotary(positions, queries, keys)
-        return (queries.view_as(q) if q is not None else None), keys.view_as(k)
+        layer = SimpleNamespace(self_attn=SimpleNamespace(rotary_emb=self.rotary))
+        self.rope = sglang_rope(SimpleNamespace(layers=[layer] * c.layers))
 
     def extend(self, ids: torch.Tensor, start: int, kv: torch.Tensor) -> torch.Tensor:
         """Prefill ids[start:] over kv[:, :start] (cached), writing their KV into kv; the last token's output."""
