@@ -5,8 +5,8 @@
 # 2. benchmarks/meet_gpu.py, pages from pinned host memory: 7B MHA, then 8B GQA shapes, 4k-32k tokens (bf16);
 # 3. the same with pages read from files on this machine's disk (page cache evicted before every run), 4k and 8k.
 # Each step has its own time limit; the JSON is saved after every point, so a step cut short keeps what it measured.
-# Logs, JSON and plots land in OUT_DIR. Needs python3 with torch, zlib-ng (the store's checksum: the tests' page
-# sources import it), pytest and matplotlib; not SGLang. On a machine without PyPI, put a zlib-ng wheel on PYTHONPATH.
+# Logs, JSON and plots land in OUT_DIR. Needs python3 with torch, pytest and matplotlib; not SGLang, nor zlib-ng (the
+# engine's page sources raise engine/span_miss.SpanMiss, which needs nothing of the store: tests/unit/test_meet.py).
 set -uo pipefail
 out=${1:?usage: gpu-check.sh OUT_DIR}
 cd "$(dirname "$0")/.."

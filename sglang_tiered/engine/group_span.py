@@ -15,14 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from sglang_tiered.engine.span_miss import SpanMiss
 from sglang_tiered.storage.group_file import GroupMeta, dequantize_probe
 from sglang_tiered.storage.ssd_tier import SSDTier
 
 _TORCH = {2: {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}, 4: {"torch.float32": torch.float32}}
-
-
-class SpanMiss(RuntimeError):
-    """The group (or a chunk of it) could not be read: the caller falls back to computing the span."""
 
 
 class GroupSpan:

@@ -64,6 +64,7 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaModel, Rope
 from sglang_tiered.engine.one_thread import one_thread_pool
+from sglang_tiered.engine.span_miss import SpanMiss
 from sglang_tiered.kernels.extend_attention import causal_attention, part_attention
 
 
@@ -82,7 +83,7 @@ class PageSource(Protocol):
 
     def read(self, page: int) -> StoredPage:
         """Page `page` of the span. Runs on a loader thread (several at once where `meet_prefill` has `loaders` >
-        1). Raises SpanMiss (engine.group_span) when the page cannot be served."""
+        1). Raises SpanMiss (engine.span_miss) when the page cannot be served."""
         ...
 
 
@@ -366,8 +367,6 @@ class MemoryPages:
         self.reads: list[int] = []
 
     def read(self, page: int) -> StoredPage:
-        from sglang_tiered.engine.group_span import SpanMiss
-
         if self.delay_s:
             time.sleep(self.delay_s)
         if page in self.fail:

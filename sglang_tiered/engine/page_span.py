@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_tiered.engine.group_span import SpanMiss
 from sglang_tiered.engine.meet import StoredPage
+from sglang_tiered.engine.span_miss import SpanMiss
 from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
-from sglang_tiered.engine.group_span import SpanMiss
+from sglang_tiered.engine.span_miss import SpanMiss
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.model_forward import ForwardHandler, engine_declines

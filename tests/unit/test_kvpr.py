@@ -348,7 +348,7 @@ def test_missing_or_corrupt_activations_fall_back_to_that_pages_kv(mha, tier):
 
 
 def test_a_missing_or_corrupt_kv_page_ends_the_load(mha, tier):
-    from sglang_tiered.engine.group_span import SpanMiss
+    from sglang_tiered.engine.span_miss import SpanMiss
 
     model, ids, _, kv, xs = mha
     keys = store_span(tier, kv, xs, 80, with_x=set())

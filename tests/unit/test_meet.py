@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from sglang_tiered.engine.group_span import SpanMiss
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.meet import MemoryPages, _Claims, best_claim, meet_prefill
+from sglang_tiered.engine.span_miss import SpanMiss
 
 PS = 16
 SHAPES = {
@@ -273,3 +273,25 @@ def test_a_reused_buffer_gives_the_same_result_and_is_reused():
     assert grown.shape[1] == 2 * ids.shape[0] and scratch.nbytes == grown.numel() * grown.element_size()
     with pytest.raises(ValueError, match="need"):
         run(model, ids, ref, span, 0, split=2, out=scratch.take(model, ids.shape[0] - 1))
+
+
+def test_the_engine_and_its_miss_need_no_store():
+    """A page source raises `SpanMiss` without the store's checksum (which needs zlib-ng: a GPU machine's image may
+    lack it): `engine.meet` with a memory source misses as it should with zlib-ng blocked."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['zlib_ng'] = None  # any import of it fails\n"
+        "import torch\n"
+        "from sglang_tiered.engine.meet import MemoryPages\n"
+        "from sglang_tiered.engine.span_miss import SpanMiss\n"
+        "try:\n"
+        "    MemoryPages(torch.zeros(1, 4, 2, 1, 2), 2, fail=frozenset({1})).read(1)\n"
+        "except SpanMiss as exc:\n"
+        "    print('miss:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "miss: page 1 unreadable"
