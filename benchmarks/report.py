@@ -622,6 +622,9 @@ MEET_RERUNS = [
     ("meet-1k-25-intel", "the kept rule, 25 MB/s, 8 rounds, right before the next (`--slow-mbps 25 --repeats 8 "
      "--max-repeats 8 --name meet-1k-25-intel`)"),
     ("meet-1k-25-estimate-intel", "the experiment again, 8 rounds, right after (`--name meet-1k-25-estimate-intel`)"),
+    ("meet-1k-s44-intel", "stop 44, the same kind of machine, the rule of meet-1k-25-intel (only `SpanMiss` moved "
+     "since): SmolLM2's 1024-token misses, 8 rounds each (`--models smollm2 --lengths 1024 --slow-mbps 50 25 "
+     "--skip-native --busy --repeats 8 --max-repeats 8 --name meet-1k-s44-intel`)"),
 ]
 
 
