@@ -100,6 +100,7 @@ class MeetResult:
     inputs: Optional[torch.Tensor] = None  # [layers, |C|, hidden]: the new tokens' attention inputs (if asked)
     reads: tuple[float, ...] = ()  # seconds of each page the loader placed (read to placed), in its order
     chunks: tuple[tuple[float, int, float], ...] = ()  # compute's claims: (seconds into the load, pages, seconds)
+    new_s: float = 0.0  # seconds of the new tokens' layers, after the meet
 
 
 def best_claim(free: int, compute_s: float, read_s: float) -> int:
@@ -290,6 +291,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         raise errors[0]
     if copies is not None:
         torch.cuda.current_stream(dev).wait_stream(copies)
+    t_new = time.perf_counter()
     x = model.embed(new_ids)
     positions = torch.arange(p + s, p + s + n, device=dev)
     xs = torch.empty(model.cfg.layers, n, model.cfg.hidden, dtype=model.dtype, device=dev) if inputs else None
@@ -299,8 +301,11 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, s:, 0], out[layer, s:, 1] = k, v
         x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
+    if copies is not None:
+        torch.cuda.current_stream(dev).synchronize()  # (timed as done, not as queued)
     return MeetResult(out, x[-1], computed, len(claims.reads), claims.recomputed, compute_s,
-                      claims.ended - claims.began, wait_s, xs, tuple(claims.reads), tuple(chunks))
+                      claims.ended - claims.began, wait_s, xs, tuple(claims.reads), tuple(chunks),
+                      time.perf_counter() - t_new)
 
 
 def _on_stream(stream: Optional[torch.cuda.Stream]):

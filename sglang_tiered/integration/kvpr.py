@@ -538,7 +538,9 @@ class KVPRHandler(SpanHandler):
                            inputs=kvpr.writer is not None, loaders=plan.loaders,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
                            out=out)
+        t_write = time.perf_counter()
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
+        write_s = time.perf_counter() - t_write
         req.tiered_pure_load = res.computed_pages == 0 and plan.as_auto  # (a sample of our loader: load_timing)
         if res.loaded_pages and not req.retracted_stain:  # read, not computed: reported as SGLang reports its own
             req.cached_tokens += res.loaded_pages * ps      # L3 hits (meta_info.cached_tokens_details, /metrics)
@@ -563,10 +565,12 @@ class KVPRHandler(SpanHandler):
         logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
                     "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
                     "thread(s) (%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; "
-                    "read path %s), waited %.3fs at the meet, total=%.3fs; compute's chunks %s", req.rid, s, prefix,
+                    "read path %s), waited %.3fs at the meet, then the new tokens' layers %.3fs and the write into "
+                    "SGLang's pool %.3fs, total=%.3fs; compute's chunks %s", req.rid, s, prefix,
                     ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s,
                     plan.loaders, recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
-                    source.act_misses, read, res.wait_s, time.perf_counter() - t0, _chunks(res.chunks))
+                    source.act_misses, read, res.wait_s, res.new_s, write_s, time.perf_counter() - t0,
+                    _chunks(res.chunks))
         return hidden
 
 

@@ -48,7 +48,9 @@ def model(request) -> LlamaModel:
 def test_every_meet_point_equals_a_full_prefill(model, prefix, split, loaders):
     pages, new = 6, 5
     ids, ref, span = case(model, prefix, pages, new)
+    t0 = time.perf_counter()
     res, logits = run(model, ids, ref, span, prefix, split=split, loaders=loaders)
+    assert 0 < res.new_s < time.perf_counter() - t0 - res.compute_s  # the new tokens' layers come after the span's
     assert torch.allclose(logits, ref.logits, atol=1e-4, rtol=1e-4)
     assert logits.argmax() == ref.logits.argmax()
     assert torch.allclose(res.kv, ref.kv[:, prefix:], atol=1e-5, rtol=1e-5)
