@@ -213,9 +213,9 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     `inputs`: also return the new tokens' attention inputs (to store them as activations in turn). `loaders`: threads
     reading pages at once (`source.read` is then called from several threads; a CPU model only, a CUDA model's loader
     is one thread): a disk that serves several reads at once brings a span in faster, and the pages' copies spread
-    over the cores (while compute runs they compete with it for them). `out`: where the result's KV goes,
-    [layers, |S| + |C|, 2, kv_heads, head_dim] on the model's device (a server's reused buffer, `KVScratch`);
-    default a new one."""
+    over the cores (while compute runs they compete with it for them). `out`: where the prefix's KV is gathered (once
+    per layer: attention then reads it in place) and the result's goes, [layers, prefix_len + |S| + |C|, 2, kv_heads,
+    head_dim] on the model's device (a server's reused buffer, `KVScratch`); default a new one."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -228,9 +228,12 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     model.reserve_positions(p + s + n)
     span_ids, new_ids = span_ids.to(dev), new_ids.to(dev)
     if out is None:
-        out = model.empty_kv(s + n)
-    elif out.shape != (model.cfg.layers, s + n, 2, model.cfg.kv_heads, model.cfg.head_dim):
-        raise ValueError(f"out is {tuple(out.shape)}, the span and the new tokens need {s + n} tokens")
+        full = model.empty_kv(p + s + n)
+    elif out.shape != (model.cfg.layers, p + s + n, 2, model.cfg.kv_heads, model.cfg.head_dim):
+        raise ValueError(f"out is {tuple(out.shape)}, the prefix, the span and the new tokens need {p + s + n} tokens")
+    else:
+        full = out
+    out = full[:, p:]  # the span's rows, then the new tokens'; the prefix's before them
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
     workers = 1 if copies is not None else max(1, loaders)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,
@@ -265,6 +268,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     computed = 0
     chunks: list[tuple[float, int, float]] = []
     try:
+        for layer in range(model.cfg.layers if p else 0):  # (while the loader reads its first pages)
+            full[layer, :p] = prefix_loader(layer)
         relook_s = page_compute_s * (min_read_share or 1.0) if page_compute_s is not None else 0.0
         if split is None and page_compute_s is not None:
             claims.wait_read(relook_s)  # the loader's first read, if it is quick
@@ -273,7 +278,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                 claims.wait_done(relook_s)
                 continue
             t_chunk = time.perf_counter()
-            _prefill_pages(model, span_ids, out, pages_now, ps, p, prefix_loader, rope, p + s + n)
+            _prefill_pages(model, span_ids, full, pages_now, ps, p, rope, p + s + n)
             if copies is not None:
                 torch.cuda.current_stream(dev).synchronize()  # the chunk is done, not only queued
             claims.computed(len(pages_now), time.perf_counter() - t_chunk)
@@ -300,7 +305,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
             xs[layer] = model.attention_input(layer, x)
         q, k, v = model.qkv(layer, x, positions, rope)
         out[layer, s:, 0], out[layer, s:, 1] = k, v
-        x = model.finish_layer(layer, x, _attend(q, out[layer], p, prefix_loader, layer, p + s))
+        x = model.finish_layer(layer, x, _attend(q, full[layer], p, p + s))
     if copies is not None:
         torch.cuda.current_stream(dev).synchronize()  # (timed as done, not as queued)
     return MeetResult(out, x[-1], computed, len(claims.reads), claims.recomputed, compute_s,
@@ -331,33 +336,30 @@ def _place(model: LlamaModel, page: StoredPage, out: torch.Tensor, positions: to
     return 1
 
 
-def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, out: torch.Tensor, pages: range, ps: int, p: int,
-                   prefix_loader: Optional[Callable[[int], torch.Tensor]], rope: Optional[Rope], total: int) -> None:
-    """Compute the KV of span pages `pages` (a chunked prefill over the prefix and the pages before them). On a CPU
-    their attention rounds as the server's prefill of the whole prompt after the prefix (`total` tokens in all)
-    would (`part_attention`), so the pages' KV is what SGLang's own prefill computes, bit for bit."""
-    a, b = pages.start * ps, pages.stop * ps
-    x = model.embed(span_ids[a:b])
-    positions = torch.arange(p + a, p + b, device=x.device)
+def _prefill_pages(model: LlamaModel, span_ids: torch.Tensor, full: torch.Tensor, pages: range, ps: int, p: int,
+                   rope: Optional[Rope], total: int) -> None:
+    """Compute the KV of span pages `pages` into `full` [layers, p + ..., 2, H, D] (the prefix's KV in its first `p`
+    rows: a chunked prefill over the prefix and the pages before them). On a CPU their attention rounds as the
+    server's prefill of the whole prompt after the prefix (`total` tokens in all) would (`part_attention`), so the
+    pages' KV is what SGLang's own prefill computes, bit for bit."""
+    a, b = p + pages.start * ps, p + pages.stop * ps
+    x = model.embed(span_ids[a - p : b - p])
+    positions = torch.arange(a, b, device=x.device)
+    masks: dict = {}  # (the same for every layer of the chunk)
     for layer in range(model.cfg.layers):
         q, k, v = model.qkv(layer, x, positions, rope)
-        out[layer, a:b, 0], out[layer, a:b, 1] = k, v
-        x = model.finish_layer(layer, x, _attend(q, out[layer, :b], p, prefix_loader, layer, p + a,
-                                                 None if q.is_cuda else total))
+        full[layer, a:b, 0], full[layer, a:b, 1] = k, v
+        x = model.finish_layer(layer, x, _attend(q, full[layer, :b], p, a, None if q.is_cuda else total, masks))
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, p: int, prefix_loader, layer: int, offset: int,
-            total: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of queries `q` (the last of the keys, after `offset` earlier ones) over the prefix's KV and
-    `kv` [tokens, 2, H, D]; with `total`, rounded as one extend of [p, total) rounds them (`part_attention`)."""
-    if p:
-        prefix = prefix_loader(layer)
-        keys, values = torch.cat([prefix[:, 0], kv[:, 0]]), torch.cat([prefix[:, 1], kv[:, 1]])
-    else:
-        keys, values = kv[:, 0], kv[:, 1]
+def _attend(q: torch.Tensor, kv: torch.Tensor, p: int, offset: int, total: Optional[int] = None,
+            masks: Optional[dict] = None) -> torch.Tensor:
+    """Causal attention of queries `q` (the last of the keys, after `offset` earlier ones) over `kv` [tokens, 2, H,
+    D] (the prefix's `p` rows first); with `total`, rounded as one extend of [p, total) rounds them
+    (`part_attention`, its masks kept in `masks`)."""
     if total is not None:
-        return part_attention(q, keys, values, offset, prefix=p, total=total)
-    return causal_attention(q, keys, values, offset)
+        return part_attention(q, kv[:, 0], kv[:, 1], offset, prefix=p, total=total, masks=masks)
+    return causal_attention(q, kv[:, 0], kv[:, 1], offset)
 
 
 class MemoryPages:

@@ -15,9 +15,10 @@ import torch
 
 
 class KVScratch:
-    """One buffer, grown to the largest request and kept (at most one forward's extend of KV: the server's largest
-    extend bounds it). `take(model, tokens)` returns a contiguous [layers, tokens, 2, kv_heads, head_dim] view of it;
-    the caller must be done with one view before it takes the next (one forward at a time: the scheduler's)."""
+    """One buffer, grown to the largest request and kept (at most one request's KV, its cached prefix included: the
+    server's context length bounds it). `take(model, tokens)` returns a contiguous [layers, tokens, 2, kv_heads,
+    head_dim] view of it; the caller must be done with one view before it takes the next (one forward at a time:
+    the scheduler's)."""
 
     def __init__(self) -> None:
         self._flat: Optional[torch.Tensor] = None

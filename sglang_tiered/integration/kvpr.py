@@ -528,10 +528,10 @@ class KVPRHandler(SpanHandler):
         s = source.pages * ps
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         kept = kvpr.scratch.nbytes
-        out = kvpr.scratch.take(engine, ext)
+        out = kvpr.scratch.take(engine, prefix + ext)  # (the cached prefix's KV too: attention reads it in place)
         if kvpr.scratch.nbytes > kept:
             logger.info("tiered kvpr: the loads' KV buffer now holds %.1f MiB (%d tokens' KV), kept for the next "
-                        "loads", kvpr.scratch.nbytes / 2**20, ext)
+                        "loads", kvpr.scratch.nbytes / 2**20, prefix + ext)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
                            chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
                            page_compute_s=plan.page_s, page_read_s=plan.read_s, rope=sglang_rope(module),

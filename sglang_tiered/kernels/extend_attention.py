@@ -71,7 +71,7 @@ def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
 
 
 def part_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, *, prefix: int, total: int,
-                   scale: Optional[float] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, masks: Optional[dict] = None) -> torch.Tensor:
     """Causal attention of some of an extend's queries, q [n, Hq, D] at positions q_start .. q_start + n - 1, over
     k/v [>= q_start + n, Hkv, D] (rows past q_start + n are never read), rounded bit for bit as `causal_attention`
     rounds them when it runs the whole extend [prefix, total) in one call (what a CPU server does for its prefill).
@@ -81,7 +81,9 @@ def part_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: i
     which the number of keys in the call decides (the whole extend's call: all `total` keys where prefix == 0;
     else those up to the end of the query's block of QUERY_BLOCK, counted from `prefix`). So each query runs against
     its own keys, then masked zeros up to that block length. Keys past the query are masked in either call, which
-    changes no bit. CPU only (a CUDA caller keeps `causal_attention`)."""
+    changes no bit. CPU only (a CUDA caller keeps `causal_attention`). `masks`: a dict the caller keeps over calls
+    with the same query positions and dtype (a chunk's layers), so that each mask is built once; it holds the
+    additive masks SDPA would make of the boolean ones, so the kernel sees the same values."""
     n = q.shape[0]
     if q_start < prefix or q_start + n > total or k.shape[0] < q_start + n:
         raise ValueError(f"queries {q_start}..{q_start + n - 1} outside the extend [{prefix}, {total}) or its keys")
@@ -100,11 +102,21 @@ def part_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: i
         if q_start + i == 0:  # from key 0: torch's causal mask (upper left) is this one, and skips masked blocks
             out[i:j] = _sdpa(q[i:j], kk, vv, None, True, scale)
         else:
-            mask = torch.arange(keys, device=q.device)[None, :] <= torch.arange(q_start + i, need,
-                                                                                device=q.device)[:, None]
-            out[i:j] = _sdpa(q[i:j], kk, vv, mask, False, scale)
+            out[i:j] = _sdpa(q[i:j], kk, vv, _part_mask(q, q_start + i, need, keys, masks), False, scale)
         i = j
     return out
+
+
+def _part_mask(q: torch.Tensor, first: int, need: int, keys: int, masks: Optional[dict]) -> torch.Tensor:
+    """Queries at positions first .. need - 1 over `keys` keys, each seeing keys up to its own position: the boolean
+    mask, or (with a cache `masks`) the additive one SDPA converts it to (0 / -inf in q's dtype), built once."""
+    mask = None if masks is None else masks.get((first, need, keys, q.dtype))
+    if mask is None:
+        mask = torch.arange(keys, device=q.device)[None, :] <= torch.arange(first, need, device=q.device)[:, None]
+        if masks is not None:
+            mask = masks[(first, need, keys, q.dtype)] = torch.where(
+                mask, 0.0, torch.tensor(float("-inf"), dtype=q.dtype, device=q.device))
+    return mask
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,

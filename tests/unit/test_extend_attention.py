@@ -141,6 +141,24 @@ def test_part_attention_rounds_as_the_whole_extend(dtype, prefix, total):
             start = end
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("prefix,start,end,total", [(0, 256, 512, 1100), (192, 448, 1216, 1500), (640, 640, 900, 2200)])
+def test_part_attention_with_kept_masks_is_bit_for_bit_the_same(dtype, prefix, start, end, total):
+    """A chunk's layers share its masks (`masks`): built once, as the additive masks SDPA makes of the boolean ones,
+    so every layer's result is bit for bit what it is with the boolean masks, on any CPU."""
+    g = torch.Generator().manual_seed(total + start)
+    masks: dict = {}
+    for layer in range(3):
+        q, k, v = (torch.randn(rows, h, 64, generator=g).to(dtype) for rows, h in ((end - start, 9), (end, 3),
+                                                                                    (end, 3)))
+        want = part_attention(q, k, v, start, prefix=prefix, total=total)
+        got = part_attention(q, k, v, start, prefix=prefix, total=total, masks=masks)
+        assert torch.equal(got, want), layer
+        built = len(masks)
+        assert built >= 1 and all(m.dtype == dtype for m in masks.values())
+    assert len(masks) == built  # (no new mask after the first layer)
+
+
 def test_part_attention_refuses_queries_outside_the_extend():
     q, kv = torch.zeros(4, 2, 8), torch.zeros(20, 2, 8)
     with pytest.raises(ValueError, match="outside the extend"):
