@@ -625,6 +625,9 @@ MEET_RERUNS = [
     ("meet-1k-s44-intel", "stop 44, the same kind of machine, the rule of meet-1k-25-intel (only `SpanMiss` moved "
      "since): SmolLM2's 1024-token misses, 8 rounds each (`--models smollm2 --lengths 1024 --slow-mbps 50 25 "
      "--skip-native --busy --repeats 8 --max-repeats 8 --name meet-1k-s44-intel`)"),
+    ("meet-s44-smollm2-intel", "stop 44, right after the prefix change (a device prefix gathered once per layer; a "
+     "chunk's masks built once): SmolLM2 at the disk's own speed and at 25 MB/s, 1k/4k/8k tokens, 3 rounds "
+     "(`--models smollm2 --slow-mbps 25 --busy --repeats 3 --name meet-s44-smollm2-intel`)"),
 ]
 
 
