@@ -202,9 +202,9 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                  split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
                  page_read_s: float = 0.0, rope: Optional[Rope] = None, inputs: bool = False,
                  loaders: int = 1, out: Optional[torch.Tensor] = None) -> MeetResult:
-    """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim]) and the
-    stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most pages compute takes at
-    once (a forced split or a plain race takes this many).
+    """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim], called
+    once per layer) and the stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most
+    pages compute takes at once (a forced split or a plain race takes this many).
     `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
     compute, for the claim rule (None: a plain race); with it, `min_read_share`: compute claims pages only while the
     loader's reads take at least this share of a page's compute (else the loader takes the span alone), and
