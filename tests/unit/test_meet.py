@@ -297,3 +297,22 @@ def test_the_engine_and_its_miss_need_no_store():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "miss: page 1 unreadable"
+
+
+def test_the_prefix_is_read_once_per_layer_however_many_chunks():
+    """The cached prefix's KV is gathered once per layer into the load's buffer (attention then reads it in place),
+    not once per chunk and layer; the result is a full prefill's."""
+    model = LlamaModel.random(SHAPES["gqa"], seed=5)
+    prefix, pages = 2 * PS, 6
+    ids, ref, span = case(model, prefix, pages, 4)
+    calls: list[int] = []
+
+    def reader(layer: int) -> torch.Tensor:
+        calls.append(layer)
+        return ref.kv[layer, :prefix]
+
+    res = meet_prefill(model, ids[prefix : prefix + pages * PS], ids[prefix + pages * PS :], prefix_len=prefix,
+                       source=span, prefix_loader=reader, split=4, chunk=1)
+    assert len(res.chunks) == 4 and calls == list(range(model.cfg.layers))
+    assert torch.allclose(res.kv, ref.kv[:, prefix:], atol=1e-5, rtol=1e-5)
+    assert model.logits(res.hidden[None])[0].argmax() == ref.logits.argmax()
