@@ -628,6 +628,9 @@ MEET_RERUNS = [
     ("meet-s44-smollm2-intel", "stop 44, right after the prefix change (a device prefix gathered once per layer; a "
      "chunk's masks built once): SmolLM2 at the disk's own speed and at 25 MB/s, 1k/4k/8k tokens, 3 rounds "
      "(`--models smollm2 --slow-mbps 25 --busy --repeats 3 --name meet-s44-smollm2-intel`)"),
+    ("meet-tie-s44-mha-intel", "stop 44, right after: the point of meet-amx-intel's differing answer (the MHA model, "
+     "100 MB/s, 4096 tokens) again, 3 rounds (`--models smollm2-mha --lengths 4096 --slow-mbps 100 --skip-native "
+     "--busy --repeats 3 --name meet-tie-s44-mha-intel`)"),
 ]
 
 
