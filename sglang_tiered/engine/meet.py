@@ -227,13 +227,10 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     dev = model.device
     model.reserve_positions(p + s + n)
     span_ids, new_ids = span_ids.to(dev), new_ids.to(dev)
-    if out is None:
-        full = model.empty_kv(p + s + n)
-    elif out.shape != (model.cfg.layers, p + s + n, 2, model.cfg.kv_heads, model.cfg.head_dim):
-        raise ValueError(f"out is {tuple(out.shape)}, the prefix, the span and the new tokens need {p + s + n} tokens")
-    else:
-        full = out
-    out = full[:, p:]  # the span's rows, then the new tokens'; the prefix's before them
+    full = model.empty_kv(p + s + n) if out is None else out  # the prefix's rows, the span's, the new tokens'
+    if full.shape != (model.cfg.layers, p + s + n, 2, model.cfg.kv_heads, model.cfg.head_dim):
+        raise ValueError(f"out is {tuple(full.shape)}, the prefix, the span and the new tokens need {p + s + n} tokens")
+    out = full[:, p:]  # the span's rows, then the new tokens' (what the loader fills and the result holds)
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
     workers = 1 if copies is not None else max(1, loaders)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,
@@ -268,8 +265,9 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     computed = 0
     chunks: list[tuple[float, int, float]] = []
     try:
-        for layer in range(model.cfg.layers if p else 0):  # (while the loader reads its first pages)
-            full[layer, :p] = prefix_loader(layer)
+        if p:  # (while the loader reads its first pages)
+            for layer in range(model.cfg.layers):
+                full[layer, :p] = prefix_loader(layer)
         relook_s = page_compute_s * (min_read_share or 1.0) if page_compute_s is not None else 0.0
         if split is None and page_compute_s is not None:
             claims.wait_read(relook_s)  # the loader's first read, if it is quick
