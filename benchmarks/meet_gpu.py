@@ -10,7 +10,9 @@ run on the CPU) and stored span (`--lengths` tokens, whole pages of `--page-size
   * `meet`: both at once, meeting where they meet (Cake's scheme: no estimates);
   * `meet-rule`: the same with the claim rule the server uses, fed this point's own per-page compute and read times
     (from the warm-up runs: compute's seconds on the span's pages and the loader's wall seconds, each per page; the
-    new tokens' layers left out, as a server's profile of reads and compute leaves them out).
+    new tokens' layers left out, as a server's profile of reads and compute leaves them out);
+  * `compute-wide`, `meet-wide`: `compute` and `meet-rule` with no cap on a claim (compute's first claim is then as
+    large as the rule says: the whole span for `compute-wide`), against chunking's cost on a GPU.
 Where the stored pages are read from (`--source`): `host`, pinned host memory page by page, as a host tier holds
 them (one asynchronous transfer per page); `disk`, one file per page under `--disk-dir` (an SSD tier's layout), the
 files evicted from the page cache before every run and each page read into a pinned buffer, then copied.
@@ -51,7 +53,7 @@ MODELS = {
     "tiny": LlamaConfig(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1000),
 }
 NEW = 32
-CONFIGS = ("compute", "compute-full", "load", "meet", "meet-rule")
+CONFIGS = ("compute", "compute-full", "load", "meet", "meet-rule", "compute-wide", "meet-wide")
 MIN_READ_SHARE = 0.25  # policy/kvpr.py's: compute joins only while a read takes this share of a page's compute
 
 
@@ -130,8 +132,9 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
     span_ids, new_ids = ids[: pages * ps], ids[pages * ps :]
     chunk = a.chunk or (16 if device.type == "cuda" else 4)
 
-    def meet(source, **kw) -> MeetResult:
-        return meet_prefill(model, span_ids, new_ids, prefix_len=0, source=source, chunk=chunk, **kw)
+    def meet(source, wide: bool = False, **kw) -> MeetResult:
+        return meet_prefill(model, span_ids, new_ids, prefix_len=0, source=source, chunk=pages if wide else chunk,
+                            **kw)
 
     reference = meet(_Unread(pages, ps), split=pages)  # the stored copy (and compute's warm-up)
     reference_logits = model.logits(reference.hidden[None])[0]
@@ -149,20 +152,22 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
             out = model.prefill(ids)
             sync(device)
             return out.logits, {"s": time.perf_counter() - t0}
-        if config == "compute":
-            res = meet(_Unread(pages, ps), split=pages)
+        wide = config.endswith("-wide")
+        if config in ("compute", "compute-wide"):
+            res = meet(_Unread(pages, ps), wide, split=pages)
         elif config == "load":
             res = meet(source, split=0)
         elif config == "meet":
             res = meet(source)
         else:
-            res = meet(source, page_compute_s=per_page["compute"], page_read_s=per_page["load"],
+            res = meet(source, wide, page_compute_s=per_page["compute"], page_read_s=per_page["load"],
                        min_read_share=MIN_READ_SHARE)
         sync(device)
         seconds = time.perf_counter() - t0
         return model.logits(res.hidden[None])[0], {"s": seconds, "computed_pages": res.computed_pages,
                                                    "loaded_pages": res.loaded_pages, "load_s": res.load_s,
                                                    "span_s": res.compute_s if config == "compute" else res.load_s,
+                                                   "compute_s": res.compute_s, "new_s": res.new_s,
                                                    "first_reads_s": list(res.reads[:4]),
                                                    "chunks": [list(c) for c in res.chunks]}
 
@@ -187,6 +192,15 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
                         per_page[config] = row["span_s"] / pages
                 else:
                     runs[config].append(row)
+        if a.profile:  # where compute's time goes: one forward, chunks of `chunk` pages, one claim of the span
+            try:
+                out["profile"] = profiled({"compute-full": lambda: model.prefill(ids),
+                                           "compute": lambda: meet(_Unread(pages, ps), split=pages),
+                                           "compute-wide": lambda: meet(_Unread(pages, ps), True, split=pages)},
+                                          device)
+            except RuntimeError as exc:  # (a profiler this machine lacks): recorded, the point stands
+                out["profile"] = f"== profiler failed: {type(exc).__name__}: {exc}"
+            print("\n".join(line for line in out["profile"].splitlines() if line.startswith("==")), flush=True)
     finally:
         source.close()
     reference_token = int(reference_logits.argmax())
@@ -200,6 +214,8 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
                        "loaded_pages": [r.get("loaded_pages") for r in rows],
                        "first_reads_s": [r.get("first_reads_s") for r in rows],
                        "chunks": [r.get("chunks") for r in rows],  # compute's claims: [seconds in, pages, seconds]
+                       "new_s": [r.get("new_s") for r in rows],  # the new tokens' layers after the meet
+                       "compute_s": [r.get("compute_s") for r in rows],
                        "same_token": int(logits[config].argmax()) == reference_token,
                        "max_logit_diff": float((logits[config] - reference_logits).abs().max())}
     out["per_page_s"] = per_page
@@ -217,7 +233,31 @@ class _Unread:
 
 
 def best(point: dict, configs: tuple[str, ...]) -> float:
-    return min(point[c]["s"] for c in configs if "s" in point[c])
+    return min(point[c]["s"] for c in configs if "s" in point.get(c, {}))
+
+
+def profiled(calls: dict, device: torch.device) -> str:
+    """torch.profiler of one call of each of `calls` {name: fn}: wall seconds, device (kernel) seconds, kernels
+    launched and host seconds in launches, then the top device-time rows: where a call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for name, fn in calls.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            wall = time.perf_counter() - t0
+        rows = prof.key_averages()
+        kernel_s = sum(e.self_device_time_total for e in rows) / 1e6
+        launches = [e for e in rows if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel")]
+        ops = sum(e.count for e in rows if e.key.startswith("aten::"))
+        out.append(f"== {name}: wall {wall * 1e3:.1f} ms, device {kernel_s * 1e3:.1f} ms, "
+                   f"{sum(e.count for e in launches)} launches ({sum(e.cpu_time_total for e in launches) / 1e3:.1f} ms "
+                   f"of host time), {ops} aten calls")
+        out.append(rows.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+    return "\n".join(out)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -229,7 +269,7 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
     for ax, (name, points) in zip(axes[0], results.items()):
         lengths = sorted(int(n) for n in points)
-        for config, style in zip(CONFIGS, ("^--", "v--", "s--", "o-", "x:")):
+        for config, style in zip(CONFIGS, ("^--", "v--", "s--", "o-", "x:", "^:", "d-")):
             xs = [n for n in lengths if "s" in points[str(n)][config]]
             ax.plot(xs, [points[str(n)][config]["s"] for n in xs], style, label=config)
         ax.set_xscale("log", base=2)
@@ -255,6 +295,7 @@ def main() -> int:
     ap.add_argument("--name", default="meet_gpu")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="Python's thread switch interval for this run, seconds (0: the default, 0.005)")
+    ap.add_argument("--profile", action="store_true", help="also profile compute's configurations at every point")
     ap.add_argument("--merge", action="store_true", help="keep the other models' results already in --name's JSON")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -289,12 +330,14 @@ def main() -> int:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    compute_load = ("compute", "compute-full", "load")
-    ratios = [(f"{m}/{n}", p["meet"]["s"] / best(p, compute_load), p["meet-rule"]["s"] / best(p, compute_load))
-              for m, pts in results.items() for n, p in pts.items() if "s" in p["meet"] and "s" in p["meet-rule"]]
+    compute_load = ("compute", "compute-full", "compute-wide", "load")
+    ratios = [(f"{m}/{n}", *(p[c]["s"] / best(p, compute_load) if "s" in p.get(c, {}) else float("nan")
+                             for c in ("meet", "meet-rule", "meet-wide")))
+              for m, pts in results.items() for n, p in pts.items()]
     exact = all(p[c].get("same_token", True) for pts in results.values() for p in pts.values() for c in CONFIGS)
-    verdict = (f"on {device_name}, {a.dtype}, pages from {a.source}: meet | meet-rule / min(load, compute, "
-               "compute-full) " + ", ".join(f"{w} {r:.2f}x | {q:.2f}x" for w, r, q in ratios) +
+    verdict = (f"on {device_name}, {a.dtype}, pages from {a.source}: meet | meet-rule | meet-wide / min(load, "
+               "compute, compute-full, compute-wide) " + ", ".join(f"{w} {r:.2f}x | {q:.2f}x | {z:.2f}x"
+                                                                   for w, r, q, z in ratios) +
                f"; greedy next token as compute's everywhere: {'yes' if exact else 'NO'}")
     payload["verdict"] = verdict
     save(a.name, payload)
