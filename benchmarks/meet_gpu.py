@@ -12,7 +12,9 @@ run on the CPU) and stored span (`--lengths` tokens, whole pages of `--page-size
     (from the warm-up runs: compute's seconds on the span's pages and the loader's wall seconds, each per page; the
     new tokens' layers left out, as a server's profile of reads and compute leaves them out);
   * `compute-wide`, `meet-wide`: `compute` and `meet-rule` with no cap on a claim (compute's first claim is then as
-    large as the rule says: the whole span for `compute-wide`), against chunking's cost on a GPU.
+    large as the rule says: the whole span for `compute-wide`), against chunking's cost on a GPU;
+  * `meet-floor`: `meet-wide` with the rule told the least time a chunk takes (`chunk_floor_s`: a one-page chunk's
+    time in the warm-up, where the host launching a chunk's kernels is the cost, not its pages).
 Where the stored pages are read from (`--source`): `host`, pinned host memory page by page, as a host tier holds
 them (one asynchronous transfer per page); `disk`, one file per page under `--disk-dir` (an SSD tier's layout), the
 files evicted from the page cache before every run and each page read into a pinned buffer, then copied.
@@ -53,7 +55,7 @@ MODELS = {
     "tiny": LlamaConfig(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1000),
 }
 NEW = 32
-CONFIGS = ("compute", "compute-full", "load", "meet", "meet-rule", "compute-wide", "meet-wide")
+CONFIGS = ("compute", "compute-full", "load", "meet", "meet-rule", "compute-wide", "meet-wide", "meet-floor")
 MIN_READ_SHARE = 0.25  # policy/kvpr.py's: compute joins only while a read takes this share of a page's compute
 
 
@@ -141,7 +143,8 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
     source = (HostPages(reference.kv[:, : pages * ps], ps) if a.source == "host"
               else DiskPages(reference.kv[:, : pages * ps], ps, Path(a.disk_dir)))
     del reference
-    per_page: dict[str, float] = {}
+    one_page = meet_prefill(model, span_ids[:ps], new_ids, prefix_len=0, source=_Unread(1, ps), split=1)
+    per_page: dict[str, float] = {"floor": one_page.chunks[0][2]}  # (a chunk's least time: one page's, warm)
 
     def run(config: str) -> tuple[torch.Tensor, dict]:
         """One timed run: (the next token's logits, what it did)."""
@@ -160,8 +163,9 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
         elif config == "meet":
             res = meet(source)
         else:
-            res = meet(source, wide, page_compute_s=per_page["compute"], page_read_s=per_page["load"],
-                       min_read_share=MIN_READ_SHARE)
+            res = meet(source, wide or config == "meet-floor", page_compute_s=per_page["compute"],
+                       page_read_s=per_page["load"], min_read_share=MIN_READ_SHARE,
+                       chunk_floor_s=per_page["floor"] if config == "meet-floor" else 0.0)
         sync(device)
         seconds = time.perf_counter() - t0
         return model.logits(res.hidden[None])[0], {"s": seconds, "computed_pages": res.computed_pages,
@@ -269,7 +273,7 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 3.8), squeeze=False)
     for ax, (name, points) in zip(axes[0], results.items()):
         lengths = sorted(int(n) for n in points)
-        for config, style in zip(CONFIGS, ("^--", "v--", "s--", "o-", "x:", "^:", "d-")):
+        for config, style in zip(CONFIGS, ("^--", "v--", "s--", "o-", "x:", "^:", "d-", "*-")):
             xs = [n for n in lengths if "s" in points[str(n)][config]]
             ax.plot(xs, [points[str(n)][config]["s"] for n in xs], style, label=config)
         ax.set_xscale("log", base=2)
@@ -332,12 +336,12 @@ def main() -> int:
                 torch.cuda.empty_cache()
     compute_load = ("compute", "compute-full", "compute-wide", "load")
     ratios = [(f"{m}/{n}", *(p[c]["s"] / best(p, compute_load) if "s" in p.get(c, {}) else float("nan")
-                             for c in ("meet", "meet-rule", "meet-wide")))
+                             for c in ("meet", "meet-rule", "meet-wide", "meet-floor")))
               for m, pts in results.items() for n, p in pts.items()]
     exact = all(p[c].get("same_token", True) for pts in results.values() for p in pts.values() for c in CONFIGS)
-    verdict = (f"on {device_name}, {a.dtype}, pages from {a.source}: meet | meet-rule | meet-wide / min(load, "
-               "compute, compute-full, compute-wide) " + ", ".join(f"{w} {r:.2f}x | {q:.2f}x | {z:.2f}x"
-                                                                   for w, r, q, z in ratios) +
+    verdict = (f"on {device_name}, {a.dtype}, pages from {a.source}: meet | meet-rule | meet-wide | meet-floor / "
+               "min(load, compute, compute-full, compute-wide) " + ", ".join(
+                   f"{w} {r:.2f}x | {q:.2f}x | {z:.2f}x | {f:.2f}x" for w, r, q, z, f in ratios) +
                f"; greedy next token as compute's everywhere: {'yes' if exact else 'NO'}")
     payload["verdict"] = verdict
     save(a.name, payload)

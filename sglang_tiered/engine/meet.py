@@ -103,11 +103,20 @@ class MeetResult:
     new_s: float = 0.0  # seconds of the new tokens' layers, after the meet
 
 
-def best_claim(free: int, compute_s: float, read_s: float) -> int:
+def best_claim(free: int, compute_s: float, read_s: float, floor_s: float = 0.0) -> int:
     """Pages compute should take of `free` unclaimed ones, computing one in `compute_s` while the loader reads one in
-    `read_s`: the k that ends the span soonest, max(k x compute_s, (free - k) x read_s) (the smaller k on a tie)."""
+    `read_s`: the k that ends the span soonest, max(k x compute_s, (free - k) x read_s) (the smaller k on a tie). A
+    chunk that takes at least `floor_s` however few its pages (a GPU host launching its kernels) takes as many pages
+    as the floor pays for once it binds (the loader's part only shrinks), and none unless it ends before the loader
+    alone would (free x read_s)."""
     k = int(free * read_s / (read_s + compute_s))  # where the two lines cross, rounded down
-    return min((k, k + 1), key=lambda j: (max(j * compute_s, (free - j) * read_s), j)) if k < free else free
+    if k < free:
+        k = min((k, k + 1), key=lambda j: (max(j * compute_s, (free - j) * read_s), j))
+    else:
+        k = free
+    if floor_s and k and max(k * compute_s, (free - k) * read_s) < floor_s:  # the floor binds
+        k = min(free, max(k, int(floor_s / compute_s)))
+    return k if k and max(floor_s, k * compute_s, (free - k) * read_s) < free * read_s else 0
 
 
 class _Claims:
@@ -117,7 +126,7 @@ class _Claims:
 
     def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float],
                  min_read_share: float = 0.0, page_read_s: float = 0.0, first_in_flight: bool = True,
-                 workers: int = 1) -> None:
+                 workers: int = 1, chunk_floor_s: float = 0.0) -> None:
         self.front, self.low = 0, pages
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
@@ -125,6 +134,7 @@ class _Claims:
         self.page_read_s = page_read_s  # the estimate of a read (per page the loader brings in) until one is in
         self.first_in_flight = first_in_flight  # whether the first read's time in flight counts before it is in
         self.workers = workers
+        self.chunk_floor_s = chunk_floor_s  # the least seconds a chunk takes (a GPU host's kernel launches)
         self.reads: list[float] = []  # the loader's seconds per page so far (each on its own thread)
         self.started: deque[float] = deque()  # when the reads in flight began, oldest first
         self.recomputed = 0  # pages the loader recomputed from activations
@@ -153,7 +163,7 @@ class _Claims:
                     per_read = max(per_read, (sum(recent) + in_flight) / (len(recent) + 1) / self.workers)
                 if per_read < self.min_read_share * self.page_compute_s:
                     return range(0)  # reads are fast next to compute: computing would gain little and slow them
-                take = min(take, best_claim(free, self.page_compute_s, per_read))
+                take = min(take, best_claim(free, self.page_compute_s, per_read, self.chunk_floor_s))
                 if take < 1:
                     return range(0)
             pages = range(self.front, self.front + take)
@@ -192,23 +202,28 @@ class _Claims:
             self.read_done.notify_all()
 
     def computed(self, pages: int, seconds: float) -> None:
+        """A chunk of `pages` took `seconds`: compute's rate from now on, unless the chunk took no longer than the
+        floor (its time was the floor's, not its pages')."""
         with self.lock:
-            self.page_compute_s = seconds / pages if self.page_compute_s is not None else None
+            if self.page_compute_s is not None and seconds > self.chunk_floor_s:
+                self.page_compute_s = seconds / pages
 
 
 @torch.inference_mode()
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
                  split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
-                 page_read_s: float = 0.0, rope: Optional[Rope] = None, inputs: bool = False,
-                 loaders: int = 1, out: Optional[torch.Tensor] = None) -> MeetResult:
+                 page_read_s: float = 0.0, chunk_floor_s: float = 0.0, rope: Optional[Rope] = None,
+                 inputs: bool = False, loaders: int = 1, out: Optional[torch.Tensor] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim], called
     once per layer) and the stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most
     pages compute takes at once (a forced split or a plain race takes this many).
     `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
     compute, for the claim rule (None: a plain race); with it, `min_read_share`: compute claims pages only while the
     loader's reads take at least this share of a page's compute (else the loader takes the span alone), and
-    `page_read_s`: an estimate of one page's read, used until the loader's first read is in. `rope`: the
+    `page_read_s`: an estimate of one page's read, used until the loader's first read is in; `chunk_floor_s`: the
+    least seconds a chunk takes however few its pages (on a GPU, the host's time to launch a chunk's kernels: a claim
+    of a few pages then costs what many would; 0 on a CPU, where a chunk's time follows its pages). `rope`: the
     rotation (`LlamaModel.qkv`; a server passes its own kernel, so that computed keys match the ones it stored).
     `inputs`: also return the new tokens' attention inputs (to store them as activations in turn). `loaders`: threads
     reading pages at once (`source.read` is then called from several threads; a CPU model only, a CUDA model's loader
@@ -234,7 +249,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
     workers = 1 if copies is not None else max(1, loaders)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,
-                     workers=workers)
+                     workers=workers, chunk_floor_s=chunk_floor_s)
     errors: list[BaseException] = []
     # (on a CUDA model a page arrives whole in one buffer, then is spread over the layers: no allocation per page)
     stage = torch.empty_like(out[:, :ps]) if copies is not None else None

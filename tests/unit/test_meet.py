@@ -167,6 +167,28 @@ def test_the_claim_is_the_chunk_that_ends_the_span_soonest(free, compute_s, read
     assert best_claim(free, compute_s, read_s) == want
 
 
+@pytest.mark.parametrize("free, compute_s, read_s, floor_s, want", [
+    (16, 0.028, 0.029, 0.0, 8),  # no floor: as above
+    (64, 0.0023, 0.0265, 0.04, 59),  # 59 pages take 0.136 s, far above the floor: the lines' crossing
+    (6, 0.0023, 0.0090, 0.058, 0),  # a 6-page tail: the loader alone (0.054 s) ends before the floor (0.058 s)
+    (7, 0.0023, 0.0090, 0.058, 7),  # 7: the floor pays for all (0.016 s of pages) and ends before the loader (0.063)
+    (20, 0.0023, 0.0090, 0.058, 20),  # the floor pays for 25 pages: all 20 (the crossing, 16, ends at the floor too)
+])
+def test_a_chunk_floor_claims_what_it_pays_for_or_nothing(free, compute_s, read_s, floor_s, want):
+    """On a GPU a chunk of a few pages takes as long as the host needs to launch its kernels (measured on an H200:
+    1-6 pages 0.058-0.061 s, 16 pages 0.035-0.05 s): a claim pays at least that floor, so compute claims nothing where
+    the loader alone ends first, and else every page the floor pays for."""
+    assert best_claim(free, compute_s, read_s, floor_s) == want
+
+
+def test_a_chunk_no_longer_than_the_floor_leaves_the_compute_rate_as_it_was():
+    claims = _Claims(16, None, page_compute_s=0.002, min_read_share=0.25, page_read_s=0.03, chunk_floor_s=0.05)
+    claims.computed(2, 0.05)  # the floor's time, not its pages'
+    assert claims.page_compute_s == 0.002
+    claims.computed(32, 0.096)
+    assert claims.page_compute_s == 0.003
+
+
 def test_before_the_first_read_compute_claims_by_the_read_estimate():
     """With the profile's estimate of a read, compute starts on the span at once (no wait for a first read that
     takes 29 ms); without one, a read in flight for next to no time counts as fast and compute stays out."""
