@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -361,6 +362,15 @@ MEET_GPU_RUNS = (
     ("meet_gpu_span", "the same engine, the rule fed the engine's own per-page times on the span (compute's seconds "
                       "on its pages, the loader's wall seconds), as a server's profile feeds it; CUDA tests 6/6"),
     ("meet_gpu_disk_span", "the same, pages read from files on the GPU machine's disk, 2 rounds"),
+    ("meet_gpu_wide", "stop 45's engine (the prefix gathered once per layer), H200; with `compute-wide` / `meet-wide` "
+                      "(no cap on a claim) and the new tokens' pass timed; CUDA tests 6/6"),
+    ("meet_gpu_disk_wide", "the same, pages read from files on the GPU machine's disk, 2 rounds"),
+    ("meet_gpu_floor", "with `meet-floor` (no cap, and the rule told a chunk's least time: one warm one-page "
+                       "chunk's, which at the first point of each model was a first call's 0.07-0.84 s); CUDA "
+                       "tests 6/6"),
+    ("meet_gpu_disk_floor", "the same, pages read from files on the GPU machine's disk, 2 rounds"),
+    ("meet_gpu_floor2", "the floor as the least of three one-page chunks"),
+    ("meet_gpu_disk_floor2", "the same, pages read from files on the GPU machine's disk, 3 rounds"),
 )
 
 
@@ -391,6 +401,26 @@ def meet_gpu_section() -> list[str]:
                 out.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {pt['meet-rule']['s'] / best:.2f}x | "
                            f"{pt['meet-rule']['computed_pages']} of {pt['pages']} | {'yes' if same else 'NO'} |")
         out.append("")
+        wide = [c for c in ("compute-wide", "meet-wide", "meet-floor") if any(c in pt for pts in d["results"].values()
+                                                                           for pt in pts.values())]
+        if wide:
+            out += ["The same rounds without a cap on a claim (s; ratio: meet-floor / min(load, compute, compute-full, "
+                    "compute-wide)), the new tokens' pass after the meet (ms, median of every run of the point) and "
+                    "the chunk floor the rule was told (ms):", "",
+                    "| model | tokens | " + " | ".join(wide) + " | ratio | pages computed (meet-floor) | new tokens' "
+                    "pass | floor |", "| --- | ---: |" + " ---: |" * len(wide) + " ---: | --- | ---: | ---: |"]
+            for model, points in d["results"].items():
+                for n, pt in points.items():
+                    best = min(pt[c]["s"] for c in ("compute", "compute-full", "compute-wide", "load")
+                               if "s" in pt.get(c, {}))
+                    floor = pt.get("meet-floor", {})
+                    passes = [x for c in pt if isinstance(pt[c], dict) for x in pt[c].get("new_s", []) if x]
+                    out.append(f"| {model} | {n} | " + " | ".join(f"{pt[c]['s']:.3f}" for c in wide) + " | "
+                               + (f"{floor['s'] / best:.2f}x | {floor['computed_pages']} of {pt['pages']}"
+                                  if "s" in floor else " | ")
+                               + f" | {statistics.median(passes) * 1e3:.0f} | "
+                               + (f"{pt['per_page_s']['floor'] * 1e3:.1f} |" if "floor" in pt["per_page_s"] else " |"))
+            out.append("")
         if name == "meet_gpu_layers":
             out += ["The same rounds with the one-buffer copy (`-staged`), load and meet-rule (s), against layer by "
                     "layer above:", ""]
