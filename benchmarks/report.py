@@ -371,6 +371,7 @@ MEET_GPU_RUNS = (
     ("meet_gpu_disk_floor", "the same, pages read from files on the GPU machine's disk, 2 rounds"),
     ("meet_gpu_floor2", "the floor as the least of three one-page chunks"),
     ("meet_gpu_disk_floor2", "the same, pages read from files on the GPU machine's disk, 3 rounds"),
+    ("meet_gpu_floor_long", "the same code at 16k and 32k tokens, pages from pinned host memory, 2 rounds"),
 )
 
 
