@@ -213,8 +213,9 @@ class _Claims:
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
                  split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
-                 page_read_s: float = 0.0, chunk_floor_s: float = 0.0, rope: Optional[Rope] = None,
-                 inputs: bool = False, loaders: int = 1, out: Optional[torch.Tensor] = None) -> MeetResult:
+                 page_read_s: float = 0.0, chunk_floor_s: float = 0.0, from_disk: bool = False,
+                 rope: Optional[Rope] = None, inputs: bool = False, loaders: int = 1,
+                 out: Optional[torch.Tensor] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim], called
     once per layer) and the stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most
     pages compute takes at once (a forced split or a plain race takes this many).
@@ -223,7 +224,11 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     loader's reads take at least this share of a page's compute (else the loader takes the span alone), and
     `page_read_s`: an estimate of one page's read, used until the loader's first read is in; `chunk_floor_s`: the
     least seconds a chunk takes however few its pages (on a GPU, the host's time to launch a chunk's kernels: a claim
-    of a few pages then costs what many would; 0 on a CPU, where a chunk's time follows its pages). `rope`: the
+    of a few pages then costs what many would; 0 on a CPU, where a chunk's time follows its pages); `from_disk`: the
+    span's files are known to be out of the OS page cache, so its reads reach the storage: compute claims its first
+    chunk at once on the estimates instead of first waiting for the loader's first read (which looks for a span
+    still in the page cache; behind a throttle the first reads come in a fast burst and kept compute out for 0.06-0.17
+    s of 0.4-0.7 s loads). `rope`: the
     rotation (`LlamaModel.qkv`; a server passes its own kernel, so that computed keys match the ones it stored).
     `inputs`: also return the new tokens' attention inputs (to store them as activations in turn). `loaders`: threads
     reading pages at once (`source.read` is then called from several threads; a CPU model only, a CUDA model's loader
@@ -284,8 +289,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
             for layer in range(model.cfg.layers):
                 full[layer, :p] = prefix_loader(layer)
         relook_s = page_compute_s * (min_read_share or 1.0) if page_compute_s is not None else 0.0
-        if split is None and page_compute_s is not None:
-            claims.wait_read(relook_s)  # the loader's first read, if it is quick
+        if split is None and page_compute_s is not None and not from_disk:
+            claims.wait_read(relook_s)  # the loader's first read, if it is quick (a span in the page cache)
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
             if not pages_now:  # the loader would get there first at its current rate: look again a little later
                 claims.wait_done(relook_s)

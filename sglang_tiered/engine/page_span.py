@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -37,6 +38,13 @@ class TierPages:
         self._reading = 0  # reads running now
         self._since = 0.0  # when the running ones began to overlap (the first of them started)
         self._lock = threading.Lock()
+
+    def first_read_cached(self) -> Optional[bool]:
+        """Whether the file the loader reads first (the last page's: its activations where they would be read, else
+        its KV) is in the OS page cache (`SSDTier.in_page_cache`; None: cannot be told)."""
+        key = self.keys[-1]
+        act = activations.activation_key(key)
+        return self.tier.in_page_cache(act if self.activations and self.tier.contains(act) else key)
 
     @property
     def bytes_read(self) -> int:

@@ -526,6 +526,7 @@ class KVPRHandler(SpanHandler):
         source = TierPages(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
                            dtype=engine.dtype, hidden=c.hidden, activations=plan.activations)
         s = source.pages * ps
+        from_disk = plan.pages is None and source.first_read_cached() is False  # (a probe, no read)
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         kept = kvpr.scratch.nbytes
         out = kvpr.scratch.take(engine, prefix + ext)  # (the cached prefix's KV too: attention reads it in place)
@@ -534,7 +535,8 @@ class KVPRHandler(SpanHandler):
                         "loads", kvpr.scratch.nbytes / 2**20, prefix + ext)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
                            chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
-                           page_compute_s=plan.page_s, page_read_s=plan.read_s, rope=sglang_rope(module),
+                           page_compute_s=plan.page_s, page_read_s=plan.read_s, from_disk=from_disk,
+                           rope=sglang_rope(module),
                            inputs=kvpr.writer is not None, loaders=plan.loaders,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
                            out=out)
@@ -566,11 +568,12 @@ class KVPRHandler(SpanHandler):
                     "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
                     "thread(s) (%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; "
                     "read path %s), waited %.3fs at the meet, then the new tokens' layers %.3fs and the write into "
-                    "SGLang's pool %.3fs, total=%.3fs; compute's chunks %s", req.rid, s, prefix,
+                    "SGLang's pool %.3fs, total=%.3fs; compute's chunks %s%s", req.rid, s, prefix,
                     ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s,
                     plan.loaders, recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
                     source.act_misses, read, res.wait_s, res.new_s, write_s, time.perf_counter() - t0,
-                    _chunks(res.chunks))
+                    _chunks(res.chunks), " (the span out of the page cache: compute claimed at once)" if from_disk
+                    else "")
         return hidden
 
 

@@ -132,6 +132,29 @@ class SSDTier:
             entry = self._index.group_of(key)
             return self._groups.get(entry[len(GROUP_PREFIX):]) if entry is not None else None
 
+    def in_page_cache(self, key: str) -> Optional[bool]:
+        """Whether the stored plain page `key`'s file is in the OS page cache (its first and last bytes; a read of
+        it would not reach the disk): True, False, or None where that cannot be told (not stored, inside a group,
+        a kernel or file system without non-blocking buffered reads). A probe: nothing is counted or touched."""
+        with self._lock:
+            if self._index.kind(key) is None or self._index.group_of(key) is not None:
+                return None
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            for offset in {0, max(0, size - 1)}:
+                os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+            return True
+        except BlockingIOError:
+            return False
+        except (OSError, AttributeError, ValueError):  # (no RWF_NOWAIT here)
+            return None
+        finally:
+            os.close(fd)
+
     @property
     def used_bytes(self) -> int:
         """Bytes of every file this tier keeps (and of writes in flight)."""

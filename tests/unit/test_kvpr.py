@@ -362,3 +362,28 @@ def test_a_missing_or_corrupt_kv_page_ends_the_load(mha, tier):
     tier._path(keys[2]).unlink()  # a page gone from disk: a miss too
     with pytest.raises(SpanMiss, match=keys[2]):
         meet_prefill(model, ids[:64], ids[64:], prefix_len=0, source=tier_pages(tier, keys[:4]), split=1)
+
+
+def test_the_first_read_probe_looks_at_the_file_the_loader_reads_first(mha, tier):
+    """`TierPages.first_read_cached`: the last page's activation file where activations are read and stored, its KV
+    file otherwise -- each dropped from the page cache apart from the other."""
+    import os
+
+    model, ids, logits, kv, xs = mha
+    keys = store_span(tier, kv, xs, 80, with_x={4})
+
+    def drop(key):
+        fd = os.open(tier._path(key), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    from sglang_tiered.storage import activations
+
+    drop(activations.activation_key(keys[-1]))
+    assert tier_pages(tier, keys).first_read_cached() is False
+    assert tier_pages(tier, keys, activations=False).first_read_cached() is True  # (the KV file is still cached)
+    drop(keys[-1])
+    assert tier_pages(tier, keys, activations=False).first_read_cached() is False

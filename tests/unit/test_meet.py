@@ -189,6 +189,35 @@ def test_a_chunk_no_longer_than_the_floor_leaves_the_compute_rate_as_it_was():
     assert claims.page_compute_s == 0.003
 
 
+class _SlowFirstRead(MemoryPages):
+    """A span whose first read takes `first_s` (a disk's first seek, or a throttle's queue)."""
+
+    def __init__(self, kv: torch.Tensor, page_size: int, first_s: float) -> None:
+        super().__init__(kv, page_size)
+        self.first_s = first_s
+
+    def read(self, page: int):
+        if not self.reads:
+            time.sleep(self.first_s)
+        return super().read(page)
+
+
+@pytest.mark.parametrize("from_disk", [False, True])
+def test_a_span_known_to_be_on_disk_is_claimed_at_once(from_disk):
+    """Without the hint compute first waits for the loader's first read (up to a quarter of a page's compute: 0.1 s
+    here), which tells a span still in the page cache; with `from_disk` it claims on the estimates at once. Either
+    way the result is a full prefill's."""
+    model = LlamaModel.random(SHAPES["gqa"], seed=3)
+    ids, ref, span = case(model, 0, 8, 5)
+    slow = _SlowFirstRead(span.kv, PS, first_s=0.3)
+    res, logits = run(model, ids, ref, slow, 0, chunk=2, page_compute_s=0.4, page_read_s=0.3, min_read_share=0.25,
+                      from_disk=from_disk)
+    first_claim = res.chunks[0][0]
+    assert (first_claim < 0.05) if from_disk else (first_claim >= 0.09)
+    assert torch.allclose(logits, ref.logits, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(res.kv, ref.kv, atol=1e-5, rtol=1e-5)
+
+
 def test_before_the_first_read_compute_claims_by_the_read_estimate():
     """With the profile's estimate of a read, compute starts on the span at once (no wait for a first read that
     takes 29 ms); without one, a read in flight for next to no time counts as fast and compute stays out."""

@@ -440,3 +440,23 @@ def test_a_meta_file_that_cannot_be_written_is_counted_and_gives_its_room_back(t
     assert tier.write_meta("stats/new.json", b"z" * 50)  # room is back, writes resume
     assert disk_bytes(tmp_path) == tier.used_bytes
     tier.check_integrity()
+
+
+def test_the_page_cache_probe_tells_a_cold_file_from_a_warm_one(tmp_path):
+    """`in_page_cache` (the two-sided loader's hint that its reads will reach the disk): False once the file is
+    dropped from the page cache, True once it is read again; None for a page not stored; nothing counted."""
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    tier.write_pages([(key(1), page(1))])
+    fd = os.open(page_file(tier, key(1)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    before = tier.stats.snapshot()
+    assert tier.in_page_cache(key(1)) is False
+    assert tier.read_pages([(key(1), empty())]) == [True]
+    assert tier.in_page_cache(key(1)) is True
+    assert tier.in_page_cache(key(2)) is None
+    after = tier.stats.snapshot()
+    assert (after["hit_pages"], after["miss_pages"]) == (before["hit_pages"] + 1, before["miss_pages"])
