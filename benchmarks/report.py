@@ -662,6 +662,12 @@ MEET_RERUNS = [
     ("meet-tie-s44-mha-intel", "stop 44, right after: the point of meet-amx-intel's differing answer (the MHA model, "
      "100 MB/s, 4096 tokens) again, 3 rounds (`--models smollm2-mha --lengths 4096 --slow-mbps 100 --skip-native "
      "--busy --repeats 3 --name meet-tie-s44-mha-intel`)"),
+    ("meet-1k-s45-intel", "stop 45, the same kind of machine, with a span known to be out of the page cache claimed "
+     "at once (a non-blocking read probe): SmolLM2's 1024-token misses, 8 rounds each (`--models smollm2 --lengths "
+     "1024 --slow-mbps 50 25 --skip-native --busy --repeats 8 --max-repeats 8 --name meet-1k-s45-intel`)"),
+    ("meet-s45-smollm2-intel", "stop 45, right after: SmolLM2's part of the grid at the disk's own speed, 50 and "
+     "25 MB/s, 1k/4k/8k tokens, 3 rounds (`--models smollm2 --slow-mbps 50 25 --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s45-smollm2-intel`)"),
 ]
 
 
