@@ -21,7 +21,8 @@ would. Exact by construction: every token's KV is either computed from the true 
 On a CPU a chunk cannot be abandoned halfway, and one page's prefill (tens of milliseconds) can outlast reading the
 whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for the
 loader's first page, at most `min_read_share` of a page's compute (a read quicker than that keeps compute out anyway;
-one page's compute without a share). Then it claims the chunk (at most `chunk` pages) that ends the span soonest: k
+one page's compute without a share; not where the caller knows the span's reads reach the disk: `from_disk`).
+Then it claims the chunk (at most `chunk` pages) that ends the span soonest: k
 pages such that max(k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a large chunk prefills
 faster per page (wider matrix products), so the first claim is the biggest. Seconds per read: the mean of the loader's
 last reads, with the read in flight counted as one of them once it has taken longer (timed from its own start: the
