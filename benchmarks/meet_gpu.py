@@ -156,7 +156,7 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
             out = model.prefill(ids)
             sync(device)
             return out.logits, {"s": time.perf_counter() - t0}
-        wide = config.endswith("-wide")
+        wide = config in ("compute-wide", "meet-wide", "meet-floor")  # (no cap on a claim)
         if config in ("compute", "compute-wide"):
             res = meet(_Unread(pages, ps), wide, split=pages)
         elif config == "load":
@@ -164,7 +164,7 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
         elif config == "meet":
             res = meet(source)
         else:
-            res = meet(source, wide or config == "meet-floor", page_compute_s=per_page["compute"],
+            res = meet(source, wide, page_compute_s=per_page["compute"],
                        page_read_s=per_page["load"], min_read_share=MIN_READ_SHARE,
                        chunk_floor_s=per_page["floor"] if config == "meet-floor" else 0.0)
         sync(device)

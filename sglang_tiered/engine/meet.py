@@ -115,7 +115,7 @@ def best_claim(free: int, compute_s: float, read_s: float, floor_s: float = 0.0)
         k = min((k, k + 1), key=lambda j: (max(j * compute_s, (free - j) * read_s), j))
     else:
         k = free
-    if floor_s and k and max(k * compute_s, (free - k) * read_s) < floor_s:  # the floor binds
+    if floor_s and 0 < k < free and max(k * compute_s, (free - k) * read_s) < floor_s:  # the floor binds
         k = min(free, max(k, int(floor_s / compute_s)))
     return k if k and max(floor_s, k * compute_s, (free - k) * read_s) < free * read_s else 0
 

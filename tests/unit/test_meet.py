@@ -173,6 +173,7 @@ def test_the_claim_is_the_chunk_that_ends_the_span_soonest(free, compute_s, read
     (6, 0.0023, 0.0090, 0.058, 0),  # a 6-page tail: the loader alone (0.054 s) ends before the floor (0.058 s)
     (7, 0.0023, 0.0090, 0.058, 7),  # 7: the floor pays for all (0.016 s of pages) and ends before the loader (0.063)
     (20, 0.0023, 0.0090, 0.058, 20),  # the floor pays for 25 pages: all 20 (the crossing, 16, ends at the floor too)
+    (7, 0.0, 0.0090, 0.058, 7),  # compute free of cost (once a division by it): the floor against the loader alone
 ])
 def test_a_chunk_floor_claims_what_it_pays_for_or_nothing(free, compute_s, read_s, floor_s, want):
     """On a GPU a chunk of a few pages takes as long as the host needs to launch its kernels (measured on an H200:

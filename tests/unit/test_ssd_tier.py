@@ -460,3 +460,11 @@ def test_the_page_cache_probe_tells_a_cold_file_from_a_warm_one(tmp_path):
     assert tier.in_page_cache(key(2)) is None
     after = tier.stats.snapshot()
     assert (after["hit_pages"], after["miss_pages"]) == (before["hit_pages"] + 1, before["miss_pages"])
+
+
+def test_the_page_cache_probe_cannot_tell_without_non_blocking_reads(tmp_path, monkeypatch):
+    """A Python or kernel without RWF_NOWAIT: the probe answers None (the loader then keeps its first-read wait)."""
+    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
+    tier.write_pages([(key(1), page(1))])
+    monkeypatch.delattr(os, "RWF_NOWAIT")
+    assert tier.in_page_cache(key(1)) is None
