@@ -105,8 +105,9 @@ def _kvpr_profile(args) -> int:
         c, item = model.cfg, model.dtype.itemsize
         Path(args.ssd_dir).mkdir(parents=True, exist_ok=True)
         recompute_s, layer_s, stored_s = kvpr_profile.measure_compute(model)
+        chunk_s, span_s = kvpr_profile.measure_chunks(model, 64)
         prof = Profile(kvpr_profile.measure_read(Path(args.ssd_dir) / f".kvpr-read-probe-{os.getpid()}"), recompute_s,
-                       layer_s, stored_s)
+                       layer_s, stored_s, chunk_s=chunk_s, span_s=span_s)
         shape = Shape(c.layers, c.hidden * item, 2 * c.kv_heads * c.head_dim * item)
         kvpr_profile.save_profile(args.ssd_dir, kvpr_profile.profile_key(model_fingerprint(path), str(model.dtype)),
                                   prof, shape=shape.__dict__)
@@ -119,7 +120,8 @@ def _kvpr_profile(args) -> int:
               "--model-path)", file=sys.stderr)
         return 1
     for key, e in sorted(entries.items()):
-        prof = Profile(e["read_bytes_per_s"], e["recompute_s"], e["layer_s"], e.get("stored_s", 0.0))
+        prof = Profile(e["read_bytes_per_s"], e["recompute_s"], e["layer_s"], e.get("stored_s", 0.0),
+                       chunk_s=e.get("chunk_s", 0.0), span_s=e.get("span_s", 0.0))
         print(f"{key} (measured {e.get('measured_at', '?')}): {kvpr_profile.describe(prof)}")
         if "shape" in e:
             shape = Shape(**e["shape"])

@@ -7,6 +7,8 @@
 * recompute time of K and V per token-layer from activations, one layer's time per new token and the time to move
   a stored token-layer's KV through the loader, timed on the served model's own weights and dtype (median of a few
   runs, tens of milliseconds). The server refines the read bandwidth from its loads.
+* a computed chunk's time: one page and MEET_CHUNK_PAGES pages of a span, each prefilled as one chunk, fitted as a
+  fixed part (on a CPU, the model's weights read from memory once per chunk) plus a part per token-layer.
 
 The server measures from its first request on (read) and at its first stored-span load (compute) and writes the
 result to `<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>"; `sglang-tiered kvpr-profile` prints
@@ -29,7 +31,7 @@ import torch
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.engine.one_thread import one_thread_pool
 from sglang_tiered.kernels.extend_attention import causal_attention
-from sglang_tiered.policy.kvpr import Profile
+from sglang_tiered.policy.kvpr import MEET_CHUNK_PAGES, Profile
 from sglang_tiered.storage.files import write_atomic
 
 PROFILE_FILE = "kvpr-profile.json"
@@ -183,6 +185,33 @@ def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
     return recompute, layer_s, stored
 
 
+@torch.inference_mode()
+def measure_chunks(model: LlamaModel, page_size: int, pages: int = MEET_CHUNK_PAGES,
+                   repeats: int = 2) -> tuple[float, float]:
+    """(seconds a chunk of span pages computed from token ids takes whatever its length, seconds per span token-layer
+    beyond that): a span of one page and one of `pages` pages, each computed as one chunk by the two-sided engine
+    (its meet point forced to the whole span; the best of `repeats` after a warm-up), fitted as chunk + k x page.
+    Where the wider chunk took no longer per page than the fit allows (timing noise): no fixed part, the wider
+    chunk's time per token-layer. Call it on the thread that runs the model's forwards (as `measure_compute`)."""
+    from sglang_tiered.engine.meet import MemoryPages, meet_prefill
+
+    c, g = model.cfg, torch.Generator().manual_seed(1)
+
+    def chunk_s(k: int) -> float:
+        span = MemoryPages(torch.zeros(c.layers, k * page_size, 2, c.kv_heads, c.head_dim, dtype=model.dtype),
+                           page_size)
+        ids = torch.randint(0, c.vocab, (k * page_size + 1,), generator=g)
+        return min([meet_prefill(model, ids[:-1], ids[-1:], prefix_len=0, source=span, split=k, chunk=k).compute_s
+                    for _ in range(repeats + 1)][1:])
+
+    one, wide = chunk_s(1), chunk_s(pages)
+    token_layers = page_size * c.layers
+    span_s = (wide - one) / ((pages - 1) * token_layers)
+    if span_s <= 0:
+        return 0.0, wide / (pages * token_layers)
+    return max(0.0, one - token_layers * span_s), span_s
+
+
 def _on_loader_thread(fn: Callable[[], float]) -> float:
     """`fn()` on a thread that runs torch the way the two-sided loader does (one OpenMP thread, engine/meet.py)."""
     with one_thread_pool("kvpr-profile-loader") as pool:
@@ -223,7 +252,8 @@ def stored_profile(directory: str | os.PathLike, key: str) -> Optional[Profile]:
         return None
     try:
         return Profile(float(entry["read_bytes_per_s"]), float(entry["recompute_s"]), float(entry["layer_s"]),
-                       float(entry.get("stored_s", 0.0)))
+                       float(entry.get("stored_s", 0.0)), chunk_s=float(entry.get("chunk_s", 0.0)),
+                       span_s=float(entry.get("span_s", 0.0)))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -231,4 +261,6 @@ def stored_profile(directory: str | os.PathLike, key: str) -> Optional[Profile]:
 def describe(profile: Profile) -> str:
     return (f"SSD read {profile.read_bytes_per_s / 1e6:.0f} MB/s, K/V recompute {profile.recompute_s * 1e6:.2f} "
             f"us per token-layer, a layer {profile.layer_s * 1e6:.1f} us per new token, "
-            f"{profile.stored_s * 1e6:.2f} us per stored token-layer")
+            f"{profile.stored_s * 1e6:.2f} us per stored token-layer" +
+            (f", a computed chunk {profile.chunk_s * 1e3:.1f} ms + {profile.span_s * 1e6:.2f} us per span token-layer"
+             if profile.span_s else ""))

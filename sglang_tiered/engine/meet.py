@@ -23,8 +23,9 @@ whole span from a fast disk; so with `page_compute_s` (an estimate of one page's
 loader's first page, at most `min_read_share` of a page's compute (a read quicker than that keeps compute out anyway;
 one page's compute without a share; not where the caller knows the span's reads reach the disk: `from_disk`).
 Then it claims the chunk (at most `chunk` pages) that ends the span soonest: k
-pages such that max(k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a large chunk prefills
-faster per page (wider matrix products), so the first claim is the biggest. Seconds per read: the mean of the loader's
+pages such that max(chunk_fixed_s + k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a
+large chunk prefills faster per page (wider matrix products; on a CPU every chunk also reads the model's weights from
+memory once, `chunk_fixed_s`), so the first claim is the biggest. Seconds per read: the mean of the loader's
 last reads, with the read in flight counted as one of them once it has taken longer (timed from its own start: the
 loader's start-up -- a thread waking, a CUDA stream's first copy -- is no read; a kernel throttle passes reads in bursts
 and stalls about one in ten, measured at 200 MB/s: 2-3 ms reads and 40-70 ms stalls, and that one stall is not the
@@ -104,20 +105,23 @@ class MeetResult:
     new_s: float = 0.0  # seconds of the new tokens' layers, after the meet
 
 
-def best_claim(free: int, compute_s: float, read_s: float, floor_s: float = 0.0) -> int:
-    """Pages compute should take of `free` unclaimed ones, computing one in `compute_s` while the loader reads one in
-    `read_s`: the k that ends the span soonest, max(k x compute_s, (free - k) x read_s) (the smaller k on a tie). A
-    chunk that takes at least `floor_s` however few its pages (a GPU host launching its kernels) takes as many pages
-    as the floor pays for once it binds (the loader's part only shrinks), and none unless it ends before the loader
-    alone would (free x read_s)."""
-    k = int(free * read_s / (read_s + compute_s))  # where the two lines cross, rounded down
+def best_claim(free: int, compute_s: float, read_s: float, floor_s: float = 0.0, fixed_s: float = 0.0) -> int:
+    """Pages compute should take of `free` unclaimed ones, a chunk of j pages taking `fixed_s` + j x `compute_s`
+    while the loader reads one page in `read_s`: the k that ends the span soonest, max(chunk(k), (free - k) x
+    read_s) (the smaller k on a tie), and none unless it ends before the loader alone would (free x read_s). A chunk
+    that takes at least `floor_s` however few its pages (a GPU host launching its kernels) takes as many pages as the
+    floor pays for once it binds (the loader's part only shrinks)."""
+    def chunk(j: int) -> float:
+        return fixed_s + j * compute_s if j else 0.0
+
+    k = max(0, int((free * read_s - fixed_s) / (read_s + compute_s)))  # where the two lines cross, rounded down
     if k < free:
-        k = min((k, k + 1), key=lambda j: (max(j * compute_s, (free - j) * read_s), j))
+        k = min((k, k + 1), key=lambda j: (max(chunk(j), (free - j) * read_s), j))
     else:
         k = free
-    if floor_s and 0 < k < free and max(k * compute_s, (free - k) * read_s) < floor_s:  # the floor binds
-        k = min(free, max(k, int(floor_s / compute_s)))
-    return k if k and max(floor_s, k * compute_s, (free - k) * read_s) < free * read_s else 0
+    if floor_s and 0 < k < free and max(chunk(k), (free - k) * read_s) < floor_s:  # the floor binds
+        k = min(free, max(k, int((floor_s - fixed_s) / compute_s)))
+    return k if k and max(floor_s, chunk(k), (free - k) * read_s) < free * read_s else 0
 
 
 class _Claims:
@@ -127,7 +131,7 @@ class _Claims:
 
     def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float],
                  min_read_share: float = 0.0, page_read_s: float = 0.0, first_in_flight: bool = True,
-                 workers: int = 1, chunk_floor_s: float = 0.0) -> None:
+                 workers: int = 1, chunk_floor_s: float = 0.0, chunk_fixed_s: float = 0.0) -> None:
         self.front, self.low = 0, pages
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
@@ -136,6 +140,7 @@ class _Claims:
         self.first_in_flight = first_in_flight  # whether the first read's time in flight counts before it is in
         self.workers = workers
         self.chunk_floor_s = chunk_floor_s  # the least seconds a chunk takes (a GPU host's kernel launches)
+        self.chunk_fixed_s = chunk_fixed_s  # seconds a chunk takes beyond its pages' (a CPU reading the weights)
         self.reads: list[float] = []  # the loader's seconds per page so far (each on its own thread)
         self.started: deque[float] = deque()  # when the reads in flight began, oldest first
         self.recomputed = 0  # pages the loader recomputed from activations
@@ -162,9 +167,10 @@ class _Claims:
                 if self.started and (self.reads or self.first_in_flight):
                     in_flight = time.perf_counter() - self.started[0]
                     per_read = max(per_read, (sum(recent) + in_flight) / (len(recent) + 1) / self.workers)
-                if per_read < self.min_read_share * self.page_compute_s:
+                if per_read < self.min_read_share * self.full_page_s(chunk):
                     return range(0)  # reads are fast next to compute: computing would gain little and slow them
-                take = min(take, best_claim(free, self.page_compute_s, per_read, self.chunk_floor_s))
+                take = min(take, best_claim(free, self.page_compute_s, per_read, self.chunk_floor_s,
+                                            self.chunk_fixed_s))
                 if take < 1:
                     return range(0)
             pages = range(self.front, self.front + take)
@@ -202,19 +208,30 @@ class _Claims:
             self.ended = time.perf_counter()
             self.read_done.notify_all()
 
+    def full_page_s(self, chunk: int) -> float:
+        """Seconds per page of a chunk of `chunk` pages at compute's current rate."""
+        return self.page_compute_s + self.chunk_fixed_s / chunk
+
     def computed(self, pages: int, seconds: float) -> None:
-        """A chunk of `pages` took `seconds`: compute's rate from now on, unless the chunk took no longer than the
-        floor (its time was the floor's, not its pages')."""
+        """A chunk of `pages` took `seconds`: compute's rate from now on -- its per-page and fixed parts scaled
+        alike by what the chunk took against what they predicted (a CPU slowed by other work slows both) --
+        unless the chunk took no longer than the floor (its time was the floor's, not its pages')."""
         with self.lock:
             if self.page_compute_s is not None and seconds > self.chunk_floor_s:
-                self.page_compute_s = seconds / pages
+                predicted = self.chunk_fixed_s + pages * self.page_compute_s
+                if predicted > 0 and self.chunk_fixed_s:
+                    self.page_compute_s *= seconds / predicted
+                    self.chunk_fixed_s *= seconds / predicted
+                else:
+                    self.page_compute_s = seconds / pages
 
 
 @torch.inference_mode()
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
                  split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
-                 page_read_s: float = 0.0, chunk_floor_s: float = 0.0, from_disk: bool = False,
+                 page_read_s: float = 0.0, chunk_floor_s: float = 0.0, chunk_fixed_s: float = 0.0,
+                 from_disk: bool = False,
                  rope: Optional[Rope] = None, inputs: bool = False, loaders: int = 1,
                  out: Optional[torch.Tensor] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim], called
@@ -225,7 +242,9 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     loader's reads take at least this share of a page's compute (else the loader takes the span alone), and
     `page_read_s`: an estimate of one page's read, used until the loader's first read is in; `chunk_floor_s`: the
     least seconds a chunk takes however few its pages (on a GPU, the host's time to launch a chunk's kernels: a claim
-    of a few pages then costs what many would; 0 on a CPU, where a chunk's time follows its pages); `from_disk`: the
+    of a few pages then costs what many would; 0 on a CPU); `chunk_fixed_s`: seconds every chunk takes beyond its
+    pages' `page_compute_s` each (on a CPU, the model's weights read from memory once per chunk: there a chunk of k
+    pages takes chunk_fixed_s + k x page_compute_s, measured affine, policy/kvpr.py); `from_disk`: the
     span's files are known to be out of the OS page cache, so its reads reach the storage: compute claims its first
     chunk at once on the estimates instead of first waiting for the loader's first read (which looks for a span
     still in the page cache; behind a throttle the first reads come in a fast burst and kept compute out for 0.06-0.17
@@ -255,7 +274,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
     workers = 1 if copies is not None else max(1, loaders)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,
-                     workers=workers, chunk_floor_s=chunk_floor_s)
+                     workers=workers, chunk_floor_s=chunk_floor_s, chunk_fixed_s=chunk_fixed_s)
     errors: list[BaseException] = []
     # (on a CUDA model a page arrives whole in one buffer, then is spread over the layers: no allocation per page)
     stage = torch.empty_like(out[:, :ps]) if copies is not None else None
@@ -289,7 +308,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         if p:  # (while the loader reads its first pages)
             for layer in range(model.cfg.layers):
                 full[layer, :p] = prefix_loader(layer)
-        relook_s = page_compute_s * (min_read_share or 1.0) if page_compute_s is not None else 0.0
+        relook_s = claims.full_page_s(chunk) * (min_read_share or 1.0) if page_compute_s is not None else 0.0
         if split is None and page_compute_s is not None and not from_disk:
             claims.wait_read(relook_s)  # the loader's first read, if it is quick (a span in the page cache)
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:

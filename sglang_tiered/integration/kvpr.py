@@ -31,8 +31,9 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   by one background thread (a full queue drops the batch's activations, counted).
 * Profile -- measured once per process: the SSD read bandwidth on a background thread from the first admission
   on (SGLang's warm-up request: the weights are in memory by then, no longer being read from the same disk; the
-  probe file counts against the SSD capacity, smaller where it leaves less room), then K/V recompute and layer
-  times on the served model at the scheduler's first fully idle moment after that (seam `Scheduler.on_idle`,
+  probe file counts against the SSD capacity, smaller where it leaves less room), then K/V recompute, layer and
+  computed-chunk times (one page, then 4, as one chunk each: about 1 s) on the served model at the scheduler's first
+  fully idle moment after that (seam `Scheduler.on_idle`,
   BEFORE: on the thread that runs the forwards; `engine/kvpr_profile.py`, persisted; taken again PROFILE_RETRY_S
   later where its layer time disagrees with its whole-load time, `Unsettled`). Until it is known SGLang
   loads as usual (a forced load waits for it). The probe only seeds the read rate: every load's reads -- ours and
@@ -67,6 +68,7 @@ from sglang_tiered.engine.kvpr_profile import (
     ProfileTries,
     Unsettled,
     describe,
+    measure_chunks,
     measure_compute,
     measure_read,
     profile_key,
@@ -113,9 +115,9 @@ PROFILE_RETRY_S = 5.0  # ... each this long after the one before (what slowed it
 @dataclass(frozen=True)
 class Plan:
     """A load decided at admission: the stored pages `keys` from token `start`. `pages`: the forced meet point (the
-    pages computed from token ids; None lets compute and the loader meet); `page_s` and `read_s`: the profile's
-    estimates of one page's compute and read; `activations`: the loader reads pages as activations where stored
-    (else as KV)."""
+    pages computed from token ids; None lets compute and the loader meet); `page_s`, `chunk_s` and `read_s`: the
+    profile's estimates of what a page adds to a computed chunk, what a chunk takes whatever its length, and one
+    page's read; `activations`: the loader reads pages as activations where stored (else as KV)."""
 
     start: int
     keys: tuple[str, ...]
@@ -124,6 +126,7 @@ class Plan:
     page_s: float
     read_s: float
     activations: bool
+    chunk_s: float = 0.0
     loaders: int = 1  # threads reading pages at once (policy/kvpr.loaders)
     as_auto: bool = True  # it reads pages as `auto` would (activations or KV): a whole read is a sample of our loader
 
@@ -218,8 +221,8 @@ class KVPR:
             if how is None:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, loaders(d, forced),
-                    as_auto)
+        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
+                    loaders(d, forced), as_auto)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
@@ -310,7 +313,7 @@ class KVPR:
     def on_idle(self, scheduler) -> None:
         """`Scheduler.on_idle` (BEFORE): the compute part of the profile, at the scheduler's first fully idle moment
         once the read bandwidth is known -- on the thread that runs the forwards (see `measure_compute`), off every
-        request's path (about 0.1-0.4 s, once; again PROFILE_RETRY_S later where it disagreed with itself)."""
+        request's path (about 1-1.5 s on a CPU, once; again PROFILE_RETRY_S later where it disagreed with itself)."""
         try:
             if self.profile is None and self.read_measured.is_set() and scheduler.is_fully_idle() and \
                     self.tries.due(time.monotonic()):
@@ -327,8 +330,9 @@ class KVPR:
         later, PROFILE_TRIES times at most; the last one, or one `final` (a forced load waiting for it), is kept."""
         if self.profile is not None or self.rate is None or self.compute_failed:
             return
+        engine = self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model)
         try:
-            compute = measure_compute(self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model))
+            compute = measure_compute(engine)
         except Unsettled as exc:
             if self.tries.drop(time.monotonic(), final):
                 self.rt.events.count("kvpr_profile_retries")
@@ -343,8 +347,14 @@ class KVPR:
             self.rt.events.count("hook_errors")
             logger.exception("tiered kvpr: measuring the compute profile failed; SGLang loads every stored span")
             return
+        try:
+            chunk_s, span_s = measure_chunks(engine, self.tier.namespace.page_size)
+        except Exception:  # noqa: BLE001 -- without it a chunk costs its pages' layer time, as before
+            self.rt.events.count("hook_errors")
+            logger.exception("tiered kvpr: timing a computed chunk failed; a page's layer time stands for it")
+            chunk_s = span_s = 0.0
         with self.lock:
-            self.profile = Profile(self.rate.bps, *compute)
+            self.profile = Profile(self.rate.bps, *compute, chunk_s=chunk_s, span_s=span_s)
         path = self._save()
         logger.info("tiered kvpr: profile %s (saved to %s); %s", describe(self.profile), path,
                     auto_example(self.shape, self.profile, self.tier.namespace.page_size))
@@ -535,7 +545,8 @@ class KVPRHandler(SpanHandler):
                         "loads", kvpr.scratch.nbytes / 2**20, prefix + ext)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
                            chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
-                           page_compute_s=plan.page_s, page_read_s=plan.read_s, from_disk=from_disk,
+                           page_compute_s=plan.page_s, chunk_fixed_s=plan.chunk_s, page_read_s=plan.read_s,
+                           from_disk=from_disk,
                            rope=sglang_rope(module),
                            inputs=kvpr.writer is not None, loaders=plan.loaders,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,

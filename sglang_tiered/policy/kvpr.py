@@ -17,7 +17,10 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
   the hit in SGLang's own cached-token counts): only where reading it takes longer than computing MEET_MIN_PAGES of
   its pages;
 * whether compute joins a load: only while a page reads in at least MEET_MIN_READ_SHARE of a page's compute (the
-  claim rule in engine/meet.py measures both as the load runs; the loader alone takes the span otherwise).
+  claim rule in engine/meet.py measures both as the load runs; the loader alone takes the span otherwise). A page's
+  compute is its share of a chunk of MEET_CHUNK_PAGES pages (`chunk_page_s`): a chunk takes `Profile.chunk_s`
+  whatever its length -- on a CPU the model's weights are read from memory once per chunk -- plus `span_s` per
+  token-layer, both measured (engine/kvpr_profile.py `measure_chunks`).
   `auto` takes a span on which compute may not join (a page read below MEET_TAKE_READ_SHARE of a page's compute)
   only where the loader reads activations: reading KV alone, our loader is SGLang's load with more CPU work per
   byte (measured on one loader thread: 1.24x / 1.36x SGLang's load on the MHA model at the disk's own speed, 4096 /
@@ -44,6 +47,10 @@ class Profile:
     #                        span's KV, attending over it, writing it to the pool)
     x_load_s: float = 0.0  # wall seconds per token-layer of loads that read only activations on MEET_LOADERS
     #                        threads, as measured (integration/kvpr.py); 0: none yet
+    chunk_s: float = 0.0  # seconds a chunk of span pages computed from token ids takes whatever its length (the
+    #                       model's weights read from memory once per chunk), beyond `span_s` per token-layer
+    span_s: float = 0.0  # seconds per span token-layer computed in a chunk, beyond `chunk_s`; 0: not measured (a
+    #                      page then costs its tokens' `layer_s + stored_s`, and a chunk nothing more)
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,19 @@ def activations_pay(shape: Shape, prof: Profile, page_size: int) -> bool:
 
 
 def page_compute_s(prof: Profile, layers: int, page_size: int) -> float:
-    """Seconds to prefill one page of a stored span from its token ids (every layer; the attention over what came
-    before it is in `stored_s`, small next to the projections and the MLP at these lengths)."""
-    return layers * page_size * (prof.layer_s + prof.stored_s)
+    """Seconds one more page adds to a chunk of a stored span prefilled from its token ids (every layer; a chunk
+    also takes `prof.chunk_s` whatever its length). Without a measured chunk (`span_s` 0): its tokens' layer time
+    (the attention over what came before it is in `stored_s`, small next to the projections and the MLP)."""
+    return layers * page_size * (prof.span_s or prof.layer_s + prof.stored_s)
+
+
+def chunk_page_s(prof: Profile, layers: int, page_size: int, pages: int = 0) -> float:
+    """Seconds per page of a chunk of `pages` pages (default MEET_CHUNK_PAGES, the most compute takes at once): its
+    fixed part shared out. Measured in one run (SmolLM2, bf16, an Intel Xeon with AMX, 64-token pages): chunks of
+    1 / 2 / 4 / 8 pages took 89 / 127 / 188 / 315 ms -- 57 ms a chunk and 32 ms a page -- where one page's layer
+    time put every page at 91 ms."""
+    pages = pages or MEET_CHUNK_PAGES
+    return prof.chunk_s / pages + page_compute_s(prof, layers, page_size)
 
 
 def page_read_s(shape: Shape, prof: Profile, page_size: int, activations: bool) -> float:
@@ -95,7 +112,7 @@ def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[floa
     tokens = shape.layers * page_size
     read = shape.x_bytes / prof.read_bytes_per_s
     apart = tokens * max(read, prof.x_load_s or prof.recompute_s)
-    if apart < MEET_MIN_READ_SHARE * page_compute_s(prof, shape.layers, page_size):
+    if apart < MEET_MIN_READ_SHARE * chunk_page_s(prof, shape.layers, page_size):
         return apart, MEET_LOADERS
     return tokens * (read + prof.recompute_s), 1
 
@@ -132,10 +149,10 @@ MEET_LOADERS = 2
 MEET_MIN_PAGES = 2
 
 
-def meet_pays(pages: int, read_s: float, page_s: float) -> bool:
+def meet_pays(pages: int, read_s: float, page_s: float, chunk_s: float = 0.0) -> bool:
     """`auto`: take a stored span of `pages` pages with our loader rather than SGLang's whole load only if reading it
-    (`read_s` per page) takes longer than computing MEET_MIN_PAGES pages (`page_s` each)."""
-    return pages * read_s > MEET_MIN_PAGES * page_s
+    (`read_s` per page) takes longer than computing MEET_MIN_PAGES pages in one chunk (`chunk_s` + `page_s` each)."""
+    return pages * read_s > chunk_s + MEET_MIN_PAGES * page_s
 
 
 @dataclass(frozen=True)
@@ -145,9 +162,15 @@ class Decision:
     take: bool  # our loader takes the span (else SGLang's own load)
     activations: bool  # it reads pages as activations where stored (else as KV)
     read_s: float  # seconds to bring one page in, as it reads them
-    page_s: float  # seconds to compute one page from its token ids
+    page_s: float  # seconds one more page adds to a chunk computed from token ids (`page_compute_s`)
+    chunk_s: float  # seconds a chunk takes whatever its length (`Profile.chunk_s`)
     compute_joins: bool  # reads are slow enough next to compute for compute to take pages (engine/meet.py decides
     #                      again as the load runs, from the speeds it measures)
+
+    @property
+    def full_page_s(self) -> float:
+        """Seconds per page of a chunk of MEET_CHUNK_PAGES pages (compute's rate when it takes the most it may)."""
+        return self.page_s + self.chunk_s / MEET_CHUNK_PAGES
 
 
 def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_activations: bool,
@@ -155,13 +178,14 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     """The loader's plan for a span of `pages` pages: activations wherever stored when `forced`, else where they pay;
     taken always when `forced`, else where `meet_pays` and either the loader reads activations or compute may join
     (a page read takes MEET_TAKE_READ_SHARE of a page's compute or more; alone on KV the loader only repeats
-    SGLang's load, slower)."""
+    SGLang's load, slower). A page's compute here: its share of a chunk of MEET_CHUNK_PAGES (`chunk_page_s`)."""
     use_x = stored_activations and (forced or activations_pay(shape, prof, page_size))
     read_s = page_read_s(shape, prof, page_size, use_x)
-    page_s = page_compute_s(prof, shape.layers, page_size)
-    joins = read_s >= MEET_MIN_READ_SHARE * page_s
-    take = forced or (meet_pays(pages, read_s, page_s) and (use_x or read_s >= MEET_TAKE_READ_SHARE * page_s))
-    return Decision(take, use_x, read_s, page_s, joins)
+    page_s, full_s = page_compute_s(prof, shape.layers, page_size), chunk_page_s(prof, shape.layers, page_size)
+    joins = read_s >= MEET_MIN_READ_SHARE * full_s
+    take = forced or (meet_pays(pages, read_s, page_s, prof.chunk_s) and
+                      (use_x or read_s >= MEET_TAKE_READ_SHARE * full_s))
+    return Decision(take, use_x, read_s, page_s, prof.chunk_s, joins)
 
 
 def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool) -> bool:
@@ -181,15 +205,15 @@ def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096
     pages = tokens // page_size
     d = decide(shape, prof, pages, page_size, stored_activations=gate(shape) is None, forced=False)
     how = "as activations" if d.activations else "as KV"
-    if not d.take and not meet_pays(pages, d.read_s, d.page_s):
+    if not d.take and not meet_pays(pages, d.read_s, d.page_s, d.chunk_s):
         return (f"a {tokens}-token span: SGLang's own load (reading it, {pages * d.read_s:.3f}s {how}, is faster "
-                f"than computing {MEET_MIN_PAGES} pages, {MEET_MIN_PAGES * d.page_s:.3f}s)")
+                f"than computing {MEET_MIN_PAGES} pages, {d.chunk_s + MEET_MIN_PAGES * d.page_s:.3f}s)")
+    per_page = f"{d.full_page_s * 1e3:.1f} ms a page in chunks of {MEET_CHUNK_PAGES}"
     if not d.take:
         return (f"a {tokens}-token span: SGLang's own load (a page reads in {d.read_s * 1e3:.1f} ms {how}, too fast "
-                f"next to {d.page_s * 1e3:.1f} ms to compute one for compute to join)")
+                f"next to {per_page} for compute to join)")
     if not d.compute_joins:
         return (f"a {tokens}-token span: read by our loader, {how} ({d.read_s * 1e3:.1f} ms a page against "
-                f"{d.page_s * 1e3:.1f} ms to compute one: compute joins if the load's own reads are slower), "
-                f"{pages * d.read_s:.3f}s")
+                f"{per_page}: compute joins if the load's own reads are slower), {pages * d.read_s:.3f}s")
     return (f"a {tokens}-token span: two-sided, pages read {how} ({d.read_s * 1e3:.1f} ms each) from the back while "
-            f"pages are computed ({d.page_s * 1e3:.1f} ms each) from the front")
+            f"pages are computed ({per_page}) from the front")

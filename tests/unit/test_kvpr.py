@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sglang_tiered.engine.kvpr_profile import ProfileTries, measure_compute, settled_layer_s
+from sglang_tiered.engine.kvpr_profile import ProfileTries, measure_chunks, measure_compute, settled_layer_s
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.meet import MemoryPages, meet_prefill
 from sglang_tiered.kernels.extend_attention import causal_attention
@@ -24,6 +24,7 @@ from sglang_tiered.policy.kvpr import (
     activation_read_s,
     activations_pay,
     auto_example,
+    chunk_page_s,
     decide,
     gate,
     loaders,
@@ -111,6 +112,35 @@ def test_auto_reads_alone_where_reads_are_fast_next_to_compute():
     assert "too fast" in auto_example(smollm2, fast, 64, tokens=16384)
     assert not meet_pays(1, MEET_MIN_PAGES * page_s, page_s)  # exactly MEET_MIN_PAGES pages of compute: not yet
     assert "as activations" in auto_example(mha_shape(), prof, 64)
+
+
+def test_a_measured_chunk_decides_by_a_full_chunks_share_of_each_page():
+    """SmolLM2 bf16 at 68 MB/s (a page's KV read in 21.7 ms): one page's layer time says 91 ms a page, and that is
+    below a quarter of it (compute would stay out, two loader threads); measured, a chunk is 57 ms + 32 ms a page,
+    46 ms a page in chunks of 4: compute joins, one loader thread, and its claims pay the chunk's fixed part."""
+    smollm2 = Shape(layers=30, x_bytes=576 * 2, kv_bytes=2 * 3 * 64 * 2)
+    layer_only = Profile(68e6, 3.2e-6, 46.1e-6, 1.38e-6)
+    measured = replace(layer_only, chunk_s=0.057, span_s=0.032 / (30 * 64))
+    assert chunk_page_s(layer_only, 30, 64) == pytest.approx(page_compute_s(layer_only, 30, 64)) == \
+        pytest.approx(0.0912, abs=1e-4)
+    assert page_compute_s(measured, 30, 64) == pytest.approx(0.032)
+    assert chunk_page_s(measured, 30, 64) == pytest.approx(0.04625) and chunk_page_s(measured, 30, 64, 1) == \
+        pytest.approx(0.089)
+    before, after = (decide(smollm2, prof, 16, 64, stored_activations=False, forced=False)
+                     for prof in (layer_only, measured))
+    assert not before.compute_joins and loaders(before, None) == MEET_LOADERS
+    assert after.compute_joins and after.take and loaders(after, None) == 1
+    assert (after.page_s, after.chunk_s, after.full_page_s) == (pytest.approx(0.032), 0.057, pytest.approx(0.04625))
+    # taking a span at all: reading it must outlast computing MEET_MIN_PAGES pages as one chunk (0.121 s here)
+    assert not meet_pays(5, 0.024, after.page_s, after.chunk_s) and meet_pays(6, 0.024, after.page_s, after.chunk_s)
+    assert "46.2 ms a page in chunks of 4" in auto_example(smollm2, measured, 64)
+
+
+def test_measure_chunks_fits_a_fixed_part_and_a_part_per_token_layer(mha):
+    model = mha[0]
+    chunk_s, span_s = measure_chunks(model, PS, pages=4, repeats=2)
+    assert chunk_s >= 0 and span_s > 0
+    assert chunk_s + 4 * PS * model.cfg.layers * span_s < 1.0  # a 4-page chunk of this toy model: well under 1 s
 
 
 def test_decide_forced_loads_read_activations_wherever_stored_and_take_every_span():

@@ -182,6 +182,32 @@ def test_a_chunk_floor_claims_what_it_pays_for_or_nothing(free, compute_s, read_
     assert best_claim(free, compute_s, read_s, floor_s) == want
 
 
+@pytest.mark.parametrize("free, compute_s, read_s, fixed_s, want", [
+    (16, 0.028, 0.029, 0.0, 8),  # no fixed part: as above
+    # SmolLM2 bf16 on an Intel Xeon with AMX, 64-token pages, 50 MB/s: a chunk 57 ms + 32 ms a page, a read 22 ms.
+    # 5 pages end at 0.242 s (the loader's 11), 6 at 0.249 s (the chunk); taken one page at 89 ms: 3 (0.286 s)
+    (16, 0.032, 0.022, 0.057, 5),
+    (16, 0.089, 0.022, 0.0, 3),
+    (3, 0.032, 0.022, 0.057, 0),  # a 3-page tail: one page's chunk (0.089 s) outlasts the loader's 0.066 s
+    (5, 0.032, 0.022, 0.057, 1),  # 5: one page's chunk (0.089 s) beside the loader's 4 (0.088 s), not its 0.110 s
+    (2, 0.032, 0.5, 0.057, 2),  # slow reads: both pages in one chunk (0.121 s) against 0.5 s for one read
+])
+def test_a_chunks_fixed_part_is_paid_once_per_claim(free, compute_s, read_s, fixed_s, want):
+    """On a CPU a chunk reads the model's weights from memory once, whatever its length: a chunk of k pages takes
+    fixed_s + k x compute_s, and the claim is the k that ends the span soonest under that."""
+    assert best_claim(free, compute_s, read_s, fixed_s=fixed_s) == want
+
+
+def test_a_chunks_time_scales_both_parts_and_a_full_chunk_decides_whether_compute_joins():
+    claims = _Claims(16, None, page_compute_s=0.032, min_read_share=0.25, page_read_s=0.022, chunk_fixed_s=0.057)
+    # a page's share of a 4-page chunk: 46 ms, against which a 22 ms read (0.48) is slow enough for compute to join;
+    # a page computed alone (89 ms) would have kept it out (0.25 x 89 ms = 22.3 ms)
+    assert claims.full_page_s(4) == pytest.approx(0.04625)
+    assert claims.next_chunk(4) == range(0, 4)
+    claims.computed(4, 0.37)  # twice the 0.185 s predicted: the CPU is shared, both parts slow down alike
+    assert claims.page_compute_s == pytest.approx(0.064) and claims.chunk_fixed_s == pytest.approx(0.114)
+
+
 def test_a_chunk_no_longer_than_the_floor_leaves_the_compute_rate_as_it_was():
     claims = _Claims(16, None, page_compute_s=0.002, min_read_share=0.25, page_read_s=0.03, chunk_floor_s=0.05)
     claims.computed(2, 0.05)  # the floor's time, not its pages'
