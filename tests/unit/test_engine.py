@@ -88,10 +88,10 @@ def _partitions(n: int, world: int) -> list[list[int]]:
     return [bounds_from_fractions(n, w) for w in weights]
 
 
-@pytest.mark.parametrize("world, kind", [
+@pytest.mark.parametrize("world, kind", [  # (SmolLM2 at 2 and 4 ranks: 3 ranks' uneven bounds on the MHA model)
     *[(w, "random-mha") for w in (2, 3, 4)],
     pytest.param(2, "smollm2", marks=pytest.mark.model),
-    *[pytest.param(w, "smollm2", marks=[pytest.mark.model, pytest.mark.slow]) for w in (3, 4)],
+    pytest.param(4, "smollm2", marks=[pytest.mark.model, pytest.mark.slow]),
 ])
 def test_chain_and_tsp_prefill_are_exact(world, kind):
     spec = ("pretrained", smollm2_path()) if kind == "smollm2" else ("random", MHA)
