@@ -672,12 +672,12 @@ MEET_RERUNS = [
      "part plus a part per page (compute joins by a 4-page chunk's share of each page): SmolLM2's 1024-token points, "
      "8 rounds, and the busy CPU at 100 MB/s (`--models smollm2 --lengths 1024 --slow-mbps 100 50 25 --skip-native "
      "--repeats 8 --max-repeats 8 --name meet-1k-s46-chunk-intel`)"),
-    ("meet-s46-smollm2-intel", "stop 46, right after: SmolLM2 at 100, 50 and 25 MB/s, 1k/4k/8k tokens, 3 rounds, and "
-     "the busy CPU at 100 MB/s (`--models smollm2 --slow-mbps 100 50 25 --skip-native --busy --repeats 3 "
-     "--max-repeats 3 --name meet-s46-smollm2-intel`)"),
-    ("meet-s46-mha-intel", "stop 46, right after: the MHA model at 200, 100 and 50 MB/s, 1k/4k/8k tokens, 3 rounds "
-     "(`--models smollm2-mha --slow-mbps 200 100 50 --skip-native --repeats 3 --max-repeats 3 "
-     "--name meet-s46-mha-intel`)"),
+    ("meet-s46-smollm2-intel", "stop 46, right after: SmolLM2 at 100, 50 and 25 MB/s, 1k/4k/8k tokens, 3 rounds "
+     "(`--models smollm2 --slow-mbps 100 50 25 --skip-native --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s46-smollm2-intel`)"),
+    ("meet-s46-mha-intel", "stop 46, right after: the MHA model at 200, 100 and 50 MB/s, 1k/4k tokens, 3 rounds "
+     "(`--models smollm2-mha --lengths 1024 4096 --slow-mbps 200 100 50 --skip-native --busy --repeats 3 "
+     "--max-repeats 3 --name meet-s46-mha-intel`)"),
 ]
 
 

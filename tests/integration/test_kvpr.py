@@ -145,7 +145,7 @@ def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path, essa
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "SSD read" in r.stdout and "K/V recompute" in r.stdout and "gate open" in r.stdout
-    assert "a 4096-token span: " in r.stdout
+    assert "a 4096-token span: " in r.stdout and "a computed chunk " in r.stdout  # (its fixed part and per token)
 
     gqa = random_model_dir(tmp_path / "gqa", LlamaConfig(hidden=64, layers=2, heads=4, kv_heads=1, head_dim=16,
                                                           intermediate=128, vocab=49152))
@@ -153,6 +153,7 @@ def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path, essa
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "no activations: activations are 2.00x the size of the KV" in r.stdout  # hidden 64 vs 2 x 1 x 16
+    assert "a computed chunk " in r.stdout
     empty = subprocess.run([str(cli), "kvpr-profile", "--ssd-dir", str(tmp_path / "none")], capture_output=True,
                            text=True, timeout=120)
     assert empty.returncode == 1 and "no profile" in empty.stderr
