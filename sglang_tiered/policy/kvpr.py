@@ -167,11 +167,6 @@ class Decision:
     compute_joins: bool  # reads are slow enough next to compute for compute to take pages (engine/meet.py decides
     #                      again as the load runs, from the speeds it measures)
 
-    @property
-    def full_page_s(self) -> float:
-        """Seconds per page of a chunk of MEET_CHUNK_PAGES pages (compute's rate when it takes the most it may)."""
-        return self.page_s + self.chunk_s / MEET_CHUNK_PAGES
-
 
 def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_activations: bool,
            forced: bool) -> Decision:
@@ -208,7 +203,7 @@ def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096
     if not d.take and not meet_pays(pages, d.read_s, d.page_s, d.chunk_s):
         return (f"a {tokens}-token span: SGLang's own load (reading it, {pages * d.read_s:.3f}s {how}, is faster "
                 f"than computing {MEET_MIN_PAGES} pages, {d.chunk_s + MEET_MIN_PAGES * d.page_s:.3f}s)")
-    per_page = f"{d.full_page_s * 1e3:.1f} ms a page in chunks of {MEET_CHUNK_PAGES}"
+    per_page = f"{chunk_page_s(prof, shape.layers, page_size) * 1e3:.1f} ms a page in chunks of {MEET_CHUNK_PAGES}"
     if not d.take:
         return (f"a {tokens}-token span: SGLang's own load (a page reads in {d.read_s * 1e3:.1f} ms {how}, too fast "
                 f"next to {per_page} for compute to join)")
