@@ -678,6 +678,11 @@ MEET_RERUNS = [
     ("meet-s46-mha-intel", "stop 46, right after: the MHA model at 200, 100 and 50 MB/s, 1k/4k tokens, 3 rounds "
      "(`--models smollm2-mha --lengths 1024 4096 --slow-mbps 200 100 50 --skip-native --busy --repeats 3 "
      "--max-repeats 3 --name meet-s46-mha-intel`)"),
+    ("meet-s46-fast-intel", "stop 46, right after: SmolLM2 at the disk's own speed and 200 MB/s, 1k/4k/8k tokens, "
+     "3 rounds (`--models smollm2 --slow-mbps 200 --busy --repeats 3 --max-repeats 3 --name meet-s46-fast-intel`)"),
+    ("meet-s46-mha2-intel", "stop 46, right after: the MHA model at the disk's own speed and 25 MB/s, 1k/4k tokens, "
+     "3 rounds (`--models smollm2-mha --lengths 1024 4096 --slow-mbps 25 --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s46-mha2-intel`)"),
 ]
 
 
