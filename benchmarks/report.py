@@ -683,6 +683,9 @@ MEET_RERUNS = [
     ("meet-s46-mha2-intel", "stop 46, right after: the MHA model at the disk's own speed and 25 MB/s, 1k/4k tokens, "
      "3 rounds (`--models smollm2-mha --lengths 1024 4096 --slow-mbps 25 --busy --repeats 3 --max-repeats 3 "
      "--name meet-s46-mha2-intel`)"),
+    ("meet-s46-mha8k-intel", "stop 46, right after: the MHA model's 8064-token spans at every speed, 3 rounds "
+     "(`--models smollm2-mha --lengths 8064 --slow-mbps 200 100 50 25 --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s46-mha8k-intel`)"),
 ]
 
 

@@ -102,19 +102,27 @@ def page_read_s(shape: Shape, prof: Profile, page_size: int, activations: bool) 
 
 
 def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[float, int]:
-    """(seconds per page, threads) for the loader bringing pages in as activations. On MEET_LOADERS threads where
-    that is too fast for compute to join (below MEET_MIN_READ_SHARE of a page's compute, so `loaders` gives them):
-    one page's read runs beside another's recompute, so a page every max(read, recompute) -- the recompute term the
-    activation loads' own measured cost once one is in (`x_load_s`), the profile's one-thread recompute before
-    (two threads do not halve it: on the MHA model, 2 cores, activation loads measured 9.9-10.1 us per
-    token-layer at the disk's own speed and at 200 MB/s against 8.2-8.3 us for one recompute on one thread).
-    Otherwise on one thread, read then recompute."""
+    """(seconds per page, threads) for the loader bringing pages in as activations: alone on MEET_LOADERS threads,
+    or on one thread beside compute, whichever the join rule picks. Alone, one page's read runs beside another's
+    recompute, so a page every max(read, recompute) -- the recompute term the activation loads' own measured cost
+    once one is in (`x_load_s`), the profile's one-thread recompute before (two threads do not halve it: on the MHA
+    model, 2 cores, activation loads measured 9.9-10.1 us per token-layer at the disk's own speed and at 200 MB/s
+    against 8.2-8.3 us for one recompute on one thread). Beside compute (`chunk_page_s` a page), one thread reads
+    then recomputes, and the two together bring a page in every both = one x c / (one + c). Compute joins where
+    both x (1 + MEET_MIN_READ_SHARE) <= alone: the rule for KV (a read of at least that share of a page's compute),
+    where one thread and two read at the disk's one rate. Measured (MHA model, Intel with AMX, bf16, 200 MB/s,
+    8064 tokens): reads of 9.4 ms a page alone against 37.4 ms of compute a page put the two-thread rate at the KV
+    rule's threshold, compute joined a one-thread loader, both sides ran 2-3.5x slower than their estimates beside
+    each other's CPU work (the recompute is CPU work too), and the load took 1.11x SGLang's against the loader
+    alone's 0.74x."""
     tokens = shape.layers * page_size
     read = shape.x_bytes / prof.read_bytes_per_s
     apart = tokens * max(read, prof.x_load_s or prof.recompute_s)
-    if apart < MEET_MIN_READ_SHARE * chunk_page_s(prof, shape.layers, page_size):
+    one = tokens * (read + prof.recompute_s)
+    c = chunk_page_s(prof, shape.layers, page_size)
+    if (1 + MEET_MIN_READ_SHARE) * one * c / (one + c) > apart:
         return apart, MEET_LOADERS
-    return tokens * (read + prof.recompute_s), 1
+    return one, 1
 
 
 # the most pages compute prefills at once in a two-sided load: a wider chunk runs wider matrix products (on the CPU
@@ -175,9 +183,13 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     (a page read takes MEET_TAKE_READ_SHARE of a page's compute or more; alone on KV the loader only repeats
     SGLang's load, slower). A page's compute here: its share of a chunk of MEET_CHUNK_PAGES (`chunk_page_s`)."""
     use_x = stored_activations and (forced or activations_pay(shape, prof, page_size))
-    read_s = page_read_s(shape, prof, page_size, use_x)
     page_s, full_s = page_compute_s(prof, shape.layers, page_size), chunk_page_s(prof, shape.layers, page_size)
-    joins = read_s >= MEET_MIN_READ_SHARE * full_s
+    if use_x:  # (the join rule for activations weighs the loader alone on two threads: activation_read_s)
+        read_s, threads = activation_read_s(shape, prof, page_size)
+        joins = threads == 1
+    else:
+        read_s = page_read_s(shape, prof, page_size, False)
+        joins = read_s >= MEET_MIN_READ_SHARE * full_s
     take = forced or (meet_pays(pages, read_s, page_s, prof.chunk_s) and
                       (use_x or read_s >= MEET_TAKE_READ_SHARE * full_s))
     return Decision(take, use_x, read_s, page_s, prof.chunk_s, joins)

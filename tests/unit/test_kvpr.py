@@ -55,10 +55,11 @@ def test_activations_pay_where_the_bytes_saved_outweigh_the_recompute():
     shape = mha_shape()  # X 1152 B, KV 2304 B per token-layer: 1152 B saved
     assert activations_pay(shape, Profile(100e6, 1e-6, 25e-6), 64)  # 11.5 us saved vs 1 us recompute
     assert not activations_pay(shape, Profile(20e9, 1e-6, 25e-6), 64)  # 20 GB/s: 0.06 us saved
-    # one thread (a page's X read, 1.9 ms, is above a quarter of its 3.8 ms compute): read + recompute against 2 us
-    # for KV, a read 1 us: X where the recompute takes a little less than 1 us, KV where a little more
+    # one thread (a page computed in 1.9 ms: compute beside a one-thread loader, 1.3 ms a page, beats the loader
+    # alone on two threads, 1.9 ms, by more than the margin): read + recompute against 2 us for KV, a read 1 us: X
+    # where the recompute takes a little less than 1 us, KV where a little more
     for recompute, pays in ((0.99e-6, True), (1.01e-6, False)):
-        prof = Profile(1152 / 1e-6, recompute, 2e-6)
+        prof = Profile(1152 / 1e-6, recompute, 1e-6)
         assert activation_read_s(shape, prof, 64)[1] == 1 and activations_pay(shape, prof, 64) == pays
     assert page_read_s(shape, Profile(100e6, 1e-6, 25e-6), 64, True) == pytest.approx(30 * 64 * (11.52e-6 + 1e-6))
     assert page_read_s(shape, Profile(100e6, 1e-6, 25e-6), 64, False) == pytest.approx(30 * 64 * 23.04e-6)
@@ -87,11 +88,21 @@ def test_activations_on_two_threads_cost_the_slower_of_read_and_recompute():
     # 100 MB/s: the read (11.52 us) is the slower side, 22.1 ms a page, still alone: X on two threads
     at_100 = Profile(100e6, 7.8e-6, 57e-6, 3e-6)
     assert activation_read_s(shape, at_100, 64) == (pytest.approx(tl * 11.52e-6), MEET_LOADERS)
-    # 50 MB/s: 44.2 ms a page on two threads, compute would join: one thread, read then recompute, 31.0 us
+    # 50 MB/s: 44.2 ms a page on two threads; compute (115.2 ms) beside one thread (59.6 ms) would bring one in
+    # every 39.3 ms, not 1.25x faster: alone
     at_50 = Profile(50e6, 7.8e-6, 57e-6, 3e-6)
-    assert activation_read_s(shape, at_50, 64) == (pytest.approx(tl * (23.04e-6 + 7.8e-6)), 1)
-    slow = decide(shape, at_50, 16, 64, stored_activations=True, forced=False)
+    assert activation_read_s(shape, at_50, 64) == (pytest.approx(tl * 23.04e-6), MEET_LOADERS)
+    # 25 MB/s: 88.5 ms alone against 54.5 ms together: compute joins a one-thread loader, read then recompute
+    at_25 = Profile(25e6, 7.8e-6, 57e-6, 3e-6)
+    assert activation_read_s(shape, at_25, 64) == (pytest.approx(tl * (46.08e-6 + 7.8e-6)), 1)
+    slow = decide(shape, at_25, 16, 64, stored_activations=True, forced=False)
     assert slow.activations and slow.compute_joins and loaders(slow, None) == 1
+    # the measured case: 235 MB/s, a chunk 44.5 ms + 13.68 us per token-layer (37.4 ms a page in chunks of 4),
+    # recompute 3.95 us: 9.4 ms a page alone, at the KV rule's threshold (0.25 x 37.4 ms), but 14.6 ms together
+    # (with the margin): alone, on two threads
+    measured_200 = Profile(235e6, 3.95e-6, 48.6e-6, 4.84e-6, chunk_s=0.0445, span_s=13.68e-6)
+    assert activation_read_s(shape, measured_200, 64) == (pytest.approx(tl * 1152 / 235e6), MEET_LOADERS)
+    assert not decide(shape, measured_200, 126, 64, stored_activations=True, forced=False).compute_joins
 
 
 def test_auto_reads_alone_where_reads_are_fast_next_to_compute():
