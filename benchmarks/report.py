@@ -685,7 +685,10 @@ MEET_RERUNS = [
      "--name meet-s46-mha2-intel`)"),
     ("meet-s46-mha8k-intel", "stop 46, right after: the MHA model's 8064-token spans at every speed, 3 rounds "
      "(`--models smollm2-mha --lengths 8064 --slow-mbps 200 100 50 25 --busy --repeats 3 --max-repeats 3 "
-     "--name meet-s46-mha8k-intel`)"),
+     "--name meet-s46-mha8k-intel`; stopped after two points: the 200 MB/s miss)"),
+    ("meet-s46-mha200-fix-intel", "stop 46, after compute's join rule for activation loads weighed the loader alone "
+     "on two threads: the MHA model at 200 MB/s, 4096 and 8064 tokens, 3 rounds (`--models smollm2-mha --lengths "
+     "4096 8064 --slow-mbps 200 --skip-native --busy --repeats 3 --max-repeats 3 --name meet-s46-mha200-fix-intel`)"),
 ]
 
 
