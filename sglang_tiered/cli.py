@@ -120,8 +120,7 @@ def _kvpr_profile(args) -> int:
               "--model-path)", file=sys.stderr)
         return 1
     for key, e in sorted(entries.items()):
-        prof = Profile(e["read_bytes_per_s"], e["recompute_s"], e["layer_s"], e.get("stored_s", 0.0),
-                       chunk_s=e.get("chunk_s", 0.0), span_s=e.get("span_s", 0.0))
+        prof = kvpr_profile.profile_of(e)
         print(f"{key} (measured {e.get('measured_at', '?')}): {kvpr_profile.describe(prof)}")
         if "shape" in e:
             shape = Shape(**e["shape"])

@@ -246,14 +246,20 @@ def save_profile(directory: str | os.PathLike, key: str, profile: Profile, *,
     return path
 
 
+def profile_of(entry: dict) -> Profile:
+    """The profile an entry of the profile file holds (fields added since it was written are 0: not measured).
+    Raises KeyError, TypeError or ValueError for an entry that is not one."""
+    return Profile(float(entry["read_bytes_per_s"]), float(entry["recompute_s"]), float(entry["layer_s"]),
+                   float(entry.get("stored_s", 0.0)), chunk_s=float(entry.get("chunk_s", 0.0)),
+                   span_s=float(entry.get("span_s", 0.0)))
+
+
 def stored_profile(directory: str | os.PathLike, key: str) -> Optional[Profile]:
     entry = load_profiles(directory).get(key)
     if not entry:
         return None
     try:
-        return Profile(float(entry["read_bytes_per_s"]), float(entry["recompute_s"]), float(entry["layer_s"]),
-                       float(entry.get("stored_s", 0.0)), chunk_s=float(entry.get("chunk_s", 0.0)),
-                       span_s=float(entry.get("span_s", 0.0)))
+        return profile_of(entry)
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -218,10 +218,10 @@ class _Claims:
         unless the chunk took no longer than the floor (its time was the floor's, not its pages')."""
         with self.lock:
             if self.page_compute_s is not None and seconds > self.chunk_floor_s:
-                predicted = self.chunk_fixed_s + pages * self.page_compute_s
-                if predicted > 0 and self.chunk_fixed_s:
-                    self.page_compute_s *= seconds / predicted
-                    self.chunk_fixed_s *= seconds / predicted
+                if self.chunk_fixed_s:
+                    scale = seconds / (self.chunk_fixed_s + pages * self.page_compute_s)
+                    self.page_compute_s *= scale
+                    self.chunk_fixed_s *= scale
                 else:
                     self.page_compute_s = seconds / pages
 

@@ -348,6 +348,7 @@ class KVPR:
             logger.exception("tiered kvpr: measuring the compute profile failed; SGLang loads every stored span")
             return
         try:
+            faults.check("kvpr_chunks")
             chunk_s, span_s = measure_chunks(engine, self.tier.namespace.page_size)
         except Exception:  # noqa: BLE001 -- without it a chunk costs its pages' layer time, as before
             self.rt.events.count("hook_errors")

@@ -107,8 +107,9 @@ def test_dtype_auto_is_measured_and_logged(shared_server):
 @pytest.mark.slow
 def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
     """Every hook of ours that runs in a forward raises (SGLANG_TIERED_TEST_FAULTS): marked and plain requests are
-    still answered, by SGLang's own admission, forward and attention; each failure is logged and counted."""
-    faults = "blend_forward,cpu_attention,admission"
+    still answered, by SGLang's own admission, forward and attention; each failure is logged and counted. Timing a
+    computed chunk for the compute profile fails too: the profile is kept with a page's layer time for a chunk's."""
+    faults = "blend_forward,cpu_attention,admission,kvpr_chunks"
     args = tiered_args(tmp_path / "ssd", "--enable-metrics", max_tokens=2048)
     with ServerProcess(args, log_path=tmp_path / "faults.log",
                        env={"SGLANG_TIERED_TEST_FAULTS": faults}) as s:
@@ -116,10 +117,16 @@ def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
                             + "In which city does Alice work?", max_new_tokens=8)
         plain = [s.generate(GOOD, max_new_tokens=8)["text"] for _ in range(2)]
         time.sleep(0.5)
+        deadline = time.monotonic() + 30  # (the compute profile is taken at an idle moment after the read probe)
+        while not s.log_lines("tiered kvpr: profile ") and time.monotonic() < deadline:
+            time.sleep(0.25)
         metrics = s.get("/metrics")
         log = "\n".join(s.log_lines())
+        profile = s.log_lines("tiered kvpr: profile ")
     assert marked["meta_info"]["completion_tokens"] >= 1 and plain[0].strip() and plain[0] == plain[1]
+    assert "injected fault in kvpr_chunks" in log and "timing a computed chunk failed" in log
+    assert profile and "a computed chunk" not in profile[0]  # kept, without the fit
     assert "injected fault in blend_forward" in log and "SGLang's own forward runs instead" in log
     assert "injected fault in cpu_attention" in log and "torch_native runs instead" in log
     assert "injected fault in admission" in log
-    assert metric_total(metrics, "sglang_tiered:hook_errors_total") >= 3
+    assert metric_total(metrics, "sglang_tiered:hook_errors_total") >= 4
