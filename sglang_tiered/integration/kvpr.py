@@ -7,7 +7,8 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   (`decide`), from the measured `Profile` (`policy/kvpr.py`), whether the loader reads pages as activations
   (`activations_pay`; wherever stored when the request or server forces a load), and in `auto` whether to take the
   span at all: only where reading it takes longer than computing 2 of its pages (`meet_pays`), else SGLang's own load
-  is as fast. Compute joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute. A
+  is as fast. Compute joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute
+  (an activation load on two threads: only where compute beside one thread would be faster, `Decision.join_share`). A
   number of tokens (`custom_params.tiered_kvpr`) forces the meet point. Where SGLang's load would be as fast at idle,
   a request admitted right after another request's prefill forward still goes to our loader (`behind_prefills` in
   policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
@@ -129,6 +130,8 @@ class Plan:
     chunk_s: float = 0.0
     loaders: int = 1  # threads reading pages at once (policy/kvpr.loaders)
     as_auto: bool = True  # it reads pages as `auto` would (activations or KV): a whole read is a sample of our loader
+    join_share: float = MEET_MIN_READ_SHARE  # compute joins while a page comes in every this share of a page's
+    #                                          compute or slower (policy/kvpr.Decision.join_share)
 
 
 class KVPR:
@@ -222,7 +225,7 @@ class KVPR:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
         return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
-                    loaders(d, forced), as_auto)
+                    loaders(d, forced), as_auto, d.join_share)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
@@ -545,7 +548,7 @@ class KVPRHandler(SpanHandler):
             logger.info("tiered kvpr: the loads' KV buffer now holds %.1f MiB (%d tokens' KV), kept for the next "
                         "loads", kvpr.scratch.nbytes / 2**20, prefix + ext)
         res = meet_prefill(engine, ids[:s], ids[s:], prefix_len=prefix, source=source, split=plan.pages,
-                           chunk=MEET_CHUNK_PAGES, min_read_share=MEET_MIN_READ_SHARE,
+                           chunk=MEET_CHUNK_PAGES, min_read_share=plan.join_share,
                            page_compute_s=plan.page_s, chunk_fixed_s=plan.chunk_s, page_read_s=plan.read_s,
                            from_disk=from_disk,
                            rope=sglang_rope(module),

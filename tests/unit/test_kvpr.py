@@ -102,7 +102,18 @@ def test_activations_on_two_threads_cost_the_slower_of_read_and_recompute():
     # (with the margin): alone, on two threads
     measured_200 = Profile(235e6, 3.95e-6, 48.6e-6, 4.84e-6, chunk_s=0.0445, span_s=13.68e-6)
     assert activation_read_s(shape, measured_200, 64) == (pytest.approx(tl * 1152 / 235e6), MEET_LOADERS)
-    assert not decide(shape, measured_200, 126, 64, stored_activations=True, forced=False).compute_joins
+    alone = decide(shape, measured_200, 126, 64, stored_activations=True, forced=False)
+    assert not alone.compute_joins and alone.join_share == pytest.approx(1.25 * 17.0 / (17.0 + 37.4), abs=0.003)
+    # at run time too: 9.4 ms a page passes the KV rule (a quarter of 37.4 ms), so compute would have joined the
+    # two threads; with the load's own share it joins only once the pages come in 1.6x slower than planned
+    full_s = chunk_page_s(measured_200, 30, 64)
+    assert full_s == pytest.approx(0.0374, abs=1e-4)
+    assert alone.read_s >= MEET_MIN_READ_SHARE * full_s and alone.read_s < alone.join_share * full_s
+    assert 1.6 * alone.read_s >= alone.join_share * full_s
+    # where compute is planned to join (25 MB/s) or the loader reads KV, the run-time rule is the KV rule
+    assert slow.join_share == MEET_MIN_READ_SHARE
+    assert decide(shape, replace(measured_200, x_load_s=13e-6), 126, 64, stored_activations=True,
+                  forced=False).join_share == MEET_MIN_READ_SHARE
 
 
 def test_auto_reads_alone_where_reads_are_fast_next_to_compute():
