@@ -689,6 +689,13 @@ MEET_RERUNS = [
     ("meet-s46-mha200-fix-intel", "stop 46, after compute's join rule for activation loads weighed the loader alone "
      "on two threads: the MHA model at 200 MB/s, 4096 and 8064 tokens, 3 rounds (`--models smollm2-mha --lengths "
      "4096 8064 --slow-mbps 200 --skip-native --busy --repeats 3 --max-repeats 3 --name meet-s46-mha200-fix-intel`)"),
+    ("meet-s47-mha-intel", "stop 47, after the engine's run-time join check took the plan's share for activation "
+     "loads on two threads: the MHA model's 4096 and 8064 tokens at 200 / 100 / 50 / 25 MB/s and a busy CPU at 100 "
+     "MB/s, 3 rounds (`--models smollm2-mha --lengths 4096 8064 --slow-mbps 200 100 50 25 --skip-native --busy 100 "
+     "--repeats 3 --max-repeats 3 --name meet-s47-mha-intel`)"),
+    ("meet-s47-busy-intel", "stop 47: SmolLM2 at 50 MB/s with and without a busy CPU, and the disk's own speed with "
+     "a busy CPU, 1k/4k/8k, 3 rounds (`--models smollm2 --lengths 1024 4096 8064 --slow-mbps 50 --skip-native "
+     "--busy 50 --busy-native --repeats 3 --max-repeats 3 --name meet-s47-busy-intel`)"),
 ]
 
 
