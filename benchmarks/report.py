@@ -696,6 +696,9 @@ MEET_RERUNS = [
     ("meet-s47-busy-intel", "stop 47: SmolLM2 at 50 MB/s with and without a busy CPU, and the disk's own speed with "
      "a busy CPU, 1k/4k/8k, 3 rounds (`--models smollm2 --lengths 1024 4096 8064 --slow-mbps 50 --skip-native "
      "--busy 50 --busy-native --repeats 3 --max-repeats 3 --name meet-s47-busy-intel`)"),
+    ("meet-s47-mha1k-intel", "stop 47: the MHA model's 1024 tokens at every speed, busy at 50 MB/s and at the disk's "
+     "own speed, 3 rounds (`--models smollm2-mha --lengths 1024 --slow-mbps 200 100 50 25 --busy 50 --busy-native "
+     "--repeats 3 --max-repeats 3 --name meet-s47-mha1k-intel`)"),
 ]
 
 
