@@ -91,6 +91,8 @@ from sglang_tiered.policy.kvpr import (
     Profile,
     Shape,
     auto_example,
+    beside,
+    chunk_slowdown,
     decide,
     gate,
     loaders,
@@ -132,6 +134,7 @@ class Plan:
     as_auto: bool = True  # it reads pages as `auto` would (activations or KV): a whole read is a sample of our loader
     join_share: float = MEET_MIN_READ_SHARE  # compute joins while a page comes in every this share of a page's
     #                                          compute or slower (policy/kvpr.Decision.join_share)
+    slowdown: float = 1.0  # compute's estimates are the profile's times this (compute beside a loader, measured)
 
 
 class KVPR:
@@ -161,6 +164,10 @@ class KVPR:
         self.choice = LoadChoice()  # our loader or SGLang's, where compute would not join (policy/load_choice.py)
         self.scratch = KVScratch()  # the loads' KV, one buffer kept (engine/scratch.py)
         self.timing = LoadTiming(rt, self.choice, self.name)
+        # compute's time beside a loader over the profile's (measured alone), by whether the loader reads activations
+        # (its recomputes are CPU work) or KV: the first load's with chunks beside its loader, then a moving average
+        # (`observe_chunks`); None: not measured yet (the profile's times)
+        self.slowdown: dict[bool, Optional[float]] = {False: None, True: None}
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
@@ -217,6 +224,10 @@ class KVPR:
             return None
         stored_x = self.writer is not None
         d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
+        slowdown = self.slowdown[d.activations] or 1.0
+        if slowdown != 1.0:  # compute's estimates as measured beside this kind of load
+            profile = beside(profile, slowdown)
+            d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
         as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         how = str(mode)
         if not d.take:  # compute would gain little: our loader only where it is the faster load
@@ -225,7 +236,7 @@ class KVPR:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
         return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
-                    loaders(d, forced), as_auto, d.join_share)
+                    loaders(d, forced), as_auto, d.join_share, slowdown)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
@@ -396,6 +407,18 @@ class KVPR:
         if moved:
             logger.info("tiered kvpr: read rate now %.0f MB/s (%d loads since the probe)", bps / 1e6, samples)
         return f"{nbytes / seconds / 1e6:.0f} MB/s, v now {bps / 1e6:.0f} MB/s"
+
+    def observe_chunks(self, plan: Plan, chunks, load_s: float) -> str:
+        """Fold a load's chunks computed beside its loader (`policy/kvpr.chunk_slowdown`, against the plan's
+        estimates, themselves the profile's times `plan.slowdown`) into compute's slowdown beside this kind of
+        load; what the log line says of it."""
+        sample = chunk_slowdown(chunks, load_s, plan.chunk_s, plan.page_s)
+        if sample is None:
+            return "no chunk beside the loader"
+        with self.lock:
+            old, sample = self.slowdown[plan.activations], sample * plan.slowdown
+            self.slowdown[plan.activations] = new = sample if old is None else moving_average(old, sample)
+        return f"compute {sample:.2f}x the profile beside the loader, now {new:.2f}x"
 
     def observe_activation_load(self, seconds: float, token_layers: int) -> None:
         """Fold a load that read only activations on MEET_LOADERS threads, compute taking no page (`seconds` of the
@@ -571,6 +594,7 @@ class KVPRHandler(SpanHandler):
                 if res.loaded_pages else "nothing read")
         if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0:  # (so compute took no page)
             kvpr.observe_activation_load(res.load_s, source.pages * ps * c.layers)
+        beside_note = kvpr.observe_chunks(plan, res.chunks, res.load_s)
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
         events.count("kvpr_loads")
         events.count("kvpr_tokens_computed", computed)
@@ -583,12 +607,12 @@ class KVPRHandler(SpanHandler):
                     "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
                     "thread(s) (%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; "
                     "read path %s), waited %.3fs at the meet, then the new tokens' layers %.3fs and the write into "
-                    "SGLang's pool %.3fs, total=%.3fs; compute's chunks %s%s", req.rid, s, prefix,
+                    "SGLang's pool %.3fs, total=%.3fs; compute's chunks %s%s (%s)", req.rid, s, prefix,
                     ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s,
                     plan.loaders, recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
                     source.act_misses, read, res.wait_s, res.new_s, write_s, time.perf_counter() - t0,
                     _chunks(res.chunks), " (the span out of the page cache: compute claimed at once)" if from_disk
-                    else "")
+                    else "", beside_note)
         return hidden
 
 

@@ -76,6 +76,8 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(mha_server, essays):
         lines = load_lines(s, mark)
         assert len(lines) == 1 and f"met at page {split} of {pages}:" in lines[0], lines
         assert f"({(pages - split) * PAGE} from activations" in lines[0], lines[0]  # the loaded half: recomputed
+        # compute's chunks beside the loader are timed against the profile (policy/kvpr.chunk_slowdown)
+        assert ("x the profile beside the loader" in lines[0]) == (0 < split < pages), lines[0]
     assert counter(s, "tokens_recomputed") - recomputed == sum(pages - k for k in (0, 1, pages // 2, pages - 1,
                                                                                     pages)) * PAGE
     assert counter(s, "bytes_saved") > 0

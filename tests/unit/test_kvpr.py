@@ -24,7 +24,9 @@ from sglang_tiered.policy.kvpr import (
     activation_read_s,
     activations_pay,
     auto_example,
+    beside,
     chunk_page_s,
+    chunk_slowdown,
     decide,
     gate,
     loaders,
@@ -439,3 +441,31 @@ def test_the_first_read_probe_looks_at_the_file_the_loader_reads_first(mha, tier
     assert tier_pages(tier, keys, activations=False).first_read_cached() is True  # (the KV file is still cached)
     drop(keys[-1])
     assert tier_pages(tier, keys, activations=False).first_read_cached() is False
+
+
+def test_compute_beside_a_loader_is_priced_as_measured_there():
+    """A server's numbers (the MHA model, Intel with AMX, bf16, 200 MB/s, a 1024-token span): the profile, measured
+    alone, put a 4-page chunk at 31.1 ms + 4 x 23.0 ms; beside the loader's recomputes it took 0.419 s, and the
+    loader was done at 0.308 s. Priced as measured beside the loader, compute no longer joins a loader reading at
+    110 MB/s (alone: it had joined, and its one chunk outlasted the loader)."""
+    shape, tl = mha_shape(), 30 * 64
+    prof = Profile(175e6, 3.09e-6, 42.1e-6, 2.34e-6, chunk_s=0.0311, span_s=11.96e-6)
+    page_s = page_compute_s(prof, 30, 64)
+    assert page_s == pytest.approx(0.02296, abs=1e-5)
+    slow = chunk_slowdown([(0.030, 4, 0.419)], 0.308, prof.chunk_s, page_s)
+    assert slow == pytest.approx(0.419 / 0.1229, rel=1e-3)
+    # only chunks that began while the loader read count; none: no sample
+    assert chunk_slowdown([(0.0, 4, 0.2), (0.5, 2, 9.9)], 0.3, 0.02, 0.03) == pytest.approx(0.2 / 0.14)
+    assert chunk_slowdown([(0.5, 2, 0.1)], 0.3, 0.02, 0.03) is None and chunk_slowdown([], 1.0, 0.02, 0.03) is None
+    slowed = beside(prof, slow)
+    assert page_compute_s(slowed, 30, 64) == pytest.approx(slow * page_s)
+    assert chunk_page_s(slowed, 30, 64) == pytest.approx(slow * chunk_page_s(prof, 30, 64))
+    assert (slowed.read_bytes_per_s, slowed.recompute_s) == (prof.read_bytes_per_s, prof.recompute_s)
+    at_110 = replace(prof, read_bytes_per_s=110e6)  # a page's activations read in 20.1 ms, recomputed in 5.9
+    alone, measured = (decide(shape, p, 16, 64, stored_activations=True, forced=False) for p in
+                       (at_110, beside(at_110, slow)))
+    assert alone.activations and alone.compute_joins and alone.read_s == pytest.approx(tl * (1152 / 110e6 + 3.09e-6))
+    assert measured.activations and not measured.compute_joins and loaders(measured, None) == MEET_LOADERS
+    # and at run time compute stays out of it too, unless the pages come in slower than planned
+    assert measured.read_s < measured.join_share * chunk_page_s(beside(at_110, slow), 30, 64)
+    assert beside(prof, 1.0) == prof
