@@ -699,6 +699,12 @@ MEET_RERUNS = [
     ("meet-s47-mha1k-intel", "stop 47: the MHA model's 1024 tokens at every speed, busy at 50 MB/s and at the disk's "
      "own speed, 3 rounds (`--models smollm2-mha --lengths 1024 --slow-mbps 200 100 50 25 --busy 50 --busy-native "
      "--repeats 3 --max-repeats 3 --name meet-s47-mha1k-intel`)"),
+    ("meet-s47-slowdown-mha-intel", "stop 47, after compute's estimates beside a loader were measured there: the MHA "
+     "model's 1024 tokens at 200 and 25 MB/s, 3 rounds (`--models smollm2-mha --lengths 1024 --slow-mbps 200 25 "
+     "--skip-native --busy --repeats 3 --max-repeats 3 --name meet-s47-slowdown-mha-intel`)"),
+    ("meet-s47-slowdown-smollm2-intel", "stop 47, the same code: SmolLM2's 1024 and 4096 tokens at 50 MB/s, 3 rounds "
+     "(`--models smollm2 --lengths 1024 4096 --slow-mbps 50 --skip-native --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s47-slowdown-smollm2-intel`)"),
 ]
 
 

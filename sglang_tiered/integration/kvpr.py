@@ -4,7 +4,8 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
 
 * Admission -- a loader at the door (`door.py`, after gated sparse loading): for a request whose prompt continues,
   after its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD, `plan` decides
-  (`decide`), from the measured `Profile` (`policy/kvpr.py`), whether the loader reads pages as activations
+  (`decide`), from the measured `Profile` (`policy/kvpr.py`; compute priced as the server's loads measured it beside
+  their loader, `observe_chunks`), whether the loader reads pages as activations
   (`activations_pay`; wherever stored when the request or server forces a load), and in `auto` whether to take the
   span at all: only where reading it takes longer than computing 2 of its pages (`meet_pays`), else SGLang's own load
   is as fast. Compute joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute

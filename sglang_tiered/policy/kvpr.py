@@ -25,6 +25,8 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
   only where the loader reads activations: reading KV alone, our loader is SGLang's load with more CPU work per
   byte (measured on one loader thread: 1.24x / 1.36x SGLang's load on the MHA model at the disk's own speed, 4096 /
   8064 tokens; `--tiered-kvpr-choice measured` times the two where compute would not join);
+* `beside`: compute priced as measured beside a loader (`chunk_slowdown`: a load's chunks against their estimates;
+  the profile measures compute alone, and on a CPU the loader's copies and recomputes take cores from it);
 * `loaders`: how many threads read pages at once -- MEET_LOADERS where the loader is expected to take the span
   alone (a disk serves two reads at once faster than one after the other), one where compute may join (the threads'
   copies would take the cores from compute).
