@@ -705,6 +705,9 @@ MEET_RERUNS = [
     ("meet-s47-slowdown-smollm2-intel", "stop 47, the same code: SmolLM2's 1024 and 4096 tokens at 50 MB/s, 3 rounds "
      "(`--models smollm2 --lengths 1024 4096 --slow-mbps 50 --skip-native --busy --repeats 3 --max-repeats 3 "
      "--name meet-s47-slowdown-smollm2-intel`)"),
+    ("meet-s47-slowdown-mha8k-intel", "stop 47, the same code: the MHA model's 4096 and 8064 tokens at 200 MB/s, 3 "
+     "rounds (`--models smollm2-mha --lengths 4096 8064 --slow-mbps 200 --skip-native --busy --repeats 3 "
+     "--max-repeats 3 --name meet-s47-slowdown-mha8k-intel`)"),
 ]
 
 
