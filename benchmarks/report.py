@@ -708,6 +708,9 @@ MEET_RERUNS = [
     ("meet-s47-slowdown-mha8k-intel", "stop 47, the same code: the MHA model's 4096 and 8064 tokens at 200 MB/s, 3 "
      "rounds (`--models smollm2-mha --lengths 4096 8064 --slow-mbps 200 --skip-native --busy --repeats 3 "
      "--max-repeats 3 --name meet-s47-slowdown-mha8k-intel`)"),
+    ("meet-s47-mha25-intel", "stop 47, the same code: the MHA model's 1024 tokens at 25 MB/s (the stop's miss), 6 "
+     "rounds (`--models smollm2-mha --lengths 1024 --slow-mbps 25 --skip-native --busy --repeats 6 --max-repeats 6 "
+     "--name meet-s47-mha25-intel`)"),
 ]
 
 
