@@ -118,25 +118,24 @@ def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[floa
     rule's threshold, compute joined a one-thread loader, both sides ran 2-3.5x slower than their estimates beside
     each other's CPU work (the recompute is CPU work too), and the load took 1.11x SGLang's against the loader
     alone's 0.74x."""
-    apart, one, c = _activation_rates(shape, prof, page_size)
-    if apart < _alone_share(one, c) * c:
-        return apart, MEET_LOADERS
-    return one, 1
+    return _activation_plan(shape, prof, page_size)[:2]
 
 
-def _activation_rates(shape: Shape, prof: Profile, page_size: int) -> tuple[float, float, float]:
-    """(seconds per page alone on MEET_LOADERS threads, on one thread, a page's compute in a full chunk)."""
+def _activation_plan(shape: Shape, prof: Profile, page_size: int) -> tuple[float, int, float]:
+    """`activation_read_s`'s (seconds per page, threads), and the share of a page's compute (c) that the loader's
+    measured pages must reach for compute to join them at run time (`Decision.join_share`). The join rule,
+    both x (1 + MEET_MIN_READ_SHARE) <= alone with both = one x c / (one + c), rearranged: alone / c >=
+    (1 + MEET_MIN_READ_SHARE) x one / (one + c) -- so on two threads the run-time rule is that share (at least the
+    KV rule's), on one thread the KV rule."""
     tokens = shape.layers * page_size
     read = shape.x_bytes / prof.read_bytes_per_s
     apart = tokens * max(read, prof.x_load_s or prof.recompute_s)
-    return apart, tokens * (read + prof.recompute_s), chunk_page_s(prof, shape.layers, page_size)
-
-
-def _alone_share(one: float, c: float) -> float:
-    """The share of a page's compute (`c`) below which an activation loader alone on two threads beats compute
-    beside a one-thread loader (`one` a page): both x (1 + MEET_MIN_READ_SHARE) > alone, both = one x c / (one + c),
-    rearranged to alone / c < (1 + MEET_MIN_READ_SHARE) x one / (one + c)."""
-    return (1 + MEET_MIN_READ_SHARE) * one / (one + c)
+    one = tokens * (read + prof.recompute_s)
+    c = chunk_page_s(prof, shape.layers, page_size)
+    share = (1 + MEET_MIN_READ_SHARE) * one / (one + c)
+    if apart < share * c:
+        return apart, MEET_LOADERS, max(MEET_MIN_READ_SHARE, share)
+    return one, 1, MEET_MIN_READ_SHARE
 
 
 # the most pages compute prefills at once in a two-sided load: a wider chunk runs wider matrix products (on the CPU
@@ -200,15 +199,12 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     SGLang's load, slower). A page's compute here: its share of a chunk of MEET_CHUNK_PAGES (`chunk_page_s`)."""
     use_x = stored_activations and (forced or activations_pay(shape, prof, page_size))
     page_s, full_s = page_compute_s(prof, shape.layers, page_size), chunk_page_s(prof, shape.layers, page_size)
-    share = MEET_MIN_READ_SHARE
     if use_x:  # (the join rule for activations weighs the loader alone on two threads: activation_read_s)
-        read_s, threads = activation_read_s(shape, prof, page_size)
+        read_s, threads, share = _activation_plan(shape, prof, page_size)
         joins = threads == 1
-        if not joins:  # two threads, so the run-time rule too weighs them alone against compute beside one
-            share = max(share, _alone_share(*_activation_rates(shape, prof, page_size)[1:]))
     else:
-        read_s = page_read_s(shape, prof, page_size, False)
-        joins = read_s >= MEET_MIN_READ_SHARE * full_s
+        read_s, share = page_read_s(shape, prof, page_size, False), MEET_MIN_READ_SHARE
+        joins = read_s >= share * full_s
     take = forced or (meet_pays(pages, read_s, page_s, prof.chunk_s) and
                       (use_x or read_s >= MEET_TAKE_READ_SHARE * full_s))
     return Decision(take, use_x, read_s, page_s, prof.chunk_s, joins, share)
