@@ -15,8 +15,11 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
   on such spans by more than that forward took; with `--tiered-kvpr-choice measured` (the default), the load
   measured faster takes the rest -- at idle, or among other requests' decodes on samples taken among decodes
-  (`rule`: SGLang's). A taken span's L3 prefetch is skipped: its tokens become extend tokens, filled by the forward
-  below. The request prefills alone and its KV is exact, so it enters the radix tree as usual.
+  (`rule`: SGLang's). Where compute would join, `auto` leaves the span whole to SGLang's own forward instead where
+  that was measured faster (`policy/compute_choice.py`: both ways' forwards timed against the profile's estimates,
+  `observe_forward`; mode `compute` asks for it). A taken span's L3 prefetch is skipped: its tokens become extend
+  tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree
+  as usual.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -49,8 +52,9 @@ activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation b
 `..._kvpr_activation_pages_written_total`, `..._kvpr_activation_bytes_written_total`,
 `..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`, `..._kvpr_read_samples_total`,
 `..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills), `..._kvpr_choice_sglang_gives_up_total`
-(spans taken because SGLang's prefetch would give up on them); one log line per load with the meet
-point, one when the read rate moves by more than a quarter.
+(spans taken because SGLang's prefetch would give up on them), `..._kvpr_computed_spans_total` (spans left whole
+to SGLang's forward), `..._kvpr_forward_samples_total`; one log line per load with the meet point (or naming
+SGLang's forward), one when the read rate moves by more than a quarter.
 """
 
 from __future__ import annotations
@@ -81,22 +85,27 @@ from sglang_tiered.engine.meet import meet_prefill
 from sglang_tiered.engine.page_span import TierPages
 from sglang_tiered.engine.scratch import KVScratch
 from sglang_tiered.integration import faults, model_forward
-from sglang_tiered.integration.door import SpanHandler
+from sglang_tiered.integration.door import SpanHandler, planned
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.load_timing import LoadTiming
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
+from sglang_tiered.policy.compute_choice import COMPUTE, MEET, Estimates
 from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
     MEET_LOADERS,
     MEET_MIN_READ_SHARE,
     Profile,
     Shape,
+    Slowdown,
     auto_example,
     beside,
+    chunk_page_s,
     chunk_slowdown,
     decide,
+    forward_s,
     gate,
     loaders,
+    meet_s,
     reads_as_auto,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills, prefetch_gives_up
@@ -136,6 +145,9 @@ class Plan:
     join_share: float = MEET_MIN_READ_SHARE  # compute joins while a page comes in every this share of a page's
     #                                          compute or slower (policy/kvpr.Decision.join_share)
     slowdown: float = 1.0  # compute's estimates are the profile's times this (compute beside a loader, measured)
+    compute: bool = False  # SGLang's own forward computes the span (policy/compute_choice.py, or mode "compute")
+    meet_s: float = 0.0  # the profile's seconds for this load's forward (`meet_s` + the new tokens' `forward_s`)
+    kept_out: bool = False  # the slowdown kept compute out of a load it would join at the profile's times
 
 
 class KVPR:
@@ -165,10 +177,8 @@ class KVPR:
         self.choice = LoadChoice()  # our loader or SGLang's, where compute would not join (policy/load_choice.py)
         self.scratch = KVScratch()  # the loads' KV, one buffer kept (engine/scratch.py)
         self.timing = LoadTiming(rt, self.choice, self.name)
-        # compute's time beside a loader over the profile's (measured alone), by whether the loader reads activations
-        # (its recomputes are CPU work) or KV: the first load's with chunks beside its loader, then a moving average
-        # (`observe_chunks`); None: not measured yet (the profile's times)
-        self.slowdown: dict[bool, Optional[float]] = {False: None, True: None}
+        self.slowdown = Slowdown()  # compute's time beside a loader over the profile's (`observe_chunks`)
+        self.estimates = Estimates()  # SGLang's forward or the two-sided load, as measured (policy/compute_choice.py)
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
@@ -215,17 +225,19 @@ class KVPR:
         n = 0
         while n < len(keys) and tier.contains(keys[n]) and tier.group_of(keys[n]) is None:
             n += 1
+        if mode == "compute":  # asked for by name: SGLang's forward computes the span, nothing is read
+            return Plan(start, tuple(keys[:n]), "compute", None, 0.0, 0.0, False, compute=True) if n else None
         if n * ps < self.rt.settings.config.kvpr_min_tokens:
             return None
-        profile = self._profile(scheduler, forced=mode != "auto")
+        profile = alone = self._profile(scheduler, forced=mode != "auto")
         if profile is None:
             if mode != "auto":  # asked for by name: say why it did not happen
                 self.handler.fallback([req.rid], "no measured profile (see the `tiered kvpr: cannot measure` or "
                                       "`measuring the compute profile failed` line); SGLang loads the stored prefix")
             return None
         stored_x = self.writer is not None
-        d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
-        slowdown = self.slowdown[d.activations] or 1.0
+        d = d0 = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
+        slowdown = self.slowdown.factor(d.activations)
         if slowdown != 1.0:  # compute's estimates as measured beside this kind of load
             profile = beside(profile, slowdown)
             d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
@@ -236,8 +248,21 @@ class KVPR:
             if how is None:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
+        layers, new = self.shape.layers, len(req.origin_input_ids) - start - n * ps
+        estimate = 0.0
+        if forced is None and d.compute_joins:  # they meet: the forward's estimate (its factor's sample once run)
+            estimate = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps), True) + \
+                forward_s(profile, layers, new, start + n * ps)
+        if mode == "auto" and d.take and estimate:  # or SGLang's forward of the whole span, measured faster
+            c = self.estimates.choose(n, d.activations, estimate, forward_s(alone, layers, n * ps + new, start))
+            if c.how == COMPUTE:
+                return Plan(start, tuple(keys[:n]), f"auto: SGLang's forward ({c.compute_s:.3f}s estimated against "
+                            f"{c.meet_s:.3f}s two-sided)", None, 0.0, 0.0, False, compute=True)
+            if c.exploring:
+                how = f"auto: two-sided, timed again ({c.meet_s:.3f}s estimated against {c.compute_s:.3f}s)"
         return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
-                    loaders(d, forced), as_auto, d.join_share, slowdown)
+                    loaders(d, forced), as_auto, d.join_share, slowdown, meet_s=estimate,
+                    kept_out=forced is None and Slowdown.kept_out(d0, d))
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
@@ -414,12 +439,37 @@ class KVPR:
         estimates, themselves the profile's times `plan.slowdown`) into compute's slowdown beside this kind of
         load; what the log line says of it."""
         sample = chunk_slowdown(chunks, load_s, plan.chunk_s, plan.page_s)
+        if sample is None and plan.kept_out:
+            return (f"no chunk beside the loader, kept out by compute's measured slowdown, now "
+                    f"{self.slowdown.relax(plan.activations):.2f}x")
         if sample is None:
             return "no chunk beside the loader"
-        with self.lock:
-            old, sample = self.slowdown[plan.activations], sample * plan.slowdown
-            self.slowdown[plan.activations] = new = sample if old is None else moving_average(old, sample)
+        sample *= plan.slowdown
+        new = self.slowdown.observe(plan.activations, sample)
         return f"compute {sample:.2f}x the profile beside the loader, now {new:.2f}x"
+
+    def observe_forward(self, fb, by: Optional[str]) -> None:
+        """After an extend forward (`ForwardHook.after_extend`): fold its wall seconds into the factor of the way it
+        ran (policy/compute_choice.py) -- a two-sided load as planned (MEET), or SGLang's forward computing a
+        request's whole remaining prompt of a page or more from its token ids (COMPUTE: a miss, a span left to it,
+        a fallback). Only a request prefilled alone and whole, once the profile is known."""
+        reqs = self.rt.forward.batch_requests(fb)
+        if len(reqs) != 1 or self.profile is None or self.tier is None:
+            return
+        req, ps = reqs[0], self.tier.namespace.page_size
+        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+        if prefix + ext < len(req.origin_input_ids) or ext < ps:
+            return
+        plan, seconds = planned(req, self.name), self.rt.forward.last_extend_s
+        if by == self.name and plan is not None and plan.meet_s > 0:
+            key, estimate = Estimates.key(MEET, len(plan.keys), plan.activations), plan.meet_s
+        elif by is None and (plan is None or plan.compute):
+            key, estimate = Estimates.key(COMPUTE, ext // ps), forward_s(self.profile, self.shape.layers, ext, prefix)
+        else:
+            return
+        if seconds > 0:
+            self.estimates.observe(key, seconds, estimate)
+            self.rt.events.count("kvpr_forward_samples")
 
     def observe_activation_load(self, seconds: float, token_layers: int) -> None:
         """Fold a load that read only activations on MEET_LOADERS threads, compute taking no page (`seconds` of the
@@ -547,6 +597,18 @@ class KVPRHandler(SpanHandler):
         super().__init__(rt)
         self.kvpr = kvpr
 
+    def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
+        """A span planned for SGLang's forward (`Plan.compute`) is left to it, counted and logged; the rest loads."""
+        for req in self.rt.forward.batch_requests(fb):
+            plan = planned(req, self.name)
+            if plan is not None and plan.compute:
+                self.rt.events.count("kvpr_computed_spans")
+                logger.info("tiered kvpr: rid %s: SGLang's forward computes the %d stored tokens (prefix=%d "
+                            "mode=%s)", req.rid, len(plan.keys) * self.kvpr.tier.namespace.page_size, plan.start,
+                            plan.mode)
+                return None
+        return super().forward(module, input_ids, positions, fb)
+
     def check(self, fb, req, plan: Plan) -> tuple[Optional[str], Plan]:
         prefix = int(fb.extend_prefix_lens_cpu[0])
         if prefix != plan.start:
@@ -664,4 +726,5 @@ def register_hooks(rt: Runtime) -> bool:
     rt.door.add(rt.kvpr)
     rt.forward.add_handler(rt.kvpr.handler)
     rt.forward.after_extend(rt.kvpr.timing.ended)
+    rt.forward.after_extend(rt.kvpr.observe_forward)
     return True

@@ -291,6 +291,9 @@ EVENTS = {
     "another request's prefill forward (SGLang's load would wait for the next one)",
     "kvpr_choice_sglang_gives_up": "Stored spans `auto` gave our loader, not trying SGLang's load, because SGLang's "
     "prefetch would give up on them (its timeout shorter than the span's KV read at the measured read rate)",
+    "kvpr_computed_spans": "Stored spans left whole to SGLang's forward (mode `compute`, or `auto` where it was "
+                           "measured faster than the two-sided load: policy/compute_choice.py)",
+    "kvpr_forward_samples": "Forwards timed for the choice between SGLang's forward and the two-sided load",
     "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "
     "at idle or among decodes; our loader's also behind other prefills, by its forward's own time)",
     "kvpr_profile_retries": "Compute profiles dropped because a layer timed far slower than the whole load allows "

@@ -13,7 +13,7 @@ message. Checked, only for servers started with `--kv-backend tiered`:
   `MAX_PARTS` of them;
 * `custom_params["tiered_importance"]`, if given, is one of "gated", "off", "full";
 * `custom_params["tiered_importance_gate"]`, if given, is "jaccard" or "mass";
-* `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force" or a number of tokens >= 0;
+* `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force", "compute" or a number of tokens >= 0;
 * `custom_params["tiered_retain"]`, if given, is a number of seconds in [0, `--tiered-max-retain`] (retention
   off -- `--tiered-max-retain 0` -- admits only 0).
 """
@@ -32,7 +32,7 @@ GATE_PARAM = "tiered_importance_gate"  # custom_params key of a request's gate, 
 RATIO_PARAM = "tiered_importance_ratio"  # custom_params key of a gated load's ratio, overriding
 #                                          --tiered-importance-ratio
 KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
-KVPR_MODES = ("off", "auto", "force")  # or a number of tokens to recompute
+KVPR_MODES = ("off", "auto", "force", "compute")  # or a number of tokens computed from token ids
 RETAIN_PARAM = "tiered_retain"  # custom_params key: seconds to keep the prompt's pages (door.py)
 
 

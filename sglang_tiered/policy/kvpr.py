@@ -34,9 +34,12 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
+
+from sglang_tiered.policy.read_rate import moving_average
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,55 @@ def chunk_slowdown(chunks: Sequence[tuple[float, int, float]], load_s: float, ch
             took += seconds
             predicted += chunk_s + pages * page_s
     return took / predicted if predicted > 0 else None
+
+
+def forward_s(prof: Profile, layers: int, tokens: int, prefix: int = 0) -> float:
+    """The profile's seconds for one forward computing `tokens` tokens after `prefix` cached ones, as one chunk:
+    `chunk_s`, each token-layer's `page_compute_s` share, and `stored_s` per prefix token-layer (attending over it).
+    SGLang's own forward measured 0.65-1.6x this (policy/compute_choice.py scales it by what the server measures)."""
+    return prof.chunk_s + page_compute_s(prof, layers, tokens) + layers * prefix * prof.stored_s
+
+
+def meet_s(pages: int, read_s: float, compute_s: float, joins: bool) -> float:
+    """The profile's seconds for a two-sided load of `pages` pages, the loader bringing a page in every `read_s`,
+    compute one every `compute_s` (`chunk_page_s`): they meet after pages / (1 / compute_s + 1 / read_s) where
+    compute joins, the loader alone takes pages x read_s otherwise."""
+    return pages / (1 / compute_s + 1 / read_s) if joins else pages * read_s
+
+
+class Slowdown:
+    """Compute's time beside a loader over the profile's (measured alone), per kind of load (the loader reading
+    activations -- its recomputes are CPU work -- or KV): the first load's `chunk_slowdown`, then a moving average
+    (`read_rate.moving_average`); 1 until measured. Thread-safe.
+
+    A factor that keeps compute out of loads it would join at the profile's times (`kept_out`) is measured again only
+    when compute joins one, so a factor taken under a passing burst of other work would keep it out for good: each
+    such load moves it towards 1 as a sample of 1 would (`relax`), until compute joins a load and is measured."""
+
+    def __init__(self) -> None:
+        self._factor: dict[bool, float] = {}
+        self._lock = threading.Lock()
+
+    def factor(self, activations: bool) -> float:
+        with self._lock:
+            return self._factor.get(activations, 1.0)
+
+    def observe(self, activations: bool, sample: float) -> float:
+        """Fold one load's `sample` (times the profile) in; returns the factor after it."""
+        with self._lock:
+            old = self._factor.get(activations)
+            self._factor[activations] = new = sample if old is None else moving_average(old, sample)
+            return new
+
+    def relax(self, activations: bool) -> float:
+        """A load the factor kept compute out of ended: the factor moved towards 1; returns it."""
+        return self.observe(activations, 1.0) if activations in self._factor else 1.0
+
+    @staticmethod
+    def kept_out(alone: Decision, slowed: Decision) -> bool:
+        """Did the factor keep compute out of a load (decided `slowed`) that it would join at the profile's times
+        (decided `alone`)?"""
+        return alone.compute_joins and not slowed.compute_joins
 
 
 def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool) -> bool:

@@ -4,7 +4,8 @@ token): the front computed from token ids while the back is read (`engine/meet.p
 A prompt is served cold and its pages reach the SSD tier; then, with device and host flushed, it is loaded by
 SGLang's own L3 prefetch (the reference) and by the two-sided loader with the meet point forced by
 `custom_params.tiered_kvpr` (tokens computed) at 0, one page, the middle, all but one page and all: greedy output
-identical every time, one log line per load naming the meet point. The same with a device-cached prefix ahead of the
+identical every time, one log line per load naming the meet point; and by SGLang's forward computing all of it
+(`"compute"`: nothing read, counted, not a fallback). The same with a device-cached prefix ahead of the
 span. A corrupt page in the loaded half: a counted fallback, SGLang computes the span, the same output. Tokens our
 loader read are reported as SGLang reports its own L3 hits (`cached_tokens_details["storage"]`).
 
@@ -88,6 +89,16 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
         assert cached_details(out).get("storage", 0) == (pages - split) * PAGE, split  # the pages read, reported
         line = meet_line(s, out)
         assert f"met at page {split} of {pages}:" in line and "prefix=0 " in line, line
+    # `compute`: SGLang's forward computes the whole span (its L3 prefetch skipped: nothing read), counted, logged,
+    # and timed for the choice between the two ways (policy/compute_choice.py)
+    s.flush_cache()
+    spans, samples, mark = counter(s, "computed_spans"), counter(s, "forward_samples"), s.log_mark()
+    out = ask(s, ids, "compute", logprobs=True)
+    assert out["output_ids"] == native["output_ids"] and cached_details(out).get("storage", 0) == 0
+    assert counter(s, "computed_spans") == spans + 1 and counter(s, "forward_samples") > samples
+    assert s.log_lines(f"SGLang's forward computes the {pages * PAGE} stored tokens (prefix=0 mode=compute)",
+                       since=mark), s.log_tail()
+    assert not s.log_lines("runs a normal prefill", since=mark)  # not a fallback
     grown = s.log_lines("tiered kvpr: the loads' KV buffer now holds")  # the kept buffer's size, logged as it grows
     assert grown and int(re.search(r"\((\d+) tokens' KV\)", grown[-1]).group(1)) >= len(ids), grown
 

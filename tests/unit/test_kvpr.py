@@ -21,6 +21,7 @@ from sglang_tiered.policy.kvpr import (
     MEET_TAKE_READ_SHARE,
     Profile,
     Shape,
+    Slowdown,
     activation_read_s,
     activations_pay,
     auto_example,
@@ -468,4 +469,16 @@ def test_compute_beside_a_loader_is_priced_as_measured_there():
     assert measured.activations and not measured.compute_joins and loaders(measured, None) == MEET_LOADERS
     # and at run time compute stays out of it too, unless the pages come in slower than planned
     assert measured.read_s < measured.join_share * chunk_page_s(beside(at_110, slow), 30, 64)
+    # the server's record: the first load's sample is the factor; loads it keeps compute out of move it towards 1,
+    # until compute joins one again (and is measured there)
+    record = Slowdown()
+    assert record.factor(True) == 1.0 and record.relax(True) == 1.0  # nothing measured: nothing to relax
+    assert record.observe(True, slow) == pytest.approx(slow) and record.factor(False) == 1.0
+    relaxed = 0
+    while Slowdown.kept_out(alone, decide(shape, beside(at_110, record.factor(True)), 16, 64,
+                                          stored_activations=True, forced=False)):
+        before = record.factor(True)
+        assert record.relax(True) == pytest.approx(0.7 * before + 0.3)
+        relaxed += 1
+    assert relaxed == 6 and 1.25 < record.factor(True) < 1.3  # 1 + 2.41 x 0.7^6: six loads kept out, then it joins
     assert beside(prof, 1.0) == prof
