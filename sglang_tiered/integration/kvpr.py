@@ -257,9 +257,10 @@ class KVPR:
             c = self.estimates.choose(n, d.activations, estimate, forward_s(alone, layers, n * ps + new, start))
             if c.how == COMPUTE:
                 return Plan(start, tuple(keys[:n]), f"auto: SGLang's forward ({c.compute_s:.3f}s estimated against "
-                            f"{c.meet_s:.3f}s two-sided)", None, 0.0, 0.0, False, compute=True)
-            if c.exploring:
-                how = f"auto: two-sided, timed again ({c.meet_s:.3f}s estimated against {c.compute_s:.3f}s)"
+                            f"{c.meet_s:.3f}s for the two-sided load)", None, 0.0, 0.0, False, compute=True)
+            if c.meet_s is not None and c.compute_s is not None:  # (both measured: the estimates in the log line)
+                how = (f"auto: two-sided{', timed again' if c.exploring else ''} ({c.meet_s:.3f}s estimated against "
+                       f"{c.compute_s:.3f}s for SGLang's forward)")
         return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
                     loaders(d, forced), as_auto, d.join_share, slowdown, meet_s=estimate,
                     kept_out=forced is None and Slowdown.kept_out(d0, d))
