@@ -15,10 +15,15 @@ factor the server measures on its own forwards (`Estimates`):
 * `MEET`: a two-sided load's forward, its wall seconds over `policy/kvpr.meet_s` as planned (with compute priced
   beside the loader), per kind of load (activations or KV) and span size.
 
-Both are moving averages (`read_rate.moving_average`). `choose`: until both factors are measured, `MEET` (as before
-this choice existed). Then the lower estimate, and where that is `COMPUTE`, after every `period(gap)` such decisions
-one `MEET` anyway: a span left to SGLang's forward reads nothing, so the read rate and the meet's factor are renewed
-only by such a retry (a disk that got faster).
+Each factor is the median of its last RECENT samples, not a moving average, so that one slow forward does not
+linger: measured on the MHA model at 10 MB/s, the first sample (the prompt's first prefill, soon after the server
+started) put SGLang's forward at 1.71 s, and a moving average then estimated it at 1.53, 1.42, 1.30, 1.14 s over the
+next loads while it took about 1.0 s -- the span met every time, 1.09 s against 1.04 s. On a shared VM one forward in
+several is slowed by other work too.
+
+`choose`: until both factors are measured, `MEET` (as before this choice existed). Then the lower estimate, and where
+that is `COMPUTE`, after every `period(gap)` such decisions one `MEET` anyway: a span left to SGLang's forward reads
+nothing, so the read rate and the meet's factor are renewed only by such a retry (a disk that got faster).
 
 Both ways are exact (every token's KV computed from the true prefix or its stored copy): a wrong choice costs time,
 never an answer.
@@ -26,14 +31,16 @@ never an answer.
 
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 from sglang_tiered.policy.load_choice import bucket, period
-from sglang_tiered.policy.read_rate import moving_average
 
 MEET, COMPUTE = "meet", "compute"
+RECENT = 5  # samples a factor is the median of
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ class Estimates:
     """The per-process factors (measured over the profile's estimate) of both ways (thread-safe)."""
 
     def __init__(self) -> None:
-        self._factor: dict[tuple, float] = {}  # (COMPUTE, bucket) or (MEET, activations, bucket)
+        self._samples: dict[tuple, deque] = {}  # (COMPUTE, bucket) or (MEET, activations, bucket): recent factors
         self._decisions: dict[tuple[bool, int], int] = {}  # COMPUTE decisions since the last MEET retry
         self._lock = threading.Lock()
 
@@ -57,24 +64,27 @@ class Estimates:
         return (COMPUTE, bucket(pages)) if how == COMPUTE else (MEET, activations, bucket(pages))
 
     def observe(self, key: tuple, seconds: float, estimate_s: float) -> float:
-        """Fold one forward of `seconds` whose profile estimate was `estimate_s` into `key`'s factor; returns it."""
+        """Add one forward of `seconds` whose profile estimate was `estimate_s` to `key`'s samples; returns the
+        factor after it."""
         if seconds <= 0 or estimate_s <= 0:
             raise ValueError(f"not a sample: {seconds} s against an estimate of {estimate_s} s")
         with self._lock:
-            old = self._factor.get(key)
-            self._factor[key] = new = seconds / estimate_s if old is None else moving_average(old, seconds / estimate_s)
-            return new
+            self._samples.setdefault(key, deque(maxlen=RECENT)).append(seconds / estimate_s)
+            return self._median(key)
 
     def factor(self, key: tuple) -> Optional[float]:
         with self._lock:
-            return self._factor.get(key)
+            return self._median(key)
+
+    def _median(self, key: tuple) -> Optional[float]:
+        samples = self._samples.get(key)
+        return statistics.median(samples) if samples else None
 
     def choose(self, pages: int, activations: bool, meet_s: float, compute_s: float) -> Choice:
         """MEET or COMPUTE for a span of `pages` pages that the loader would read (as activations or KV) beside
         compute, from the profile's estimates of both ways (`meet_s`, `compute_s`, seconds) times their factors."""
         with self._lock:
-            fm = self._factor.get(self.key(MEET, pages, activations))
-            fc = self._factor.get(self.key(COMPUTE, pages))
+            fm, fc = self._median(self.key(MEET, pages, activations)), self._median(self.key(COMPUTE, pages))
             if fm is None or fc is None:
                 return Choice(MEET, False, fm and meet_s * fm, fc and compute_s * fc)
             m, c = meet_s * fm, compute_s * fc

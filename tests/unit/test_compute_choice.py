@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tiered.policy.compute_choice import COMPUTE, MEET, Choice, Estimates
+from sglang_tiered.policy.compute_choice import COMPUTE, MEET, RECENT, Choice, Estimates
 from sglang_tiered.policy.kvpr import Profile, Shape, chunk_page_s, decide, forward_s, meet_s
 from sglang_tiered.policy.load_choice import period
 
@@ -83,3 +83,16 @@ def test_a_sample_must_be_a_time():
     with pytest.raises(ValueError):
         e.observe(e.key(COMPUTE, 4), 1.0, 0.0)
     assert e.factor(e.key(COMPUTE, 4)) is None
+
+
+def test_one_slow_forward_does_not_linger():
+    """The factor is the median of the last RECENT samples: a slow first forward (1.71 s where later ones took about
+    1.0 s: the MHA model at 10 MB/s) counts for one of them, and is gone after RECENT more."""
+    e = Estimates()
+    k = e.key(COMPUTE, SPAN)
+    assert e.observe(k, 1.71, 1.0) == pytest.approx(1.71)
+    assert e.observe(k, 0.98, 1.0) == pytest.approx((1.71 + 0.98) / 2)
+    assert e.observe(k, 1.02, 1.0) == pytest.approx(1.02)
+    for took in (3.0,) + (1.0,) * (RECENT - 1):
+        e.observe(k, took, 1.0)
+    assert e.factor(k) == pytest.approx(1.0)  # the first gone, the later slow one one of five
