@@ -711,6 +711,17 @@ MEET_RERUNS = [
     ("meet-s47-mha25-intel", "stop 47, the same code: the MHA model's 1024 tokens at 25 MB/s (the stop's miss), 6 "
      "rounds (`--models smollm2-mha --lengths 1024 --slow-mbps 25 --skip-native --busy --repeats 6 --max-repeats 6 "
      "--name meet-s47-mha25-intel`)"),
+    ("meet-s48-compute-mha-intel", "stop 48, SGLang's forward as a measured choice (factors as moving averages): the "
+     "MHA model at 50 / 25 MB/s and a busy CPU at 100 MB/s, 1024 / 4096 tokens; the VM in a slow hour, SGLang's "
+     "forward never chosen (`--models smollm2-mha --lengths 1024 4096 --slow-mbps 50 25 --skip-native --repeats 3 "
+     "--max-repeats 6 --name meet-s48-compute-mha-intel`)"),
+    ("meet-s48-compute10-intel", "stop 48, the same code at 10 MB/s, 1024 tokens, both models: the MHA model's "
+     "span met every time (SGLang's forward estimated too slow from a slow first sample) "
+     "(`--models smollm2-mha smollm2 --lengths 1024 --slow-mbps 10 --skip-native --busy --repeats 3 --max-repeats 5 "
+     "--name meet-s48-compute10-intel`)"),
+    ("meet-s48-median-mha-intel", "stop 48, factors as medians of the last 5 forwards: the MHA model's 1024 tokens "
+     "at 10 / 25 MB/s (`--models smollm2-mha --lengths 1024 --slow-mbps 10 25 --skip-native --busy --repeats 4 "
+     "--max-repeats 6 --name meet-s48-median-mha-intel`)"),
 ]
 
 

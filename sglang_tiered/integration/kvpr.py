@@ -179,6 +179,7 @@ class KVPR:
         self.timing = LoadTiming(rt, self.choice, self.name)
         self.slowdown = Slowdown()  # compute's time beside a loader over the profile's (`observe_chunks`)
         self.estimates = Estimates()  # SGLang's forward or the two-sided load, as measured (policy/compute_choice.py)
+        self._l3_reads, self._l3_read_end = 0, 0.0  # SGLang's own L3 reads in flight; when the last ended
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
@@ -449,11 +450,23 @@ class KVPR:
         new = self.slowdown.observe(plan.activations, sample)
         return f"compute {sample:.2f}x the profile beside the loader, now {new:.2f}x"
 
+    def l3_read(self, delta: int) -> None:
+        """SGLang's own L3 read began (+1) or ended (-1) (`TieredSSDStorage.batch_get_v1`, its prefetch threads)."""
+        with self.lock:
+            self._l3_reads += delta
+            if delta < 0:
+                self._l3_read_end = time.perf_counter()
+
+    def _l3_quiet_since(self, t: float) -> bool:
+        with self.lock:
+            return self._l3_reads == 0 and self._l3_read_end < t
+
     def observe_forward(self, fb, by: Optional[str]) -> None:
         """After an extend forward (`ForwardHook.after_extend`): fold its wall seconds into the factor of the way it
         ran (policy/compute_choice.py) -- a two-sided load as planned (MEET), or SGLang's forward computing a
         request's whole remaining prompt of a page or more from its token ids (COMPUTE: a miss, a span left to it,
-        a fallback). Only a request prefilled alone and whole, once the profile is known."""
+        a fallback) with none of SGLang's L3 reads beside it (a prefetch that gave up may still be reading beside the
+        forward that computes its span). Only a request prefilled alone and whole, once the profile is known."""
         reqs = self.rt.forward.batch_requests(fb)
         if len(reqs) != 1 or self.profile is None or self.tier is None:
             return
@@ -464,7 +477,7 @@ class KVPR:
         plan, seconds = planned(req, self.name), self.rt.forward.last_extend_s
         if by == self.name and plan is not None and plan.meet_s > 0:
             key, estimate = Estimates.key(MEET, len(plan.keys), plan.activations), plan.meet_s
-        elif by is None and (plan is None or plan.compute):
+        elif by is None and (plan is None or plan.compute) and self._l3_quiet_since(time.perf_counter() - seconds):
             key, estimate = Estimates.key(COMPUTE, ext // ps), forward_s(self.profile, self.shape.layers, ext, prefix)
         else:
             return

@@ -64,7 +64,13 @@ class TieredSSDStorage(HiCacheStorage):
     ) -> list[bool]:
         pages = self._page_segments(keys, host_indices)
         t0 = time.perf_counter()
-        found = self._tier().read_pages(pages)
+        if self.rt.kvpr is not None:  # (a forward beside it is not timed as SGLang's forward alone)
+            self.rt.kvpr.l3_read(+1)
+        try:
+            found = self._tier().read_pages(pages)
+        finally:
+            if self.rt.kvpr is not None:
+                self.rt.kvpr.l3_read(-1)
         if self.rt.kvpr is not None:  # SGLang's own reads tell the compute-or-load decisions the disk's speed
             read = sum(v.nbytes for (_, segs), ok in zip(pages, found) if ok for v in segs)
             self.rt.kvpr.observe_read(read, time.perf_counter() - t0)
