@@ -722,6 +722,12 @@ MEET_RERUNS = [
     ("meet-s48-median-mha-intel", "stop 48, factors as medians of the last 5 forwards: the MHA model's 1024 tokens "
      "at 10 / 25 MB/s (`--models smollm2-mha --lengths 1024 --slow-mbps 10 25 --skip-native --busy --repeats 4 "
      "--max-repeats 6 --name meet-s48-median-mha-intel`)"),
+    ("meet-s48-quiet-mha10-intel", "stop 48, SGLang's forward timed only without its own L3 reads beside it: the MHA "
+     "model's 1024 tokens at 10 MB/s (`--models smollm2-mha --lengths 1024 --slow-mbps 10 --skip-native --busy "
+     "--repeats 4 --max-repeats 6 --name meet-s48-quiet-mha10-intel`)"),
+    ("meet-s48-smollm2-25-intel", "stop 48, the same code: SmolLM2 at 25 MB/s, 1024 / 4096 / 8064 tokens "
+     "(`--models smollm2 --lengths 1024 4096 8064 --slow-mbps 25 --skip-native --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s48-smollm2-25-intel`)"),
 ]
 
 
