@@ -728,6 +728,9 @@ MEET_RERUNS = [
     ("meet-s48-smollm2-25-intel", "stop 48, the same code: SmolLM2 at 25 MB/s, 1024 / 4096 / 8064 tokens "
      "(`--models smollm2 --lengths 1024 4096 8064 --slow-mbps 25 --skip-native --busy --repeats 3 --max-repeats 3 "
      "--name meet-s48-smollm2-25-intel`)"),
+    ("meet-s48-mha1k-intel", "stop 48, the same code, after the fresh-clone CI: the MHA model's 1024 tokens at "
+     "200 / 25 MB/s (`--models smollm2-mha --lengths 1024 --slow-mbps 200 25 --skip-native --busy --repeats 4 "
+     "--max-repeats 6 --name meet-s48-mha1k-intel`)"),
 ]
 
 
