@@ -467,12 +467,12 @@ class KVPR:
         request's whole remaining prompt of a page or more from its token ids (COMPUTE: a miss, a span left to it,
         a fallback) with none of SGLang's L3 reads beside it (a prefetch that gave up may still be reading beside the
         forward that computes its span). Only a request prefilled alone and whole, once the profile is known."""
-        reqs = self.rt.forward.batch_requests(fb)
-        if len(reqs) != 1 or self.profile is None or self.tier is None:
+        req = self.rt.forward.whole_alone(fb)
+        if req is None or self.profile is None or self.tier is None:
             return
-        req, ps = reqs[0], self.tier.namespace.page_size
+        ps = self.tier.namespace.page_size
         prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        if prefix + ext < len(req.origin_input_ids) or ext < ps:
+        if ext < ps:
             return
         plan, seconds = planned(req, self.name), self.rt.forward.last_extend_s
         if by == self.name and plan is not None and plan.meet_s > 0:

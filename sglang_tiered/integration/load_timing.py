@@ -71,12 +71,10 @@ class LoadTiming:
         admitted = [getattr(r, "tiered_admitted_at", None) for r in reqs]
         for r in reqs:
             r.tiered_admitted_at = None  # one sample per request, at its first extend forward
-        if len(reqs) != 1 or not self.page_size:
+        req = self.rt.forward.whole_alone(fb)  # (not a chunked piece: the whole prefill)
+        if req is None or not self.page_size:
             return
-        req, t0 = reqs[0], admitted[0]
-        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        if prefix + ext < len(req.origin_input_ids):
-            return  # a chunked piece: not the whole prefill
+        t0 = admitted[0]
         load, tokens, conclusive = self._which(req, by)
         if load is None or tokens < self.page_size:
             return

@@ -208,6 +208,15 @@ class ForwardHook:
         by_rid = getattr(self._batch, "by_rid", {})
         return [r for r in (by_rid.get(rid) for rid in fb.rids or []) if r is not None]
 
+    def whole_alone(self, fb) -> Optional[Any]:
+        """The request of an extend batch of one that computed its whole remaining prompt (not a chunked piece), or
+        None: the batches whose forward time is one request's prefill (the observers' samples)."""
+        reqs = self.batch_requests(fb)
+        if len(reqs) != 1:
+            return None
+        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
+        return reqs[0] if prefix + ext >= len(reqs[0].origin_input_ids) else None
+
     def _around_forward(self, original, module, input_ids, positions, forward_batch, input_embeds=None,
                         pp_proxy_tensors=None, **kwargs):
         extend = input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend()
