@@ -5,9 +5,9 @@ Where reading is several times slower than computing (the MHA model's 1024 token
 2.3-2.5 s, SGLang's recompute 0.64-0.82 s), the two-sided load computes most of the span in chunks of
 MEET_CHUNK_PAGES beside a loader that takes CPU from it, and one forward of the whole span can be faster (stop 47:
 two-sided 0.74-0.78 s against that forward's 0.64 s in one hour, 0.82-1.21 s in others). Neither estimate comes
-straight from the profile: its chunk fit put SGLang's forward of 1056 tokens at 0.40-0.99 s in runs where it took
-0.64-0.82 s, and compute beside a loader runs 0.7-3.4x its time alone. So each is the profile's estimate times a
-factor the server measures on its own forwards (`Estimates`):
+straight from the profile: its chunk fit put SGLang's forward of 1056 tokens at 0.40-0.99 s in runs where the whole
+request took 0.64-0.82 s, and compute beside a loader runs 0.7-3.4x its time alone. So each is the profile's
+estimate times a factor the server measures on its own forwards (`Estimates`):
 
 * `COMPUTE`: SGLang's forward of a request prefilled alone from its token ids (a miss, or a span left to it here),
   its wall seconds over `policy/kvpr.forward_s` of the same tokens, per span size (`load_choice.bucket`: a forward's

@@ -240,7 +240,8 @@ def chunk_slowdown(chunks: Sequence[tuple[float, int, float]], load_s: float, ch
 def forward_s(prof: Profile, layers: int, tokens: int, prefix: int = 0) -> float:
     """The profile's seconds for one forward computing `tokens` tokens after `prefix` cached ones, as one chunk:
     `chunk_s`, each token-layer's `page_compute_s` share, and `stored_s` per prefix token-layer (attending over it).
-    SGLang's own forward measured 0.65-1.6x this (policy/compute_choice.py scales it by what the server measures)."""
+    SGLang's own forward of the MHA model's 1056 tokens took 0.8-1.8x this in stop 47's runs (policy/compute_choice.py
+    scales it by what the server measures)."""
     return prof.chunk_s + page_compute_s(prof, layers, tokens) + layers * prefix * prof.stored_s
 
 
