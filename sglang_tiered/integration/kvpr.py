@@ -89,7 +89,7 @@ from sglang_tiered.integration.door import SpanHandler, planned
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.load_timing import LoadTiming
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
-from sglang_tiered.policy.compute_choice import COMPUTE, MEET, Estimates
+from sglang_tiered.policy.compute_choice import ALONE, COMPUTE, LOADS, MEET, Estimates
 from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
     MEET_LOADERS,
@@ -97,6 +97,7 @@ from sglang_tiered.policy.kvpr import (
     Profile,
     Shape,
     Slowdown,
+    alone_page_s,
     auto_example,
     beside,
     chunk_page_s,
@@ -145,8 +146,9 @@ class Plan:
     join_share: float = MEET_MIN_READ_SHARE  # compute joins while a page comes in every this share of a page's
     #                                          compute or slower (policy/kvpr.Decision.join_share)
     slowdown: float = 1.0  # compute's estimates are the profile's times this (compute beside a loader, measured)
-    compute: bool = False  # SGLang's own forward computes the span (policy/compute_choice.py, or mode "compute")
-    meet_s: float = 0.0  # the profile's seconds for this load's forward (`meet_s` + the new tokens' `forward_s`)
+    way: Optional[str] = None  # the way of policy/compute_choice.py it takes (COMPUTE: SGLang's own forward computes
+    #                            the span; MEET, ALONE: its forward is a sample of that way); None: not one of them
+    estimate_s: float = 0.0  # the profile's seconds for this load's forward, the way's sample once run (0: none)
     kept_out: bool = False  # the slowdown kept compute out of a load it would join at the profile's times
 
 
@@ -227,7 +229,7 @@ class KVPR:
         while n < len(keys) and tier.contains(keys[n]) and tier.group_of(keys[n]) is None:
             n += 1
         if mode == "compute":  # asked for by name: SGLang's forward computes the span, nothing is read
-            return Plan(start, tuple(keys[:n]), "compute", None, 0.0, 0.0, False, compute=True) if n else None
+            return Plan(start, tuple(keys[:n]), "compute", None, 0.0, 0.0, False, way=COMPUTE) if n else None
         if n * ps < self.rt.settings.config.kvpr_min_tokens:
             return None
         profile = alone = self._profile(scheduler, forced=mode != "auto")
@@ -249,22 +251,26 @@ class KVPR:
             if how is None:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
+        if forced is not None or not d.compute_joins:
+            return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
+                        loaders(d, forced), as_auto, d.join_share, slowdown,
+                        kept_out=forced is None and Slowdown.kept_out(d0, d))
+        # they would meet: the forward's estimate, its way's sample once run; `auto` picks among the three ways
         layers, new = self.shape.layers, len(req.origin_input_ids) - start - n * ps
-        estimate = 0.0
-        if forced is None and d.compute_joins:  # they meet: the forward's estimate (its factor's sample once run)
-            estimate = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps), True) + \
-                forward_s(profile, layers, new, start + n * ps)
-        if mode == "auto" and d.take and estimate:  # or SGLang's forward of the whole span, measured faster
-            c = self.estimates.choose(n, d.activations, estimate, forward_s(alone, layers, n * ps + new, start))
+        after = start + n * ps
+        meet = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps)) + forward_s(profile, layers, new, after)
+        if mode == "auto" and d.take:
+            alone_read_s = alone_page_s(self.shape, alone, ps, d.activations)
+            solo = n * alone_read_s + forward_s(alone, layers, new, after)
+            c = self.estimates.choose(n, d.activations, meet, forward_s(alone, layers, n * ps + new, start), solo)
+            how = "auto: " + c.describe()
             if c.how == COMPUTE:
-                return Plan(start, tuple(keys[:n]), f"auto: SGLang's forward ({c.compute_s:.3f}s estimated against "
-                            f"{c.meet_s:.3f}s for the two-sided load)", None, 0.0, 0.0, False, compute=True)
-            if c.meet_s is not None and c.compute_s is not None:  # (both measured: the estimates in the log line)
-                how = (f"auto: two-sided{', timed again' if c.exploring else ''} ({c.meet_s:.3f}s estimated against "
-                       f"{c.compute_s:.3f}s for SGLang's forward)")
-        return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
-                    loaders(d, forced), as_auto, d.join_share, slowdown, meet_s=estimate,
-                    kept_out=forced is None and Slowdown.kept_out(d0, d))
+                return Plan(start, tuple(keys[:n]), how, None, 0.0, 0.0, False, way=COMPUTE)
+            if c.how == ALONE:  # the meet point forced to 0
+                return Plan(start, tuple(keys[:n]), how, 0, d.page_s, alone_read_s, d.activations, d.chunk_s,
+                            MEET_LOADERS, as_auto, d.join_share, slowdown, way=ALONE, estimate_s=solo)
+        return Plan(start, tuple(keys[:n]), how, None, d.page_s, d.read_s, d.activations, d.chunk_s,
+                    loaders(d, None), as_auto, d.join_share, slowdown, way=MEET, estimate_s=meet)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
@@ -475,9 +481,10 @@ class KVPR:
         if ext < ps:
             return
         plan, seconds = planned(req, self.name), self.rt.forward.last_extend_s
-        if by == self.name and plan is not None and plan.meet_s > 0:
-            key, estimate = Estimates.key(MEET, len(plan.keys), plan.activations), plan.meet_s
-        elif by is None and (plan is None or plan.compute) and self._l3_quiet_since(time.perf_counter() - seconds):
+        if by == self.name and plan is not None and plan.way in LOADS and plan.estimate_s > 0:
+            key, estimate = Estimates.key(plan.way, len(plan.keys), plan.activations), plan.estimate_s
+        elif by is None and (plan is None or plan.way == COMPUTE) and \
+                self._l3_quiet_since(time.perf_counter() - seconds):
             key, estimate = Estimates.key(COMPUTE, ext // ps), forward_s(self.profile, self.shape.layers, ext, prefix)
         else:
             return
@@ -612,10 +619,10 @@ class KVPRHandler(SpanHandler):
         self.kvpr = kvpr
 
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
-        """A span planned for SGLang's forward (`Plan.compute`) is left to it, counted and logged; the rest loads."""
+        """A span planned for SGLang's forward (`Plan.way` COMPUTE) is left to it, counted and logged; the rest loads."""
         for req in self.rt.forward.batch_requests(fb):
             plan = planned(req, self.name)
-            if plan is not None and plan.compute:
+            if plan is not None and plan.way == COMPUTE:
                 self.rt.events.count("kvpr_computed_spans")
                 logger.info("tiered kvpr: rid %s: SGLang's forward computes the %d stored tokens (prefix=%d "
                             "mode=%s)", req.rid, len(plan.keys) * self.kvpr.tier.namespace.page_size, plan.start,

@@ -131,9 +131,8 @@ def _activation_plan(shape: Shape, prof: Profile, page_size: int) -> tuple[float
     (1 + MEET_MIN_READ_SHARE) x one / (one + c) -- so on two threads the run-time rule is that share (at least the
     KV rule's), on one thread the KV rule."""
     tokens = shape.layers * page_size
-    read = shape.x_bytes / prof.read_bytes_per_s
-    apart = tokens * max(read, prof.x_load_s or prof.recompute_s)
-    one = tokens * (read + prof.recompute_s)
+    apart = alone_page_s(shape, prof, page_size, True)
+    one = tokens * (shape.x_bytes / prof.read_bytes_per_s + prof.recompute_s)
     c = chunk_page_s(prof, shape.layers, page_size)
     share = (1 + MEET_MIN_READ_SHARE) * one / (one + c)
     if apart < share * c:
@@ -245,11 +244,21 @@ def forward_s(prof: Profile, layers: int, tokens: int, prefix: int = 0) -> float
     return prof.chunk_s + page_compute_s(prof, layers, tokens) + layers * prefix * prof.stored_s
 
 
-def meet_s(pages: int, read_s: float, compute_s: float, joins: bool) -> float:
+def meet_s(pages: int, read_s: float, compute_s: float) -> float:
     """The profile's seconds for a two-sided load of `pages` pages, the loader bringing a page in every `read_s`,
-    compute one every `compute_s` (`chunk_page_s`): they meet after pages / (1 / compute_s + 1 / read_s) where
-    compute joins, the loader alone takes pages x read_s otherwise."""
-    return pages / (1 / compute_s + 1 / read_s) if joins else pages * read_s
+    compute one every `compute_s` (`chunk_page_s`): they meet after pages / (1 / compute_s + 1 / read_s)."""
+    return pages / (1 / compute_s + 1 / read_s)
+
+
+def alone_page_s(shape: Shape, prof: Profile, page_size: int, activations: bool) -> float:
+    """Seconds per page for the loader alone on MEET_LOADERS threads, compute taking no page: a KV page's read, or
+    for activations one page's read beside another's recompute, a page every max(read, recompute) -- the recompute
+    term the activation loads' own measured cost once one is in (`x_load_s`), the profile's one-thread recompute
+    before (`activation_read_s`)."""
+    if not activations:
+        return page_read_s(shape, prof, page_size, False)
+    tokens = shape.layers * page_size
+    return tokens * max(shape.x_bytes / prof.read_bytes_per_s, prof.x_load_s or prof.recompute_s)
 
 
 class Slowdown:

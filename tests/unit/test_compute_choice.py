@@ -1,12 +1,13 @@
-"""SGLang's forward or the two-sided load (policy/compute_choice.py), on the estimates of policy/kvpr.py, with two
-servers' numbers (the MHA model's 1024 tokens, Intel with AMX, bf16, stop 47: one server per disk speed)."""
+"""The two-sided load, the loader alone or SGLang's forward (policy/compute_choice.py), on the estimates of
+policy/kvpr.py, with servers' numbers (the MHA model's 1024 tokens, Intel with AMX, bf16, stops 47-48: one server per
+disk speed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_tiered.policy.compute_choice import COMPUTE, MEET, RECENT, Choice, Estimates
-from sglang_tiered.policy.kvpr import Profile, Shape, chunk_page_s, decide, forward_s, meet_s
+from sglang_tiered.policy.compute_choice import ALONE, COMPUTE, MEET, RECENT, Choice, Estimates
+from sglang_tiered.policy.kvpr import Profile, Shape, alone_page_s, chunk_page_s, decide, forward_s, meet_s
 from sglang_tiered.policy.load_choice import period
 
 PS, LAYERS = 64, 30
@@ -18,7 +19,7 @@ def estimates(prof: Profile) -> tuple[float, float]:
     """(the two-sided forward, SGLang's forward) as `KVPR.plan` estimates them for the 1024-token span."""
     d = decide(MHA, prof, SPAN, PS, stored_activations=True, forced=False)
     assert d.take and d.activations and d.compute_joins
-    meet = meet_s(SPAN, d.read_s, chunk_page_s(prof, LAYERS, PS), True) + forward_s(prof, LAYERS, NEW, SPAN * PS)
+    meet = meet_s(SPAN, d.read_s, chunk_page_s(prof, LAYERS, PS)) + forward_s(prof, LAYERS, NEW, SPAN * PS)
     return meet, forward_s(prof, LAYERS, SPAN * PS + NEW)
 
 
@@ -30,8 +31,13 @@ def test_estimates_follow_the_profile():
     prof = server(26, 3.30, 61.5, 12.98)
     assert forward_s(prof, LAYERS, 1056) == pytest.approx(0.0615 + 1056 * LAYERS * 12.98e-6)
     assert forward_s(prof, LAYERS, 32, 1024) == pytest.approx(0.0615 + 32 * LAYERS * 12.98e-6 + 1024 * LAYERS * 2.26e-6)
-    assert meet_s(16, 0.09, 0.04, True) == pytest.approx(16 / (1 / 0.04 + 1 / 0.09))
-    assert meet_s(16, 0.09, 0.04, False) == pytest.approx(16 * 0.09)
+    assert meet_s(16, 0.09, 0.04) == pytest.approx(16 / (1 / 0.04 + 1 / 0.09))
+    # the loader alone: a KV page's read; activations, a page every max(read, recompute) on two threads, the
+    # recompute term the loads' own measured cost once one is in
+    assert alone_page_s(MHA, prof, PS, False) == pytest.approx(LAYERS * PS * MHA.kv_bytes / 26e6)
+    assert alone_page_s(MHA, prof, PS, True) == pytest.approx(LAYERS * PS * max(MHA.x_bytes / 26e6, 3.30e-6))
+    fast = Profile(200e6, 8.2e-6, 60e-6, 2.26e-6, x_load_s=10e-6)
+    assert alone_page_s(MHA, fast, PS, True) == pytest.approx(LAYERS * PS * 10e-6)  # recompute-bound at 200 MB/s
 
 
 def test_each_server_picks_what_it_measured_faster():
@@ -96,3 +102,42 @@ def test_one_slow_forward_does_not_linger():
     for took in (3.0,) + (1.0,) * (RECENT - 1):
         e.observe(k, took, 1.0)
     assert e.factor(k) == pytest.approx(1.0)  # the first gone, the later slow one one of five
+
+
+def test_the_loader_alone_is_tried_where_its_estimate_is_lower_and_kept_where_measured_faster():
+    """Stop 48's miss (the MHA model's 1024 tokens at 200 MB/s): compute joined and the two met in 0.46-0.62 s
+    (estimated 0.48-0.51 s), the loader alone on two threads took 0.35-0.51 s. Numbers of that server."""
+    e = Estimates()
+    meet, compute, alone = 0.49, 0.60, 0.36  # the profile's estimates (SGLang's forward: 1.0 s measured)
+    assert e.choose(SPAN, True, meet, compute, alone) == Choice(MEET, False)  # nothing measured: the meet
+    e.observe(e.key(MEET, SPAN, True), 0.53, meet)
+    e.observe(e.key(COMPUTE, SPAN), 1.0, compute)
+    c = e.choose(SPAN, True, meet, compute, alone)  # the loader alone not timed, estimated below the meet: tried
+    assert (c.how, c.exploring, c.alone_s) == (ALONE, True, None) and c.meet_s == pytest.approx(0.53)
+    assert c.describe() == "the loader alone, first try (two-sided 0.530s, SGLang's forward 1.000s estimated)"
+    for took in (0.40, 0.45, 0.38):
+        e.observe(e.key(ALONE, SPAN, True), took, alone)
+    hows = [e.choose(SPAN, True, meet, compute, alone) for _ in range(2 * period(0.53 / 0.40))]
+    n = period(0.53 / 0.40)
+    assert [c.how for c in hows] == ([ALONE] * (n - 1) + [MEET]) * 2  # the meet timed again every period
+    assert hows[0].describe() == "the loader alone (two-sided 0.530s, the loader alone 0.400s, SGLang's forward " \
+                                 "1.000s estimated)"
+    assert hows[n - 1].exploring and hows[n - 1].describe().startswith("two-sided, timed again (")
+    # KV loads, or another span size, have their own factors; no alone estimate: not a way
+    assert e.choose(SPAN, False, meet, compute, alone).how == MEET
+    assert e.choose(SPAN, True, meet, compute).how == MEET
+
+
+def test_the_loader_alone_is_not_tried_where_the_profile_puts_it_above_the_best_way():
+    """At 25 MB/s the same span reads in 1.4 s as activations alone; the meet took 0.9 s: never tried."""
+    e = Estimates()
+    e.observe(e.key(MEET, SPAN, True), 0.9, 0.8)
+    e.observe(e.key(COMPUTE, SPAN), 1.2, 0.6)
+    assert all(e.choose(SPAN, True, 0.8, 0.6, 1.5).how == MEET for _ in range(100))
+    # where SGLang's forward is the best, both of our loader's measured ways are timed again, each at its period
+    e.observe(e.key(ALONE, SPAN, True), 1.6, 1.5)
+    e.observe(e.key(COMPUTE, SPAN), 0.5, 0.6)
+    e.observe(e.key(COMPUTE, SPAN), 0.5, 0.6)  # median 0.5 / 0.6: SGLang's forward 0.5 s
+    hows = [e.choose(SPAN, True, 0.8, 0.6, 1.5).how for _ in range(period(1.6 / 0.5))]
+    assert hows.count(MEET) == len(hows) // period(0.9 / 0.5) and hows[-1] == ALONE
+    assert hows.count(COMPUTE) == len(hows) - hows.count(MEET) - 1
