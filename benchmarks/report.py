@@ -731,6 +731,12 @@ MEET_RERUNS = [
     ("meet-s48-mha1k-intel", "stop 48, the same code, after the fresh-clone CI: the MHA model's 1024 tokens at "
      "200 / 25 MB/s (`--models smollm2-mha --lengths 1024 --slow-mbps 200 25 --skip-native --busy --repeats 4 "
      "--max-repeats 6 --name meet-s48-mha1k-intel`)"),
+    ("meet-s49-alone-mha1k-intel", "stop 49, the loader alone as a third measured way: the MHA model's 1024 tokens "
+     "at 200 / 100 / 25 MB/s (`--models smollm2-mha --lengths 1024 --slow-mbps 200 100 25 --skip-native --busy "
+     "--repeats 4 --max-repeats 6 --name meet-s49-alone-mha1k-intel`)"),
+    ("meet-s49-alone-mha-mid-intel", "stop 49, the same code: the MHA model's 1024 tokens at 75 / 50 MB/s "
+     "(`--models smollm2-mha --lengths 1024 --slow-mbps 75 50 --skip-native --busy --repeats 4 --max-repeats 6 "
+     "--name meet-s49-alone-mha-mid-intel`)"),
 ]
 
 
