@@ -63,6 +63,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -456,11 +458,17 @@ class KVPR:
         new = self.slowdown.observe(plan.activations, sample)
         return f"compute {sample:.2f}x the profile beside the loader, now {new:.2f}x"
 
-    def l3_read(self, delta: int) -> None:
-        """SGLang's own L3 read began (+1) or ended (-1) (`TieredSSDStorage.batch_get_v1`, its prefetch threads)."""
+    @contextmanager
+    def l3_read(self) -> Iterator[None]:
+        """Around one of SGLang's own L3 reads (`TieredSSDStorage.batch_get_v1`, its prefetch threads): a forward
+        with one beside it is not a sample of SGLang's forward alone (`observe_forward`)."""
         with self.lock:
-            self._l3_reads += delta
-            if delta < 0:
+            self._l3_reads += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._l3_reads -= 1
                 self._l3_read_end = time.perf_counter()
 
     def _l3_quiet_since(self, t: float) -> bool:
@@ -619,7 +627,7 @@ class KVPRHandler(SpanHandler):
         self.kvpr = kvpr
 
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
-        """A span planned for SGLang's forward (`Plan.way` COMPUTE) is left to it, counted and logged; the rest loads."""
+        """A span planned for SGLang's forward (way COMPUTE) is left to it, counted and logged; the rest loads."""
         for req in self.rt.forward.batch_requests(fb):
             plan = planned(req, self.name)
             if plan is not None and plan.way == COMPUTE:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -63,17 +64,12 @@ class TieredSSDStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         pages = self._page_segments(keys, host_indices)
-        t0 = time.perf_counter()
-        if self.rt.kvpr is not None:  # (a forward beside it is not timed as SGLang's forward alone)
-            self.rt.kvpr.l3_read(+1)
-        try:
+        kvpr, t0 = self.rt.kvpr, time.perf_counter()
+        with kvpr.l3_read() if kvpr is not None else nullcontext():  # (no forward beside it is timed as alone)
             found = self._tier().read_pages(pages)
-        finally:
-            if self.rt.kvpr is not None:
-                self.rt.kvpr.l3_read(-1)
-        if self.rt.kvpr is not None:  # SGLang's own reads tell the compute-or-load decisions the disk's speed
+        if kvpr is not None:  # SGLang's own reads tell the compute-or-load decisions the disk's speed
             read = sum(v.nbytes for (_, segs), ok in zip(pages, found) if ok for v in segs)
-            self.rt.kvpr.observe_read(read, time.perf_counter() - t0)
+            kvpr.observe_read(read, time.perf_counter() - t0)
         missing = [i for i, ok in enumerate(found) if not ok]
         remote = self.store.remote
         if remote is not None and missing:  # local misses from the shared store, in one round trip
