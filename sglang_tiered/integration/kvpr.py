@@ -15,9 +15,10 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
   on such spans by more than that forward took; with `--tiered-kvpr-choice measured` (the default), the load
   measured faster takes the rest -- at idle, or among other requests' decodes on samples taken among decodes
-  (`rule`: SGLang's). Where compute would join, `auto` leaves the span whole to SGLang's own forward instead where
-  that was measured faster (`policy/compute_choice.py`: both ways' forwards timed against the profile's estimates,
-  `observe_forward`; mode `compute` asks for it). A taken span's L3 prefetch is skipped: its tokens become extend
+  (`rule`: SGLang's). Where compute would join, `auto` takes the way measured fastest of three
+  (`policy/compute_choice.py`: each way's forwards timed against the profile's estimates, `observe_forward`): the
+  two meeting, the loader alone (the meet point forced to 0), or SGLang's own forward computing the whole span (mode
+  `compute` asks for that). A taken span's L3 prefetch is skipped: its tokens become extend
   tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree
   as usual.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
@@ -53,7 +54,8 @@ activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation b
 `..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`, `..._kvpr_read_samples_total`,
 `..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills), `..._kvpr_choice_sglang_gives_up_total`
 (spans taken because SGLang's prefetch would give up on them), `..._kvpr_computed_spans_total` (spans left whole
-to SGLang's forward), `..._kvpr_forward_samples_total`; one log line per load with the meet point (or naming
+to SGLang's forward), `..._kvpr_alone_spans_total` (spans given the loader alone where compute would have joined),
+`..._kvpr_forward_samples_total`; one log line per load with the meet point (or naming
 SGLang's forward), one when the read rate moves by more than a quarter.
 """
 
@@ -269,6 +271,7 @@ class KVPR:
             if c.how == COMPUTE:
                 return Plan(start, tuple(keys[:n]), how, None, 0.0, 0.0, False, way=COMPUTE)
             if c.how == ALONE:  # the meet point forced to 0
+                self.rt.events.count("kvpr_alone_spans")
                 return Plan(start, tuple(keys[:n]), how, 0, d.page_s, alone_read_s, d.activations, d.chunk_s,
                             MEET_LOADERS, as_auto, d.join_share, slowdown, way=ALONE, estimate_s=solo)
         return Plan(start, tuple(keys[:n]), how, None, d.page_s, d.read_s, d.activations, d.chunk_s,
