@@ -737,6 +737,12 @@ MEET_RERUNS = [
     ("meet-s49-alone-mha-mid-intel", "stop 49, the same code: the MHA model's 1024 tokens at 75 / 50 MB/s "
      "(`--models smollm2-mha --lengths 1024 --slow-mbps 75 50 --skip-native --busy --repeats 4 --max-repeats 6 "
      "--name meet-s49-alone-mha-mid-intel`)"),
+    ("meet-s49-alone-mha8k-intel", "stop 49, the same code: the MHA model's 4096 / 8064 tokens at 200 MB/s "
+     "(`--models smollm2-mha --lengths 4096 8064 --slow-mbps 200 --skip-native --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s49-alone-mha8k-intel`)"),
+    ("meet-s49-smollm2-intel", "stop 49, the same code: SmolLM2's 1024 / 4096 tokens at 200 / 100 MB/s "
+     "(`--models smollm2 --lengths 1024 4096 --slow-mbps 200 100 --skip-native --busy --repeats 3 --max-repeats 3 "
+     "--name meet-s49-smollm2-intel`)"),
 ]
 
 
