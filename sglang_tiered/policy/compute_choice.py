@@ -18,7 +18,7 @@ is the profile's estimate times a factor the server measures on its own forwards
 * `MEET`: a two-sided load's forward, its wall seconds over `policy/kvpr.meet_s` as planned (with compute priced
   beside the loader), per kind of load (activations or KV) and span size;
 * `ALONE`: a load of the whole span by the loader on MEET_LOADERS threads, compute taking no page, over
-  `policy/kvpr.alone_s`, per kind of load and span size.
+  pages x `policy/kvpr.alone_page_s` plus the new tokens' `forward_s`, per kind of load and span size.
 
 Each factor is the median of its last RECENT samples, not a moving average, so that one slow forward does not
 linger: measured on the MHA model at 10 MB/s, the first sample (the prompt's first prefill, soon after the server
@@ -112,7 +112,8 @@ class Estimates:
                 f = None if s is None else self._median(self.key(how, pages, activations))
                 est[how] = None if f is None else s * f
             how, exploring = self._pick(est, alone_s, activations, bucket(pages))
-            self._decisions[(how, activations, bucket(pages))] = 0
+            if how in LOADS:  # (only our loader's ways are retried: their counters)
+                self._decisions[(how, activations, bucket(pages))] = 0
             return Choice(how, exploring, est[MEET], est[ALONE], est[COMPUTE])
 
     def _pick(self, est: dict[str, Optional[float]], alone_s: Optional[float], activations: bool,
