@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, PromptSource, auto_dtype, evict_from_page_cache, machine, save  # noqa: E402
 
 from sglang_tiered.mooncake_master import MooncakeMaster  # noqa: E402
-from sglang_tiered.server_process import ServerProcess, cached_details, start_together  # noqa: E402
+from sglang_tiered.server_process import ServerProcess, cached_details, start_all  # noqa: E402
 
 CONFIGS = ("private", "shared", "shared-torch-native", "sglang-mooncake")
 QUESTIONS = ["What is the main argument of the text above?", "Name one example the author gives.",
@@ -66,7 +66,7 @@ def run_config(config: str, requests: list[tuple[int, int]], prompts: list[str],
     servers = [ServerProcess(server_args(config, work / f"{config}-ssd-{i}", master, dtype, device_tokens),
                              log_path=work / f"{config}-{i}.log") for i in range(replicas)]
     print(f"[{config}] starting {replicas} replicas", flush=True)
-    start_together(servers)
+    start_all(servers)
     rows, answers = [], {}
     try:
         for s in servers:

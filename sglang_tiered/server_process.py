@@ -122,8 +122,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during startup; log: {self.log_path}\n"
                                    + self.log_tail())
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            try:  # a ready server's /health generates one token and answers in 1-2 s (SGLang polls it every 1 s,
+                # for up to 20 s): a shorter timeout gave up on every first healthy answer and asked again
+                with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
                     if r.status == 200:
                         return True
             except (urllib.error.URLError, OSError):
@@ -241,28 +242,18 @@ class ServerProcess:
             return r.read().decode()
 
 
-def start_together(servers: Sequence[ServerProcess]) -> None:
-    """Start several servers at once (each start is mostly its own model load); if any fails, stop them all and
-    raise its error."""
-    import threading
-
-    errors: list[BaseException] = []
-
-    def start(server: ServerProcess) -> None:
-        try:
+def start_all(servers: Sequence[ServerProcess]) -> None:
+    """Start several servers, one after another; if one fails, stop them all and raise its error. Not at once: each
+    server measures its profile on its first request (`policy/kvpr.py`), and two starts on a 2-core machine
+    oversubscribe it (both servers' torch threads spin): the profiles came out ~20x slow, and the two starts took
+    longer than two in a row."""
+    try:
+        for server in servers:
             server.start()
-        except BaseException as exc:  # raised below, after every start has finished
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
+    except BaseException:
         for server in servers:
             server.stop()
-        raise errors[0]
+        raise
 
 
 def send_until(server: ServerProcess, texts: list[str], tokens: int) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from sglang_tiered.policy.cpu_dtype import choose_dtype
-from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, start_together
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, start_all
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
 from tests.integration.helpers import answers, tiered_args, wait_for_metric
 
@@ -75,7 +75,7 @@ def test_servers_share_one_store(tmp_path, essays, model_dir):
     try:
         # (1) A and B start with the master down: local tiers only, and they say so (the master's ports are chosen
         # now; nothing listens on them yet)
-        start_together([a, b])
+        start_all([a, b])
         for s in (a, b):
             assert s.log_lines("tiered remote: cannot connect"), s.log_tail()
         assert a.generate(doc3, max_new_tokens=1)["text"] is not None
