@@ -2,22 +2,85 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
 
 import pytest
+
+from sglang_tiered.server_process import signal_group
 
 pytestmark = pytest.mark.server  # launcher processes, no serving
 
 
-def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True, text=True,
-                          timeout=timeout, start_new_session=True)
+SGLANG_CLI = os.path.join(os.path.dirname(sys.executable), "sglang")
 
 
-def test_help_lists_our_flags():
-    out = launch("--help").stdout
+def launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", *args]
+
+
+class Launch:
+    """A launcher process started now, read when a test asks for its result; its output goes to files (SGLang's
+    `--help` is more than a pipe holds)."""
+
+    def __init__(self, cmd: list[str], out: Path, env: Optional[dict] = None) -> None:
+        self.out, self.err = out.with_suffix(".out"), out.with_suffix(".err")
+        with open(self.out, "w") as o, open(self.err, "w") as e:
+            self.proc = subprocess.Popen(cmd, stdout=o, stderr=e, start_new_session=True, env=env)
+
+    def result(self, timeout: float = 120) -> subprocess.CompletedProcess:
+        self.proc.wait(timeout=timeout)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out.read_text(),
+                                           self.err.read_text())
+
+    def stop(self) -> None:
+        signal_group(self.proc, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Iterator[dict[str, Launch]]:
+    """This module's launcher processes, all started at once: each is mostly SGLang's import (~11 s of one core),
+    so four at a time on two cores take about half as long as four in a row. `claimed`: a launch on an SSD
+    directory this process has claimed first, as a launcher does (storage/directory_lock.py)."""
+    tmp = tmp_path_factory.mktemp("launches")
+    started: dict[str, Launch] = {}
+    try:
+        started["help"] = Launch(launch_cmd("--help"), tmp / "help")
+        # `sglang serve` first asks the Hugging Face hub whether the model path names a diffusion model, which on a
+        # machine without network waits ~20 s for DNS: HF_HUB_OFFLINE
+        started["serve"] = Launch([SGLANG_CLI, "serve", "--model-path", "smollm2", "--kv-backend", "tiered",
+                                   "--tiered-ssd-dir", str(tmp / "serve-ssd"), "--tiered-ssd-capacity", "100K",
+                                   "--max-total-tokens", "1024"], tmp / "serve",
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        started["bad"] = Launch(launch_cmd("--kv-backend", "tiered", "--model-path", "smollm2", "--max-total-tokens",
+                                           "1024", "--tiered-ssd-dir", str(tmp / "bad-ssd"),
+                                           "--tiered-blend-ratio", "0"), tmp / "bad")
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.server_args import ServerArgs
+
+        load_plugins()
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        claimed = ["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp / "claimed-ssd"),
+                   "--dtype", "float32"]
+        ServerArgs.from_cli_args(parser.parse_args(claimed))
+        ServerArgs.from_cli_args(parser.parse_args(claimed))  # the same process may parse them again
+        started["claimed"] = Launch(launch_cmd(*claimed, "--max-total-tokens", "1024"), tmp / "claimed")
+        yield started
+    finally:
+        for launch in started.values():
+            launch.stop()
+
+
+def test_help_lists_our_flags(launches):
+    out = launches["help"].result().stdout
     for flag in ("--kv-backend {default,tiered}", "--tiered-ssd-dir", "--tiered-ssd-capacity", "--tiered-host-size",
                  "--tiered-namespace", "--tiered-prefetch-threshold",
                  "--tiered-blend {off,full,prefix,reuse,single,blend}", "--tiered-blend-separator",
@@ -30,16 +93,9 @@ def test_help_lists_our_flags():
         assert flag in out, flag
 
 
-def test_sglang_serve_parses_and_translates_our_flags(tmp_path):
-    """`sglang serve --help` prints before SGLang loads plugins; a real `sglang serve` run does load them.
-    (HF_HUB_OFFLINE: `sglang serve` first asks the Hugging Face hub whether the model path names a diffusion model,
-    which on a machine without network waits ~20 s for DNS.)"""
-    sglang_cli = os.path.join(os.path.dirname(sys.executable), "sglang")
-    r = subprocess.run([sglang_cli, "serve", "--model-path", "smollm2", "--kv-backend", "tiered",
-                        "--tiered-ssd-dir", str(tmp_path), "--tiered-ssd-capacity", "100K",
-                        "--max-total-tokens", "1024"],
-                       capture_output=True, text=True, timeout=120, start_new_session=True,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+def test_sglang_serve_parses_and_translates_our_flags(launches):
+    """`sglang serve --help` prints before SGLang loads plugins; a real `sglang serve` run does load them."""
+    r = launches["serve"].result()
     assert r.returncode == 2 and "sglang-tiered: --tiered-ssd-capacity:" in r.stderr, r.stderr[-2000:]
 
 
@@ -89,9 +145,8 @@ def test_bad_value_stops_startup_with_one_line(tmp_path, capsys, extra, flag):
     assert "Traceback" not in err
 
 
-def test_a_real_launch_with_a_bad_value_exits_2_with_one_line(tmp_path):
-    r = launch("--kv-backend", "tiered", "--model-path", "smollm2", "--max-total-tokens", "1024",
-               "--tiered-ssd-dir", str(tmp_path / "ssd"), "--tiered-blend-ratio", "0")
+def test_a_real_launch_with_a_bad_value_exits_2_with_one_line(launches):
+    r = launches["bad"].result()
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
     assert len(lines) == 1 and lines[0].startswith("sglang-tiered: --tiered-blend-ratio:"), r.stderr[-2000:]
@@ -101,7 +156,6 @@ def test_a_real_launch_with_a_bad_value_exits_2_with_one_line(tmp_path):
 def test_translation_into_sglang_fields(tmp_path):
     """SGLang's own parser and ServerArgs.from_cli_args, with the plugin's hooks applied in this process; our
     settings reach SGLang's processes through one channel (integration/settings.py)."""
-    import argparse
     import json
 
     from sglang.srt.plugins import load_plugins
@@ -141,25 +195,11 @@ def test_translation_into_sglang_fields(tmp_path):
     assert settings.current() is None  # and no tiered settings reach its processes
 
 
-def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(tmp_path):
-    """One server per `--tiered-ssd-dir` (storage/directory_lock.py): the flags parsed here claim the directory for
-    this process, as a launcher does; a server started on it meanwhile stops at once with one line naming this
-    process, and another directory starts past that check."""
-    import argparse
-
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ServerArgs
-
-    load_plugins()
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ssd = tmp_path / "ssd"
-    ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered",
-                                                "--tiered-ssd-dir", str(ssd), "--dtype", "float32"]))
-    ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered",
-                                                "--tiered-ssd-dir", str(ssd), "--dtype", "float32"]))  # same process
-    r = launch("--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(ssd),
-               "--max-total-tokens", "1024", "--dtype", "float32")
+def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(launches):
+    """One server per `--tiered-ssd-dir` (storage/directory_lock.py): the flags parsed in this process claimed the
+    directory, as a launcher does (`launches`); a server started on it meanwhile stops at once with one line naming
+    this process."""
+    r = launches["claimed"].result()
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
     assert len(lines) == 1 and lines[0].startswith("sglang-tiered: --tiered-ssd-dir:"), r.stderr[-2000:]
@@ -171,7 +211,6 @@ def test_dtype_auto_is_kept_in_the_ssd_directory_for_restarts(tmp_path):
     reuses it (the dtype is in every page's namespace: a restart that measured the other dtype would find the whole
     tier foreign -- seen on a CPU where bf16 and fp32 time within noise of each other). An unreadable file is
     measured again and rewritten; records of other machines or models are kept beside."""
-    import argparse
     import json
 
     from sglang.srt.plugins import load_plugins
@@ -210,7 +249,6 @@ def test_runahead_tune_writes_the_table_the_server_picks_up(tmp_path, monkeypatc
     """`sglang-tiered runahead-tune` measures splits on real ranks (progress on stdout; a small random checkpoint
     keeps it quick) and writes the table to the default path, where `--tiered-runahead-ranks` finds it without
     `--tiered-runahead-partitions`."""
-    import argparse
 
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
