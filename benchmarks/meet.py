@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -128,6 +129,16 @@ class Busy:
         self.thread.join(timeout=900)
 
 
+WAYS = {None: "SGLang's load", ")": "ours, compute not expected", ": behind": "ours, behind prefills",
+        ": measured choice": "ours, measured choice"}
+
+
+def way_name(logged: str | None) -> str:
+    """The way `auto` took, from its load's log line (`policy/compute_choice.py`'s three where compute would join;
+    our loader where compute is not expected to join, or behind other prefills; else SGLang's own load)."""
+    return WAYS.get(logged) or logged.removeprefix(": ")
+
+
 def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt: str, busy: Busy | None) -> dict:
     if busy is not None:
         busy.pause()
@@ -140,11 +151,13 @@ def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt:
     line = (s.log_lines("tiered kvpr: rid", since=mark) or [""])[-1]
     met = re.search(r"met at page (\d+) of (\d+)", line)
     x = re.search(r"\((\d+) from activations", line)
+    way = re.search(r"mode=auto(: two-sided|: the loader alone|: SGLang's forward|\)|: behind|: measured choice)", line)
     top = (body["meta_info"].get("output_top_logprobs") or [[]])[0] or []
     return {"ttft_s": ttft, "output": body["output_ids"], "cached": cached_details(body),
             "top": [[int(tok), float(lp)] for lp, tok, *_ in top],
             "met": [int(met.group(1)), int(met.group(2))] if met else None,
-            "from_activations": int(x.group(1)) if x else 0}
+            "from_activations": int(x.group(1)) if x else 0,
+            "way": way_name(way.group(1) if way else None)}
 
 
 def ratio(rows: dict) -> float:
@@ -266,7 +279,8 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                 print(f"[meet] {model} {disk}{' busy ' + busy if busy else ''} {n} tokens: " +
                       ", ".join(f"{c} {point[c]['ttft_s']:.3f}s ({len(rows[c])})" for c in CONFIGS) +
                       f"; auto / min {ratio(rows):.3f} {point['auto_over_min_ci']}"
-                      f"; met at {[x['met'] for x in rows['race']]}", flush=True)
+                      f"; met at {[x['met'] for x in rows['race']]}"
+                      f"; auto's ways {dict(Counter(x['way'] for x in rows['auto']))}", flush=True)
         finally:
             if noise is not None:
                 noise.close()
