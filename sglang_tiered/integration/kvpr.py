@@ -255,15 +255,17 @@ class KVPR:
             if how is None:
                 return None
         forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        if forced is not None or not d.compute_joins:
+        chooses = mode == "auto" and d.take  # `auto` picks among the three ways (policy/compute_choice.py)
+        kept_out = forced is None and Slowdown.kept_out(d0, d)
+        if forced is not None or not (d.compute_joins or chooses):
             return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
-                        loaders(d, forced), as_auto, d.join_share, slowdown,
-                        kept_out=forced is None and Slowdown.kept_out(d0, d))
-        # they would meet: the forward's estimate, its way's sample once run; `auto` picks among the three ways
+                        loaders(d, forced), as_auto, d.join_share, slowdown, kept_out=kept_out)
+        # the two-sided load (compute joins where the rule expects it to, else only if the reads come in slower at
+        # run time): its forward's estimate, its way's sample once run
         layers, new = self.shape.layers, len(req.origin_input_ids) - start - n * ps
         after = start + n * ps
         meet = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps)) + forward_s(profile, layers, new, after)
-        if mode == "auto" and d.take:
+        if chooses:
             alone_read_s = alone_page_s(self.shape, alone, ps, d.activations)
             solo = n * alone_read_s + forward_s(alone, layers, new, after)
             c = self.estimates.choose(n, d.activations, meet, forward_s(alone, layers, n * ps + new, start), solo)
@@ -273,9 +275,10 @@ class KVPR:
             if c.how == ALONE:  # the meet point forced to 0
                 self.rt.events.count("kvpr_alone_spans")
                 return Plan(start, tuple(keys[:n]), how, 0, d.page_s, alone_read_s, d.activations, d.chunk_s,
-                            MEET_LOADERS, as_auto, d.join_share, slowdown, way=ALONE, estimate_s=solo)
+                            MEET_LOADERS, as_auto, d.join_share, slowdown, way=ALONE, estimate_s=solo,
+                            kept_out=kept_out)
         return Plan(start, tuple(keys[:n]), how, None, d.page_s, d.read_s, d.activations, d.chunk_s,
-                    loaders(d, None), as_auto, d.join_share, slowdown, way=MEET, estimate_s=meet)
+                    loaders(d, None), as_auto, d.join_share, slowdown, way=MEET, estimate_s=meet, kept_out=kept_out)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
