@@ -250,13 +250,15 @@ class KVPR:
             d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
         as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         how = str(mode)
-        if not d.take:  # compute would gain little: our loader only where it is the faster load
+        forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
+        kept_out = forced is None and Slowdown.kept_out(d0, d)
+        if not d.take:  # compute would gain little: our loader only where it is the faster load, and alone
             how = self._ours_anyway(scheduler, req, n) if mode == "auto" else None
             if how is None:
                 return None
-        forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
+            forced = 0  # (stop 50: where compute could join such a span, on one loader thread, it took 0.63-0.72 s
+            #              against 0.46-0.52 s for the loader alone on two)
         chooses = mode == "auto" and d.take  # `auto` picks among the three ways (policy/compute_choice.py)
-        kept_out = forced is None and Slowdown.kept_out(d0, d)
         if forced is not None or not (d.compute_joins or chooses):
             return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
                         loaders(d, forced), as_auto, d.join_share, slowdown, kept_out=kept_out)
