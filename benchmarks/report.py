@@ -743,6 +743,17 @@ MEET_RERUNS = [
     ("meet-s49-smollm2-intel", "stop 49, the same code: SmolLM2's 1024 / 4096 tokens at 200 / 100 MB/s "
      "(`--models smollm2 --lengths 1024 4096 --slow-mbps 200 100 --skip-native --busy --repeats 3 --max-repeats 3 "
      "--name meet-s49-smollm2-intel`)"),
+    ("meet-s50-busy-mha1k-intel", "stop 50, stop 49's code: the MHA model's 1024 tokens at 200 / 50 MB/s, each also "
+     "with a busy CPU (`--models smollm2-mha --lengths 1024 --slow-mbps 200 50 --skip-native --busy 200 50 --repeats 4 "
+     "--max-repeats 6 --name meet-s50-busy-mha1k-intel`)"),
+    ("meet-s50-choice-mha1k-intel", "stop 50, the three-way choice also where compute is not expected to join: "
+     "200 MB/s "
+     "with and without a busy CPU (`--models smollm2-mha --lengths 1024 --slow-mbps 200 --skip-native --busy 200 "
+     "--repeats 5 --max-repeats 8 --name meet-s50-choice-mha1k-intel`); the 1.05x miss: spans our loader took though "
+     "compute would not gain ran on one thread"),
+    ("meet-s50-alone-mha1k-intel", "stop 50, those spans read by the loader alone on two threads: 200 / 50 MB/s and "
+     "200 MB/s with a busy CPU (`--models smollm2-mha --lengths 1024 --slow-mbps 200 50 --skip-native --busy 200 "
+     "--repeats 5 --max-repeats 8 --name meet-s50-alone-mha1k-intel`)"),
 ]
 
 
