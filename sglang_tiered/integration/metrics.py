@@ -293,8 +293,8 @@ EVENTS = {
     "prefetch would give up on them (its timeout shorter than the span's KV read at the measured read rate)",
     "kvpr_computed_spans": "Stored spans left whole to SGLang's forward (mode `compute`, or `auto` where it was "
                            "measured faster than the two-sided load: policy/compute_choice.py)",
-    "kvpr_alone_spans": "Stored spans `auto` gave the loader alone (compute taking no page) where compute would have "
-                        "joined it, that way measured faster or tried once (policy/compute_choice.py)",
+    "kvpr_alone_spans": "Stored spans `auto` gave the loader alone (compute taking no page) by the three-way choice, "
+                        "that way measured faster or tried once (policy/compute_choice.py)",
     "kvpr_forward_samples": "Forwards timed for the choice among the two-sided load, the loader alone and SGLang's "
                             "forward",
     "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "
