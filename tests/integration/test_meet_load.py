@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from sglang_tiered.policy.kvpr import MEET_LOADERS
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from tests.integration.helpers import chosen_dtype, flip_middle_byte
 from tests.integration.kvpr_helpers import PAGE, ask, assert_as_sglangs_load, counter
@@ -35,6 +36,12 @@ def meet_line(s: ServerProcess, out: dict) -> str:
     lines = [line for line in s.log_lines("tiered kvpr: rid") if f"rid {rid} " in line]
     assert len(lines) == 1, s.log_tail()
     return lines[0]
+
+
+def assert_alone(line: str) -> None:
+    """A span `auto` gave our loader although compute would not gain on it (the measured choice, behind prefills) is
+    read by the loader alone: the meet point forced to 0, MEET_LOADERS threads."""
+    assert "met at page 0 of" in line and f"by {MEET_LOADERS} thread(s)" in line, line
 
 
 def page_files(s: ServerProcess, ids: list[int]) -> list:
@@ -177,6 +184,7 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     if ours:
         why = "trying our loader" if retry else "our loader is faster"
         assert f"mode=auto: measured choice, {why}" in ours[0], ours[0]
+        assert_alone(ours[0])
     assert counter(s, "choice_ours") == chosen["ours"] + want_ours
     assert counter(s, "choice_sglang") == chosen["sglang"] + (not want_ours)
 
@@ -207,9 +215,10 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     assert out["output_ids"] == cold["output_ids"] and cached_details(out)["storage"] >= (pages - 1) * PAGE
     line = meet_line(s, out)
     assert "mode=auto: behind prefills (" in line and f"of {pages}:" in line, line
+    assert_alone(line)
     assert counter(s, "choice_behind_prefills") == behind + 1
     # our loader waited for nothing before its forward: that forward's time is a sample of it (read everything)
-    assert counter(s, "choice_samples") == samples + ("met at page 0 of" in line)
+    assert counter(s, "choice_samples") == samples + 1
 
 
 def test_a_span_left_to_sglangs_load_is_timed_whole_even_when_it_brings_nothing(fp32_server, essays, model_dir):
@@ -240,6 +249,7 @@ def test_a_span_left_to_sglangs_load_is_timed_whole_even_when_it_brings_nothing(
     assert out["output_ids"] == cold["output_ids"]
     assert counter(s, "choice_ours") == ours + 1 and counter(s, "choice_sglang") == given + 1
     assert "mode=auto: measured choice, trying our loader" in meet_line(s, out), meet_line(s, out)
+    assert_alone(meet_line(s, out))
 
 
 def test_among_decodes_auto_takes_the_load_measured_faster_among_decodes(fp32_server, essays, model_dir):
@@ -290,3 +300,4 @@ def test_among_decodes_auto_takes_the_load_measured_faster_among_decodes(fp32_se
     assert bool(ours) == rates[-1].endswith("our loader takes them"), (rates, ours)
     if ours:
         assert "mode=auto: measured choice, our loader is faster" in ours[0], ours[0]
+        assert_alone(ours[0])
