@@ -134,8 +134,9 @@ WAYS = {None: "SGLang's load", ")": "ours, compute not expected", ": behind": "o
 
 
 def way_name(logged: str | None) -> str:
-    """The way `auto` took, from its load's log line (`policy/compute_choice.py`'s three where compute would join;
-    our loader where compute is not expected to join, or behind other prefills; else SGLang's own load)."""
+    """The way `auto` took, from its load's log line: `policy/compute_choice.py`'s three where compute would gain; our
+    loader alone behind other prefills or by the measured choice; a bare `mode=auto` (before stop 50: our loader where
+    compute was not expected to join); no line: SGLang's own load."""
     return WAYS.get(logged) or logged.removeprefix(": ")
 
 

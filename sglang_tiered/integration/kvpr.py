@@ -15,7 +15,8 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
   on such spans by more than that forward took; with `--tiered-kvpr-choice measured` (the default), the load
   measured faster takes the rest -- at idle, or among other requests' decodes on samples taken among decodes
-  (`rule`: SGLang's). Where compute would join, `auto` takes the way measured fastest of three
+  (`rule`: SGLang's); such spans, where compute would not gain, are read by the loader alone (the meet point forced
+  to 0). Where compute would gain (`Decision.take`), `auto` takes the way measured fastest of three
   (`policy/compute_choice.py`: each way's forwards timed against the profile's estimates, `observe_forward`): the
   two meeting, the loader alone (the meet point forced to 0), or SGLang's own forward computing the whole span (mode
   `compute` asks for that). A taken span's L3 prefetch is skipped: its tokens become extend
@@ -54,7 +55,7 @@ activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation b
 `..._kvpr_activation_drops_total`, `..._kvpr_fallbacks_total`, `..._kvpr_read_samples_total`,
 `..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills), `..._kvpr_choice_sglang_gives_up_total`
 (spans taken because SGLang's prefetch would give up on them), `..._kvpr_computed_spans_total` (spans left whole
-to SGLang's forward), `..._kvpr_alone_spans_total` (spans given the loader alone where compute would have joined),
+to SGLang's forward), `..._kvpr_alone_spans_total` (spans given the loader alone by the three-way choice),
 `..._kvpr_forward_samples_total`; one log line per load with the meet point (or naming
 SGLang's forward), one when the read rate moves by more than a quarter.
 """
@@ -283,8 +284,9 @@ class KVPR:
                     loaders(d, None), as_auto, d.join_share, slowdown, way=MEET, estimate_s=meet, kept_out=kept_out)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
-        """Why our loader takes a span of `pages` stored pages that compute would not join (`auto`): behind other
-        prefills, or the measured choice (`--tiered-kvpr-choice measured`); None: SGLang's own load brings it in."""
+        """Why our loader (alone) takes a span of `pages` stored pages that compute would not gain on (`auto`):
+        behind other prefills, or the measured choice (`--tiered-kvpr-choice measured`); None: SGLang's own load
+        brings it in."""
         behind = self._behind_prefills(scheduler, pages * self.tier.namespace.page_size)
         if behind is not None:
             return "auto: " + behind

@@ -249,7 +249,6 @@ def test_runahead_tune_writes_the_table_the_server_picks_up(tmp_path, monkeypatc
     """`sglang-tiered runahead-tune` measures splits on real ranks (progress on stdout; a small random checkpoint
     keeps it quick) and writes the table to the default path, where `--tiered-runahead-ranks` finds it without
     `--tiered-runahead-partitions`."""
-
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
