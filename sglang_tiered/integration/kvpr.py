@@ -110,9 +110,9 @@ from sglang_tiered.policy.kvpr import (
     decide,
     forward_s,
     gate,
-    loaders,
     meet_s,
     reads_as_auto,
+    route,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills, prefetch_gives_up
 from sglang_tiered.policy.read_rate import ReadRate, moving_average
@@ -250,38 +250,28 @@ class KVPR:
             profile = beside(profile, slowdown)
             d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
         as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
-        how = str(mode)
-        forced = None if mode in ("auto", "force") else min(int(mode) // ps, n)
-        kept_out = forced is None and Slowdown.kept_out(d0, d)
-        if not d.take:  # compute would gain little: our loader only where it is the faster load, and alone
-            how = self._ours_anyway(scheduler, req, n) if mode == "auto" else None
-            if how is None:
-                return None
-            forced = 0  # (stop 50: where compute could join such a span, on one loader thread, it took 0.63-0.72 s
-            #              against 0.46-0.52 s for the loader alone on two)
-        chooses = mode == "auto" and d.take  # `auto` picks among the three ways (policy/compute_choice.py)
-        if forced is not None or not (d.compute_joins or chooses):
-            return Plan(start, tuple(keys[:n]), how, forced, d.page_s, d.read_s, d.activations, d.chunk_s,
-                        loaders(d, forced), as_auto, d.join_share, slowdown, kept_out=kept_out)
-        # the two-sided load (compute joins where the rule expects it to, else only if the reads come in slower at
-        # run time): its forward's estimate, its way's sample once run
+        # each way's forward as the profile estimates it (seconds): the two meeting, the loader alone, SGLang's
         layers, new = self.shape.layers, len(req.origin_input_ids) - start - n * ps
-        after = start + n * ps
-        meet = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps)) + forward_s(profile, layers, new, after)
-        if chooses:
-            alone_read_s = alone_page_s(self.shape, alone, ps, d.activations)
-            solo = n * alone_read_s + forward_s(alone, layers, new, after)
+        alone_read_s = alone_page_s(self.shape, alone, ps, d.activations)
+        meet = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps)) + forward_s(profile, layers, new, start + n * ps)
+        solo = n * alone_read_s + forward_s(alone, layers, new, start + n * ps)
+        how, chosen = str(mode), None
+        if mode == "auto" and not d.take:  # compute would gain little: our loader only where it is the faster load
+            how = self._ours_anyway(scheduler, req, n)
+        elif mode == "auto":  # the three ways, as measured (policy/compute_choice.py)
             c = self.estimates.choose(n, d.activations, meet, forward_s(alone, layers, n * ps + new, start), solo)
-            how = "auto: " + c.describe()
-            if c.how == COMPUTE:
-                return Plan(start, tuple(keys[:n]), how, None, 0.0, 0.0, False, way=COMPUTE)
-            if c.how == ALONE:  # the meet point forced to 0
-                self.rt.events.count("kvpr_alone_spans")
-                return Plan(start, tuple(keys[:n]), how, 0, d.page_s, alone_read_s, d.activations, d.chunk_s,
-                            MEET_LOADERS, as_auto, d.join_share, slowdown, way=ALONE, estimate_s=solo,
-                            kept_out=kept_out)
-        return Plan(start, tuple(keys[:n]), how, None, d.page_s, d.read_s, d.activations, d.chunk_s,
-                    loaders(d, None), as_auto, d.join_share, slowdown, way=MEET, estimate_s=meet, kept_out=kept_out)
+            how, chosen = "auto: " + c.describe(), c.how
+        r = route(mode, d, n, ps, anyway=how is not None, chosen=chosen)
+        if r is None:
+            return None
+        if r.way == COMPUTE:
+            return Plan(start, tuple(keys[:n]), how, None, 0.0, 0.0, False, way=COMPUTE)
+        if r.way == ALONE:
+            self.rt.events.count("kvpr_alone_spans")
+        return Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
+                    d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
+                    estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
+                    kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader (alone) takes a span of `pages` stored pages that compute would not gain on (`auto`):

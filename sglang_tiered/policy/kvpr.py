@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from sglang_tiered.policy.compute_choice import ALONE, COMPUTE, MEET
 from sglang_tiered.policy.read_rate import moving_average
 
 
@@ -306,6 +307,38 @@ def loaders(d: Decision, forced_pages: Optional[int]) -> int:
     """Threads for the loader of a span decided as `d` with the meet point forced to `forced_pages` pages (None:
     they meet): MEET_LOADERS where compute computes nothing or is not expected to join, else 1."""
     return MEET_LOADERS if forced_pages == 0 or (forced_pages is None and not d.compute_joins) else 1
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a stored span is filled: `way` (policy/compute_choice.py: MEET, ALONE or COMPUTE, a timed way; None: not
+    one of them, an unmeasured load), `pages` (the meet point forced, in pages computed from token ids; None: compute
+    and the loader meet where they meet), `threads` (the loader's, `loaders`)."""
+
+    way: Optional[str]
+    pages: Optional[int]
+    threads: int
+
+
+def route(mode: str | int, d: Decision, pages: int, page_size: int, *, anyway: bool,
+          chosen: Optional[str]) -> Optional[Route]:
+    """The way a span of `pages` stored pages decided as `d` is filled under `mode` (`auto`, `force`, or tokens
+    computed from token ids; `off` and `compute` need no decision); None: SGLang's own load.
+    `auto`: where compute would gain (`d.take`), the way `chosen` by compute_choice.Estimates (required there);
+    elsewhere the loader alone (meet point 0, MEET_LOADERS threads) where our loader takes the span `anyway` (behind
+    other prefills, or measured faster than SGLang's load), else SGLang's load. `force`: the two meet (a timed MEET
+    where compute is expected to join). A number: that many tokens' pages computed, at most the span."""
+    if mode == "force":
+        return Route(MEET if d.compute_joins else None, None, loaders(d, None))
+    if mode != "auto":
+        forced = min(int(mode) // page_size, pages)
+        return Route(None, forced, loaders(d, forced))
+    if not d.take:
+        return Route(None, 0, MEET_LOADERS) if anyway else None
+    if chosen not in (MEET, ALONE, COMPUTE):
+        raise ValueError(f"`auto` on a span compute would gain on needs the way chosen, got {chosen!r}")
+    forced = 0 if chosen == ALONE else None
+    return Route(chosen, forced, 0 if chosen == COMPUTE else loaders(d, forced))
 
 
 def auto_example(shape: Shape, prof: Profile, page_size: int, tokens: int = 4096) -> str:

@@ -14,12 +14,15 @@ from sglang_tiered.engine.kvpr_profile import ProfileTries, measure_chunks, meas
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.meet import MemoryPages, meet_prefill
 from sglang_tiered.kernels.extend_attention import causal_attention
+from sglang_tiered.policy.compute_choice import ALONE, COMPUTE, MEET
 from sglang_tiered.policy.kvpr import (
     MEET_LOADERS,
     MEET_MIN_PAGES,
     MEET_MIN_READ_SHARE,
     MEET_TAKE_READ_SHARE,
+    Decision,
     Profile,
+    Route,
     Shape,
     Slowdown,
     activation_read_s,
@@ -35,6 +38,7 @@ from sglang_tiered.policy.kvpr import (
     page_compute_s,
     page_read_s,
     reads_as_auto,
+    route,
 )
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
 
@@ -186,6 +190,35 @@ def test_two_loader_threads_only_where_compute_is_not_expected_to_join():
     assert loaders(fast, None) == MEET_LOADERS == 2 and loaders(slow, None) == 1
     assert loaders(slow, 0) == MEET_LOADERS  # forced: the loader reads everything, compute nothing
     assert loaders(fast, 3) == 1  # forced: compute runs beside the loader
+
+
+def test_route_gives_every_mode_and_decision_its_way_meet_point_and_threads():
+    """`route` over every mode: exact ways, forced meet points and loader threads."""
+    def decision(take, joins):
+        return Decision(take, False, read_s=0.03, page_s=0.02, chunk_s=0.01, compute_joins=joins)
+
+    joins, reads_fast = decision(True, True), decision(True, False)
+    small, not_taken = decision(False, True), decision(False, False)  # compute would gain little (`meet_pays`)
+    ways = {(ALONE, joins): Route(ALONE, 0, MEET_LOADERS), (ALONE, reads_fast): Route(ALONE, 0, MEET_LOADERS),
+            (MEET, joins): Route(MEET, None, 1), (MEET, reads_fast): Route(MEET, None, MEET_LOADERS),
+            (COMPUTE, joins): Route(COMPUTE, None, 0), (COMPUTE, reads_fast): Route(COMPUTE, None, 0)}
+    for (chosen, d), expected in ways.items():  # `auto` where compute would gain: the way chosen, as chosen
+        assert route("auto", d, 10, 64, anyway=False, chosen=chosen) == expected
+    with pytest.raises(ValueError, match="needs the way chosen"):
+        route("auto", joins, 10, 64, anyway=False, chosen=None)
+    # `auto` where compute would gain little: SGLang's load, or, where our loader takes the span anyway, the loader
+    # alone -- the meet point forced to 0 even where compute could join at run time (stop 50: one loader thread with
+    # compute free to join took 0.63-0.72 s against 0.46-0.52 s alone on two)
+    for d in (small, not_taken):
+        assert route("auto", d, 10, 64, anyway=False, chosen=None) is None
+        assert route("auto", d, 10, 64, anyway=True, chosen=None) == Route(None, 0, MEET_LOADERS)
+    # `force`: the two meet; a timed MEET only where compute is expected to join
+    assert route("force", joins, 10, 64, anyway=False, chosen=None) == Route(MEET, None, 1)
+    assert route("force", reads_fast, 10, 64, anyway=False, chosen=None) == Route(None, None, MEET_LOADERS)
+    # a number of tokens: whole pages of it computed, at most the span; the loader alone at 0
+    cases = ((0, 0, MEET_LOADERS), (63, 0, MEET_LOADERS), (64, 1, 1), (320, 5, 1), (10**6, 10, 1))
+    for tokens, pages, threads in cases:
+        assert route(tokens, joins, 10, 64, anyway=False, chosen=None) == Route(None, pages, threads)
 
 
 def test_a_forced_load_reads_as_auto_only_where_both_read_the_same_way():
