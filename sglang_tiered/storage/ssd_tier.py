@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, TypeVar
 
-from sglang_tiered.storage import activations, group_file
+from sglang_tiered.storage import activations, group_file, page_cache
 from sglang_tiered.storage.directory_lock import LOCK_FILE
 from sglang_tiered.storage.disk_index import DiskIndex, Victim
 from sglang_tiered.storage.files import make_dir, unlink_quiet, write_atomic
@@ -135,7 +135,7 @@ class SSDTier:
     def in_page_cache(self, key: str) -> Optional[bool]:
         """Whether the stored plain page `key`'s file is in the OS page cache (its first and last bytes; a read of
         it would not reach the disk): True, False, or None where that cannot be told (not stored, inside a group,
-        a kernel or file system without non-blocking buffered reads). A probe: nothing is counted or touched."""
+        no mincore here: `page_cache.resident`). A probe: nothing is read, counted or touched."""
         with self._lock:
             if self._index.kind(key) is None or self._index.group_of(key) is not None:
                 return None
@@ -144,13 +144,8 @@ class SSDTier:
         except OSError:
             return None
         try:
-            size = os.fstat(fd).st_size
-            for offset in {0, max(0, size - 1)}:
-                os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
-            return True
-        except BlockingIOError:
-            return False
-        except (OSError, AttributeError, ValueError):  # (no RWF_NOWAIT here)
+            return page_cache.resident(fd, (0, os.fstat(fd).st_size - 1))
+        except OSError:
             return None
         finally:
             os.close(fd)
