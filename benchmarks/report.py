@@ -759,6 +759,9 @@ MEET_RERUNS = [
      "--skip-native --busy 200 --repeats 4 --max-repeats 6 --name meet-s51-mha1k-amd`); with a busy CPU every "
      "configuration first waits for the other client's running prefill (about 8.8 s of auto's 9.9 s here): auto's "
      "floor, a load costing nothing, is about 0.73x"),
+    ("meet-s51-gqa1k-amd", "stop 51, SmolLM2 (GQA: KV only, the front computed from token ids) on the same AVX2-only "
+     "machine in float32 at 50 MB/s (`--models smollm2 --lengths 1024 --slow-mbps 50 --skip-native --busy "
+     "--repeats 4 --max-repeats 5 --name meet-s51-gqa1k-amd`)"),
 ]
 
 
