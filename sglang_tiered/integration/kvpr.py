@@ -251,10 +251,10 @@ class KVPR:
             d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
         as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         # each way's forward as the profile estimates it (seconds): the two meeting, the loader alone, SGLang's
-        layers, new = self.shape.layers, len(req.origin_input_ids) - start - n * ps
+        layers, new, after = self.shape.layers, len(req.origin_input_ids) - start - n * ps, start + n * ps
         alone_read_s = alone_page_s(self.shape, alone, ps, d.activations)
-        meet = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps)) + forward_s(profile, layers, new, start + n * ps)
-        solo = n * alone_read_s + forward_s(alone, layers, new, start + n * ps)
+        meet = meet_s(n, d.read_s, chunk_page_s(profile, layers, ps)) + forward_s(profile, layers, new, after)
+        solo = n * alone_read_s + forward_s(alone, layers, new, after)
         how, chosen = str(mode), None
         if mode == "auto" and not d.take:  # compute would gain little: our loader only where it is the faster load
             how = self._ours_anyway(scheduler, req, n)

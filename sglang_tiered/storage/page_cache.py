@@ -15,7 +15,6 @@ import os
 from collections.abc import Iterable
 from typing import Optional
 
-_PROT_READ, _MAP_SHARED = mmap.PROT_READ, mmap.MAP_SHARED
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -41,7 +40,7 @@ def resident(fd: int, offsets: Iterable[int]) -> Optional[bool]:
     size = os.fstat(fd).st_size
     if _LIBC is None or size == 0:
         return None
-    addr = _LIBC.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         return None
     try:

@@ -471,3 +471,14 @@ def test_the_page_cache_probe_cannot_tell_without_mincore(tmp_path, monkeypatch)
     tier.write_pages([(key(1), page(1))])
     monkeypatch.setattr(page_cache, "_LIBC", None)
     assert tier.in_page_cache(key(1)) is None
+
+
+def test_the_page_cache_probe_cannot_tell_for_an_empty_file(tmp_path):
+    """An empty file has no page to look at (a mapping of it is refused): None, not an error."""
+    path = tmp_path / "empty"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert page_cache.resident(fd, (0,)) is None
+    finally:
+        os.close(fd)
