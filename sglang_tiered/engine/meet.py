@@ -58,7 +58,8 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -103,6 +104,7 @@ class MeetResult:
     reads: tuple[float, ...] = ()  # seconds of each page the loader placed (read to placed), in its order
     chunks: tuple[tuple[float, int, float], ...] = ()  # compute's claims: (seconds into the load, pages, seconds)
     new_s: float = 0.0  # seconds of the new tokens' layers, after the meet
+    early_pages: int = 0  # of the loaded pages, those read before this call (`early`)
 
 
 def best_claim(free: int, compute_s: float, read_s: float, floor_s: float = 0.0, fixed_s: float = 0.0) -> int:
@@ -144,6 +146,8 @@ class _Claims:
         self.reads: list[float] = []  # the loader's seconds per page so far (each on its own thread)
         self.started: deque[float] = deque()  # when the reads in flight began, oldest first
         self.recomputed = 0  # pages the loader recomputed from activations
+        self.early: dict[int, Future] = {}  # pages read before the load, the loader's to place first (no reads)
+        self.placed_early = 0
         self.began = self.ended = 0.0  # the loader's first read and its last page placed (time.perf_counter())
         self.lock = threading.Lock()
         self.read_done = threading.Condition(self.lock)
@@ -187,6 +191,31 @@ class _Claims:
         """Until the loader has reached compute (or `timeout` seconds)."""
         with self.lock:
             self.read_done.wait_for(lambda: self.low <= self.front, timeout)
+
+    def hand_over(self, early: Mapping[int, Future]) -> None:
+        """Pages read before the load (`meet_prefill`'s `early`): those in one run up to the span's last page and not
+        below the forced split become the loader's at once (compute never claims them)."""
+        with self.lock:
+            while self.low - 1 in early and (self.split is None or self.low - 1 >= self.split):
+                self.low -= 1
+                self.early[self.low] = early[self.low]
+
+    def next_early(self) -> Optional[tuple[int, Future]]:
+        """A page read before the load, to place (highest first), or None."""
+        with self.lock:
+            if not self.early:
+                return None
+            page = max(self.early)
+            self.began = self.began or time.perf_counter()
+            return page, self.early.pop(page)
+
+    def early_placed(self, recomputed: bool) -> None:
+        """A page read before the load is placed: no read of this load (compute's rule decides by those)."""
+        with self.lock:
+            self.placed_early += 1
+            self.recomputed += recomputed
+            self.ended = time.perf_counter()
+            self.read_done.notify_all()
 
     def next_load(self) -> Optional[int]:
         """The loader's next page (from the back), or None once it reached compute (or the forced split)."""
@@ -233,7 +262,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
                  page_read_s: float = 0.0, chunk_floor_s: float = 0.0, chunk_fixed_s: float = 0.0,
                  from_disk: bool = False,
                  rope: Optional[Rope] = None, inputs: bool = False, loaders: int = 1,
-                 out: Optional[torch.Tensor] = None) -> MeetResult:
+                 out: Optional[torch.Tensor] = None, early: Optional[Mapping[int, Future]] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim], called
     once per layer) and the stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most
     pages compute takes at once (a forced split or a plain race takes this many).
@@ -255,7 +284,10 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     is one thread): a disk that serves several reads at once brings a span in faster, and the pages' copies spread
     over the cores (while compute runs they compete with it for them). `out`: where the prefix's KV is gathered (once
     per layer: attention then reads it in place) and the result's goes, [layers, prefix_len + |S| + |C|, 2, kv_heads,
-    head_dim] on the model's device (a server's reused buffer, `KVScratch`); default a new one."""
+    head_dim] on the model's device (a server's reused buffer, `KVScratch`); default a new one. `early`: pages read
+    before this call (engine/early_reads.py), page -> a future of its `StoredPage`: those in one run up to the span's
+    last page (and not below `split`) are the loader's from the start, placed first without a read (their times are
+    no reads: compute's rule decides by the reads still to come); the rest are ignored."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -275,6 +307,7 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     workers = 1 if copies is not None else max(1, loaders)
     claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,
                      workers=workers, chunk_floor_s=chunk_floor_s, chunk_fixed_s=chunk_fixed_s)
+    claims.hand_over(early or {})
     errors: list[BaseException] = []
     # (on a CUDA model a page arrives whole in one buffer, then is spread over the layers: no allocation per page)
     stage = torch.empty_like(out[:, :ps]) if copies is not None else None
@@ -283,19 +316,24 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     def load() -> None:
         with _on_stream(copies):
             while not errors:
-                page = claims.next_load()
+                got = claims.next_early()
+                page = got[0] if got is not None else claims.next_load()
                 if page is None:
                     return
                 t0 = time.perf_counter()
                 try:
-                    recomputed = _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
+                    stored = got[1].result() if got is not None else source.read(page)
+                    recomputed = _place(model, stored, out[:, page * ps : (page + 1) * ps],
                                         torch.arange(p + page * ps, p + (page + 1) * ps, device=dev), rope, stage)
                     if copies is not None:
                         copies.synchronize()  # the page is on the device: its read time is the transfer's
                 except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
                     errors.append(exc)
                     return
-                claims.loaded(time.perf_counter() - t0, recomputed == 1)
+                if got is not None:
+                    claims.early_placed(recomputed == 1)
+                else:
+                    claims.loaded(time.perf_counter() - t0, recomputed == 1)
 
     if copies is not None:  # (`out` may reuse memory that kernels queued before this call still touch)
         copies.wait_stream(torch.cuda.current_stream(dev))
@@ -346,9 +384,9 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         x = model.finish_layer(layer, x, _attend(q, full[layer], p, p + s))
     if copies is not None:
         torch.cuda.current_stream(dev).synchronize()  # (timed as done, not as queued)
-    return MeetResult(out, x[-1], computed, len(claims.reads), claims.recomputed, compute_s,
+    return MeetResult(out, x[-1], computed, len(claims.reads) + claims.placed_early, claims.recomputed, compute_s,
                       claims.ended - claims.began, wait_s, xs, tuple(claims.reads), tuple(chunks),
-                      time.perf_counter() - t_new)
+                      time.perf_counter() - t_new, claims.placed_early)
 
 
 def _on_stream(stream: Optional[torch.cuda.Stream]):

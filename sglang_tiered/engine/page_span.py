@@ -39,10 +39,10 @@ class TierPages:
         self._since = 0.0  # when the running ones began to overlap (the first of them started)
         self._lock = threading.Lock()
 
-    def first_read_cached(self) -> Optional[bool]:
-        """Whether the file the loader reads first (the last page's: its activations where they would be read, else
-        its KV) is in the OS page cache (`SSDTier.in_page_cache`; None: cannot be told)."""
-        key = self.keys[-1]
+    def first_read_cached(self, page: int = -1) -> Optional[bool]:
+        """Whether the file the loader reads first (page `page`'s, by default the last: its activations where they
+        would be read, else its KV) is in the OS page cache (`SSDTier.in_page_cache`; None: cannot be told)."""
+        key = self.keys[page]
         act = activations.activation_key(key)
         return self.tier.in_page_cache(act if self.activations and self.tier.contains(act) else key)
 

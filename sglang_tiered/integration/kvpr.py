@@ -68,11 +68,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from sglang_tiered.engine.early_reads import EarlyJob, EarlyReader
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
     PROFILE_FILE,
@@ -86,6 +87,7 @@ from sglang_tiered.engine.kvpr_profile import (
     save_profile,
     stored_profile,
 )
+from sglang_tiered.engine.llama import LlamaConfig
 from sglang_tiered.engine.meet import meet_prefill
 from sglang_tiered.engine.page_span import TierPages
 from sglang_tiered.engine.scratch import KVScratch
@@ -129,6 +131,8 @@ _MIN_PROBE_BYTES = 1 << 20  # a read-bandwidth probe smaller than this says noth
 PROFILE_WAIT_S = 60.0  # the longest a forced load waits for the read bandwidth being measured (64 MiB at 1 MB/s)
 PROFILE_TRIES = 3  # compute profiles taken at most where they disagree with themselves (kvpr_profile.Unsettled)
 PROFILE_RETRY_S = 5.0  # ... each this long after the one before (what slowed it has likely ended)
+EARLY_READ_BYTES = 256 << 20  # host memory for pages read at admission, before their forward, all loads together
+EARLY_HOLD_S = 60.0  # pages read early and not taken by a forward this long after admission are dropped
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,8 @@ class Plan:
     #                            the span; MEET, ALONE: its forward is a sample of that way); None: not one of them
     estimate_s: float = 0.0  # the profile's seconds for this load's forward, the way's sample once run (0: none)
     kept_out: bool = False  # the slowdown kept compute out of a load it would join at the profile's times
+    early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
+    #                                                                             admission (engine/early_reads.py)
 
 
 class KVPR:
@@ -163,8 +169,8 @@ class KVPR:
 
     name = "kvpr"
 
-    def __init__(self, rt: Runtime, shape: Shape, gate_reason: Optional[str]) -> None:
-        self.rt = rt
+    def __init__(self, rt: Runtime, cfg: LlamaConfig, shape: Shape, gate_reason: Optional[str]) -> None:
+        self.rt, self.cfg = rt, cfg
         self.handler = KVPRHandler(rt, self)
         self.capture = _Capture(self)
         self.shape = shape  # elements until `attach`, then bytes
@@ -187,6 +193,7 @@ class KVPR:
         self.slowdown = Slowdown()  # compute's time beside a loader over the profile's (`observe_chunks`)
         self.estimates = Estimates()  # SGLang's forward or the two-sided load, as measured (policy/compute_choice.py)
         self._l3_reads, self._l3_read_end = 0, 0.0  # SGLang's own L3 reads in flight; when the last ended
+        self.early = EarlyReader(EARLY_READ_BYTES, EARLY_HOLD_S)  # taken spans' reads, from admission on
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
@@ -268,10 +275,24 @@ class KVPR:
             return Plan(start, tuple(keys[:n]), how, None, 0.0, 0.0, False, way=COMPUTE)
         if r.way == ALONE:
             self.rt.events.count("kvpr_alone_spans")
-        return Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
+        plan = Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
                     kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
+        return replace(plan, early=self._read_early(plan))
+
+    def _read_early(self, plan: Plan) -> Optional[EarlyJob]:
+        """Begin reading, now, the pages of `plan` its loader would read (from the forced meet point up, or all where
+        the two meet), last first, while the request waits for its forward (engine/early_reads.py); None where the
+        store's dtype is not a torch one."""
+        dtype = getattr(torch, self.tier.namespace.dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            return None
+        c, ps = self.cfg, self.tier.namespace.page_size
+        source = TierPages(self.tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads,
+                           head_dim=c.head_dim, dtype=dtype, hidden=c.hidden, activations=plan.activations)
+        per_token = max(self.shape.kv_bytes, self.shape.x_bytes if plan.activations else 0)  # (a missing activation
+        return self.early.start(source, plan.pages or 0, ps * self.shape.layers * per_token)  # page reads as KV)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader (alone) takes a span of `pages` stored pages that compute would not gain on (`auto`):
@@ -489,7 +510,8 @@ class KVPR:
         if ext < ps:
             return
         plan, seconds = planned(req, self.name), self.rt.forward.last_extend_s
-        if by == self.name and plan is not None and plan.way in LOADS and plan.estimate_s > 0:
+        if by == self.name and plan is not None and plan.way in LOADS and plan.estimate_s > 0 and \
+                not getattr(req, "tiered_early_pages", 0):  # (pages read before it: not the way's time)
             key, estimate = Estimates.key(plan.way, len(plan.keys), plan.activations), plan.estimate_s
         elif by is None and (plan is None or plan.way == COMPUTE) and \
                 self._l3_quiet_since(time.perf_counter() - seconds):
@@ -638,6 +660,10 @@ class KVPRHandler(SpanHandler):
                 return None
         return super().forward(module, input_ids, positions, fb)
 
+    def release(self, plan: Plan) -> None:
+        if plan.early is not None:
+            self.kvpr.early.drop(plan.early)
+
     def check(self, fb, req, plan: Plan) -> tuple[Optional[str], Plan]:
         prefix = int(fb.extend_prefix_lens_cpu[0])
         if prefix != plan.start:
@@ -652,10 +678,15 @@ class KVPRHandler(SpanHandler):
         tier = kvpr.tier
         ps = tier.namespace.page_size
         prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        source = TierPages(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                           dtype=engine.dtype, hidden=c.hidden, activations=plan.activations)
+        early = kvpr.early.take(plan.early) if plan.early is not None else {}  # pages read since admission
+        source = plan.early.source if plan.early is not None else None
+        if source is None or source.dtype != engine.dtype:
+            early, source = {}, TierPages(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads,
+                                          head_dim=c.head_dim, dtype=engine.dtype, hidden=c.hidden,
+                                          activations=plan.activations)
         s = source.pages * ps
-        from_disk = plan.pages is None and source.first_read_cached() is False  # (a probe, no read)
+        first = source.pages - 1 - len(early)  # the loader's first read (early pages run down from the last)
+        from_disk = plan.pages is None and first >= 0 and source.first_read_cached(first) is False  # (no read)
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         kept = kvpr.scratch.nbytes
         out = kvpr.scratch.take(engine, prefix + ext)  # (the cached prefix's KV too: attention reads it in place)
@@ -669,11 +700,12 @@ class KVPRHandler(SpanHandler):
                            rope=sglang_rope(module),
                            inputs=kvpr.writer is not None, loaders=plan.loaders,
                            prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
-                           out=out)
+                           out=out, early=early)
         t_write = time.perf_counter()
         hidden = model_forward.write_extend(fb, engine, res.kv, res.hidden)
         write_s = time.perf_counter() - t_write
         req.tiered_pure_load = res.computed_pages == 0 and plan.as_auto  # (a sample of our loader: load_timing)
+        req.tiered_early_pages = res.early_pages  # (then not a sample of its way's time: observe_forward)
         if res.loaded_pages and not req.retracted_stain:  # read, not computed: reported as SGLang reports its own
             req.cached_tokens += res.loaded_pages * ps      # L3 hits (meta_info.cached_tokens_details, /metrics)
             req.cached_tokens_storage += res.loaded_pages * ps
@@ -684,7 +716,7 @@ class KVPRHandler(SpanHandler):
             kvpr.writer.submit(keys, res.inputs[:, rows].clone())
         read = (kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
                 if res.loaded_pages else "nothing read")
-        if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0:  # (so compute took no page)
+        if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0 and not res.early_pages:
             kvpr.observe_activation_load(res.load_s, source.pages * ps * c.layers)
         beside_note = kvpr.observe_chunks(plan, res.chunks, res.load_s)
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
@@ -695,14 +727,16 @@ class KVPRHandler(SpanHandler):
         events.count("kvpr_bytes_saved", max(0, recomputed * kvpr.shape.layers * (kvpr.shape.kv_bytes -
                                                                                   kvpr.shape.x_bytes)))
         events.count("kvpr_activation_misses", source.act_misses)
+        events.count("kvpr_early_pages", res.early_pages)
         logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
                     "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
                     "thread(s) (%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; "
-                    "read path %s), waited %.3fs at the meet, then the new tokens' layers %.3fs and the write into "
-                    "SGLang's pool %.3fs, total=%.3fs; compute's chunks %s%s (%s)", req.rid, s, prefix,
-                    ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s, loaded, res.load_s,
-                    plan.loaders, recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
-                    source.act_misses, read, res.wait_s, res.new_s, write_s, time.perf_counter() - t0,
+                    "%d pages read before the forward; read path %s), waited %.3fs at the meet, then the new tokens' "
+                    "layers %.3fs and the write into SGLang's pool %.3fs, total=%.3fs; compute's chunks %s%s (%s)",
+                    req.rid, s, prefix, ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s,
+                    loaded, res.load_s, plan.loaders, recomputed, source.bytes_x / 2**20, loaded - recomputed,
+                    source.bytes_kv / 2**20, source.act_misses, res.early_pages, read, res.wait_s, res.new_s, write_s,
+                    time.perf_counter() - t0,
                     _chunks(res.chunks), " (the span out of the page cache: compute claimed at once)" if from_disk
                     else "", beside_note)
         return hidden
@@ -740,14 +774,12 @@ def register_hooks(rt: Runtime) -> bool:
     if current is None or current.config.kvpr == "off" or not current.cpu_only:
         return False
     try:
-        from sglang_tiered.engine.llama import LlamaConfig
-
         cfg = LlamaConfig.from_hf(current.model_path)
     except (OSError, KeyError, ValueError, NotImplementedError) as exc:
         logger.info("tiered kvpr: off (%s)", exc)
         return False
     shape = Shape(cfg.layers, cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim)  # elements; bytes at attach
-    rt.kvpr = KVPR(rt, shape, gate(shape))
+    rt.kvpr = KVPR(rt, cfg, shape, gate(shape))
     if rt.kvpr.gate_reason is None or current.config.kvpr == "force":  # activations stored
         HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", rt.kvpr.around_attention,
                               HookType.AROUND)

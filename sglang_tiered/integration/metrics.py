@@ -295,6 +295,8 @@ EVENTS = {
                            "measured faster than the two-sided load: policy/compute_choice.py)",
     "kvpr_alone_spans": "Stored spans `auto` gave the loader alone (compute taking no page) by the three-way choice, "
                         "that way measured faster or tried once (policy/compute_choice.py)",
+    "kvpr_early_pages": "Stored pages our loader placed that were read between the request's admission and its "
+                        "forward (engine/early_reads.py)",
     "kvpr_forward_samples": "Forwards timed for the choice among the two-sided load, the loader alone and SGLang's "
                             "forward",
     "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "

@@ -394,3 +394,48 @@ def test_the_prefix_is_read_once_per_layer_however_many_chunks():
     assert len(res.chunks) == 4 and calls == list(range(model.cfg.layers))
     assert torch.allclose(res.kv, ref.kv[:, prefix:], atol=1e-5, rtol=1e-5)
     assert model.logits(res.hidden[None])[0].argmax() == ref.logits.argmax()
+
+
+def _read(span: MemoryPages, pages) -> dict:
+    """Pages read before the load, as the early reader hands them over: page -> a done future."""
+    from concurrent.futures import Future
+
+    out = {}
+    for page in pages:
+        out[page] = Future()
+        out[page].set_result(span.read(page))
+    span.reads.clear()
+    return out
+
+
+@pytest.mark.parametrize("prefix", [0, 2 * PS])
+@pytest.mark.parametrize("split,early,placed", [(None, [5, 4], 2), (None, range(6), 6), (2, [5, 4, 3], 3),
+                                                  (4, [5, 4, 3], 2), (None, [5, 3], 1), (None, [3], 0)])
+def test_pages_read_before_the_load_are_placed_not_read_again(model, prefix, split, early, placed):
+    """Pages read early in one run from the span's last are the loader's from the start and never read again; a
+    page under the forced split, or past a gap, is ignored (read or computed as without it); the result is exact."""
+    ids, ref, span = case(model, prefix, 6, 5)
+    res, logits = run(model, ids, ref, span, prefix, split=split, early=_read(span, early), loaders=2)
+    assert res.early_pages == placed
+    assert torch.allclose(res.kv, ref.kv[:, prefix:], atol=1e-5, rtol=1e-5)
+    assert logits.argmax() == ref.logits.argmax()
+    assert res.computed_pages + res.loaded_pages == 6
+    assert sorted(span.reads) == list(range(res.computed_pages, 6 - placed))  # the rest read once, early ones not
+    if split is not None:
+        assert res.computed_pages == split
+
+
+def test_a_page_in_flight_is_waited_for_and_its_miss_abandons_the_load():
+    import threading
+    from concurrent.futures import Future
+
+    model = LlamaModel.random(SHAPES["gqa"], seed=1)
+    ids, ref, span = case(model, 0, 4, 2)
+    pending: Future = Future()
+    threading.Timer(0.2, lambda: pending.set_result(span.read(3))).start()  # page 3 still being read
+    res, logits = run(model, ids, ref, span, 0, split=0, early={3: pending})
+    assert res.early_pages == 1 and res.load_s >= 0.15 and logits.argmax() == ref.logits.argmax()
+    failed: Future = Future()
+    failed.set_exception(SpanMiss("page 3 unreadable"))
+    with pytest.raises(SpanMiss, match="page 3"):
+        run(model, ids, ref, span, 0, split=0, early={3: failed})
