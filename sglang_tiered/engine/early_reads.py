@@ -21,14 +21,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Optional
 
-from sglang_tiered.engine.meet import PageSource
+from sglang_tiered.engine.meet import PageSource, StoredPage
 
 
 class EarlyJob:
-    """One load's early reads: `source`'s pages from the last down to `lowest`, `page_bytes` each in memory."""
+    """One load's early reads: `source`'s pages from the last down to `lowest` (each by `read`), `page_bytes` each in
+    memory."""
 
-    def __init__(self, source: PageSource, lowest: int, page_bytes: int, since: float) -> None:
-        self.source, self.lowest, self.page_bytes, self.since = source, lowest, page_bytes, since
+    def __init__(self, source: PageSource, read: Callable[[int], StoredPage], lowest: int, page_bytes: int,
+                 since: float) -> None:
+        self.source, self.read, self.lowest, self.page_bytes, self.since = source, read, lowest, page_bytes, since
         self.next = source.pages - 1  # the next page to read (below `lowest`: done)
         self.pages: dict[int, Future] = {}  # read or in flight
         self.stopped = False
@@ -44,9 +46,10 @@ class EarlyReader:
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
 
-    def start(self, source: PageSource, lowest: int, page_bytes: int) -> Optional[EarlyJob]:
-        """Begin reading `source`'s pages [lowest, pages) early, the last first; None if there is none to read or one
-        page would not fit the whole budget."""
+    def start(self, source: PageSource, lowest: int, page_bytes: int,
+              read: Optional[Callable[[int], StoredPage]] = None) -> Optional[EarlyJob]:
+        """Begin reading `source`'s pages [lowest, pages) early, the last first, by `read` (default `source.read`);
+        None if there is none to read or one page would not fit the whole budget."""
         with self._cv:
             now = self.clock()
             for job in [j for j in self.jobs if now - j.since > self.hold_s]:
@@ -54,7 +57,7 @@ class EarlyReader:
                 self.expired += 1
             if lowest >= source.pages or page_bytes > self.budget_bytes:
                 return None
-            job = EarlyJob(source, max(0, lowest), page_bytes, now)
+            job = EarlyJob(source, read or source.read, max(0, lowest), page_bytes, now)
             self.jobs.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tiered-early-reads", daemon=True)
@@ -105,7 +108,7 @@ class EarlyReader:
                     claim = self._next()
             job, page, future = claim
             try:
-                future.set_result(job.source.read(page))
+                future.set_result(job.read(page))
             except BaseException as exc:  # noqa: BLE001 -- the forward meets it when it waits for the page
                 future.set_exception(exc)
                 with self._cv:

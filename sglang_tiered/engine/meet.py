@@ -43,6 +43,10 @@ slows down under load. Without an estimate the two simply race (Cake's scheme).
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 
+Pages read before the call (`early`: a server reads a taken span's back from admission on, while the request waits
+for its forward, engine/early_reads.py) are the loader's from the start: it places them first, without a read, and
+compute's rule decides by the reads still to come.
+
 On a CUDA model (component level: the server runs this on CPUs) the same scheduler runs with the loader's copies of
 pages (from pinned host memory: `PageSource.read` returns host tensors) on a CUDA stream of its own, each page's copy
 waited for on the loader's thread (its read time is the transfer's), and compute's kernels on the caller's current

@@ -50,9 +50,11 @@ class TierPages:
     def bytes_read(self) -> int:
         return self.bytes_x + self.bytes_kv
 
-    def read(self, page: int) -> StoredPage:
+    def read(self, page: int, *, kv: bool = False) -> StoredPage:
+        """Page `page` (see the module docstring); `kv`: as its KV even where its activations would be read (a page
+        read well ahead of its forward: placing KV is a copy, activations a recompute)."""
         key = self.keys[page]
-        if self.activations:
+        if self.activations and not kv:
             act = activations.activation_key(key)
             if self.tier.contains(act):
                 x = torch.empty(self.x_shape, dtype=self.dtype)

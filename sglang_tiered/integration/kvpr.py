@@ -21,7 +21,12 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   two meeting, the loader alone (the meet point forced to 0), or SGLang's own forward computing the whole span (mode
   `compute` asks for that). A taken span's L3 prefetch is skipped: its tokens become extend
   tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree
-  as usual.
+  as usual. From admission on, while the request waits for its forward, one background thread reads the pages the
+  loader would read, last first (`engine/early_reads.py`, at most EARLY_READ_BYTES held for all queued loads): as KV
+  where the request waits behind the next piece of another request's chunked prefill (a whole forward to read in;
+  placing KV is a copy, activations a recompute), else as the plan reads them. The forward takes them (the page in
+  flight too) and reads the rest; a plan not followed (a fallback, a re-admission) drops them, and ones not taken
+  EARLY_HOLD_S after admission are dropped at the next start.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -56,7 +61,8 @@ activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation b
 `..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills), `..._kvpr_choice_sglang_gives_up_total`
 (spans taken because SGLang's prefetch would give up on them), `..._kvpr_computed_spans_total` (spans left whole
 to SGLang's forward), `..._kvpr_alone_spans_total` (spans given the loader alone by the three-way choice),
-`..._kvpr_forward_samples_total`; one log line per load with the meet point (or naming
+`..._kvpr_forward_samples_total`, `..._kvpr_early_pages_total` (pages read before the forward); one log line
+per load with the meet point (or naming
 SGLang's forward), one when the read rate moves by more than a quarter.
 """
 
@@ -279,20 +285,24 @@ class KVPR:
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
                     kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
-        return replace(plan, early=self._read_early(plan))
+        return replace(plan, early=self._read_early(plan, behind_chunk=scheduler.chunked_req not in (None, req)))
 
-    def _read_early(self, plan: Plan) -> Optional[EarlyJob]:
+    def _read_early(self, plan: Plan, behind_chunk: bool) -> Optional[EarlyJob]:
         """Begin reading, now, the pages of `plan` its loader would read (from the forced meet point up, or all where
-        the two meet), last first, while the request waits for its forward (engine/early_reads.py); None where the
-        store's dtype is not a torch one."""
+        the two meet), last first, while the request waits for its forward (engine/early_reads.py): as KV when it
+        waits `behind_chunk` (another request's chunked prefill has its next piece to run first: a whole forward's
+        time to read in, so the forward need not recompute K and V from activations), else as the plan reads them.
+        None where the store's dtype is not a torch one."""
         dtype = getattr(torch, self.tier.namespace.dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             return None
         c, ps = self.cfg, self.tier.namespace.page_size
         source = TierPages(self.tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads,
                            head_dim=c.head_dim, dtype=dtype, hidden=c.hidden, activations=plan.activations)
-        per_token = max(self.shape.kv_bytes, self.shape.x_bytes if plan.activations else 0)  # (a missing activation
-        return self.early.start(source, plan.pages or 0, ps * self.shape.layers * per_token)  # page reads as KV)
+        as_kv = behind_chunk or not source.activations
+        per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
+        return self.early.start(source, plan.pages or 0, ps * self.shape.layers * per_token,  # reads as KV)
+                                lambda page: source.read(page, kv=as_kv))
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader (alone) takes a span of `pages` stored pages that compute would not gain on (`auto`):

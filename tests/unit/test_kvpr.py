@@ -418,6 +418,32 @@ def test_two_loader_threads_load_stored_pages_exactly_and_count_each_read_once(m
     assert 0 < source.read_s <= res.load_s <= wall
 
 
+def test_pages_read_early_as_kv_from_the_tier_load_exactly_with_the_rest_from_activations(mha, tier):
+    """A span's back read at admission (engine/early_reads.py) as KV (`TierPages.read(kv=True)`: placed by a copy),
+    its front by the forward as activations: the same KV as a full prefill, each page read once, every byte counted
+    by the one source."""
+    from sglang_tiered.engine.early_reads import EarlyReader
+
+    model, ids, logits, kv, xs = mha
+    keys = store_span(tier, kv, xs, 80, with_x={0, 1, 2, 3, 4})
+    source = tier_pages(tier, keys)
+    reader = EarlyReader(1 << 30, 60.0)
+    job = reader.start(source, 2, PS * MHA.layers * 2 * MHA.kv_heads * MHA.head_dim * 4,
+                       lambda page: source.read(page, kv=True))
+    deadline = time.monotonic() + 10
+    while not all(job.pages.get(page) and job.pages[page].done() for page in (2, 3, 4)):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    res = meet_prefill(model, ids[:80], ids[80:], prefix_len=0, source=source, split=0, loaders=2,
+                       early=reader.take(job))
+    assert res.early_pages == 3 and res.loaded_pages == 5 and res.recomputed_pages == 2  # pages 0, 1 from X
+    x_page, kv_page = PS * MHA.hidden * 4, PS * 2 * MHA.kv_heads * MHA.head_dim * 4
+    assert source.bytes_kv == 3 * kv_page * MHA.layers and source.bytes_x == 2 * x_page * MHA.layers
+    torch.testing.assert_close(res.kv, kv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.logits(res.hidden[None])[0], logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(res.kv[:, 2 * PS : 80], kv[:, 2 * PS : 80])  # the stored copy, bit for bit
+
+
 def test_missing_or_corrupt_activations_fall_back_to_that_pages_kv(mha, tier):
     from sglang_tiered.storage import activations
 
