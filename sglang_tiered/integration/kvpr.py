@@ -285,7 +285,8 @@ class KVPR:
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
                     kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
-        return replace(plan, early=self._read_early(plan, behind_chunk=scheduler.chunked_req not in (None, req)))
+        chunked = getattr(scheduler, "chunked_req", None)  # a chunked prefill with pieces to go runs first
+        return replace(plan, early=self._read_early(plan, behind_chunk=chunked is not None and chunked is not req))
 
     def _read_early(self, plan: Plan, behind_chunk: bool) -> Optional[EarlyJob]:
         """Begin reading, now, the pages of `plan` its loader would read (from the forced meet point up, or all where
