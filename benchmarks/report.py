@@ -762,6 +762,15 @@ MEET_RERUNS = [
     ("meet-s51-gqa1k-amd", "stop 51, SmolLM2 (GQA: KV only, the front computed from token ids) on the same AVX2-only "
      "machine in float32 at 50 MB/s (`--models smollm2 --lengths 1024 --slow-mbps 50 --skip-native --busy "
      "--repeats 4 --max-repeats 5 --name meet-s51-gqa1k-amd`)"),
+    ("meet-s52-mha1k-busy-amd", "stop 52, a taken span's pages read from admission on, as the plan reads them "
+     "(activations on this model): 200 MB/s with a busy CPU on the AVX2-only machine (`--models smollm2-mha --lengths "
+     "1024 --slow-mbps --skip-native --busy 200 --repeats 4 --max-repeats 6 --name meet-s52-mha1k-busy-amd`); every "
+     "page was read before the forward, which still took 0.74-0.99 s recomputing K and V from them"),
+    ("meet-s52-mha1k-busy-kv-amd", "stop 52's code: pages read early as KV behind another request's chunked "
+     "prefill (the same command, `--name meet-s52-mha1k-busy-kv-amd`): the forward places them by a copy (0.03-0.04 "
+     "s) and computes the 32 new tokens"),
+    ("meet-s52-mha1k-idle-amd", "stop 52's code at idle, 200 and 50 MB/s (`--models smollm2-mha --lengths 1024 "
+     "--slow-mbps 200 50 --skip-native --busy --repeats 4 --max-repeats 6 --name meet-s52-mha1k-idle-amd`)"),
 ]
 
 
