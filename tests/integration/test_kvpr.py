@@ -8,13 +8,15 @@ forced at 0 (every page recomputed from activations), one page, the middle, all 
 page computed from token ids), and with a device-cached prefix ahead of the span: the greedy output is identical
 every time. A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang
 compute the span (counted, identical). A prompt that SGLang prefills in pieces (longer than `--chunked-prefill-size`)
-is never planned: it keeps SGLang's own load. On the GQA default model no activations are stored, and it says why.
+is never planned: it keeps SGLang's own load. A request admitted behind another request's chunked prefill has its
+span read before its forward, as KV (identical). On the GQA default model no activations are stored, and it says why.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def mha_server(tmp_path_factory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("kvpr")
     model = random_model_dir(tmp / "model", MHA, seed=1)
     args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force",
-                       "--chunked-prefill-size", str(PIECE))
+                       "--chunked-prefill-size", str(PIECE), max_tokens=8192)
     with ServerProcess(args, log_path=tmp / "server.log", model_path=str(model)) as s:
         s.ssd = tmp / "ssd"
         yield s
@@ -117,6 +119,45 @@ def test_corrupt_activations_load_as_kv_and_a_lost_kv_page_is_computed(mha_serve
     assert ask(s, prompt, 0)["output_ids"] == cold["output_ids"]
     assert counter(s, "fallbacks") - fallbacks == 1  # SGLang computed the span
     assert "SGLang computes the span" in s.log_lines("tiered kvpr: rid")[-1]
+
+
+def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_kv(mha_server, essays):
+    """A request admitted while another request's chunked prefill has a piece to go waits a whole forward for it: its
+    span is read meanwhile (engine/early_reads.py), as KV although activations are stored (placing KV is a copy,
+    activations a recompute), and its forward reads only what was not in yet; the output is the computed one."""
+    import re
+    import threading
+
+    s = mha_server
+    prompt = essays[10][:3000] + "\n\nQuestion: What does the author want?\nAnswer:"
+    written = counter(s, "activation_pages_written")
+    cold = ask(s, prompt)
+    pages = (cold["meta_info"]["prompt_tokens"] - 1) // PAGE
+    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
+    noise = "\n\n".join(essays[12:20])  # about 5600 tokens: six pieces of --chunked-prefill-size
+    s.flush_cache()
+    early, mark = counter(s, "early_pages"), s.log_mark()
+    replies: list = []
+    other = threading.Thread(target=lambda: replies.append(s.request("/generate", {
+        "text": noise, "sampling_params": {"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}}})))
+    other.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not s.log_lines(f"#new-token: {PIECE},", since=mark) and time.monotonic() < deadline:
+            time.sleep(0.02)  # its first piece is scheduled or done: several are to go after this request
+        out = ask(s, prompt, 0)  # our loader reads every page (meet point 0)
+    finally:
+        other.join(120)
+    assert replies and replies[0][0] == 200 and replies[0][1]["meta_info"]["prompt_tokens"] > 5 * PIECE
+    assert out["output_ids"] == cold["output_ids"]
+    line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
+    assert len(line) == 1, s.log_tail()
+    got = re.search(r"\((\d+) from activations, [\d.]+ MiB; (\d+) KV, [\d.]+ MiB; \d+ activation pages missing/"
+                    r"corrupt; (\d+) pages read before the forward", line[0])
+    assert got, line[0]
+    from_x, kv, read_early = (int(g) for g in got.groups())
+    assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
+    assert counter(s, "early_pages") == early + read_early
 
 
 def test_a_bad_kvpr_parameter_is_a_400(mha_server):
