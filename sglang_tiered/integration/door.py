@@ -149,9 +149,10 @@ class Door:
         """Forget `req`'s load, if it has one, and what its plan holds (`SpanHandler.release`)."""
         load = getattr(req, "tiered_load", None)
         req.tiered_load = None
-        for loader in self.loaders:
-            if load is not None and loader.name == load.loader:
-                loader.handler.release(load.plan)
+        if load is not None:
+            for loader in self.loaders:
+                if loader.name == load.loader:
+                    loader.handler.release(load.plan)
 
     def _around_prefetch(self, original, scheduler, req, *args, **kwargs):
         self.release(req)  # decided afresh at every admission

@@ -297,13 +297,18 @@ class KVPR:
         dtype = getattr(torch, self.tier.namespace.dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             return None
-        c, ps = self.cfg, self.tier.namespace.page_size
-        source = TierPages(self.tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads,
-                           head_dim=c.head_dim, dtype=dtype, hidden=c.hidden, activations=plan.activations)
+        source = self.span_pages(plan, dtype)
         as_kv = behind_chunk or not source.activations
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
-        return self.early.start(source, plan.pages or 0, ps * self.shape.layers * per_token,  # reads as KV)
-                                lambda page: source.read(page, kv=as_kv))
+        return self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads
+                                lambda page: source.read(page, kv=as_kv))                                     # as KV)
+
+    def span_pages(self, plan: Plan, dtype: torch.dtype) -> TierPages:
+        """The plan's stored pages as the loader reads them, in `dtype`."""
+        c = self.cfg
+        return TierPages(self.tier, plan.keys, layers=c.layers, page_size=self.tier.namespace.page_size,
+                         kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=dtype, hidden=c.hidden,
+                         activations=plan.activations)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader (alone) takes a span of `pages` stored pages that compute would not gain on (`auto`):
@@ -692,9 +697,7 @@ class KVPRHandler(SpanHandler):
         early = kvpr.early.take(plan.early) if plan.early is not None else {}  # pages read since admission
         source = plan.early.source if plan.early is not None else None
         if source is None or source.dtype != engine.dtype:
-            early, source = {}, TierPages(tier, plan.keys, layers=c.layers, page_size=ps, kv_heads=c.kv_heads,
-                                          head_dim=c.head_dim, dtype=engine.dtype, hidden=c.hidden,
-                                          activations=plan.activations)
+            early, source = {}, kvpr.span_pages(plan, engine.dtype)
         s = source.pages * ps
         first = source.pages - 1 - len(early)  # the loader's first read (early pages run down from the last)
         from_disk = plan.pages is None and first >= 0 and source.first_read_cached(first) is False  # (no read)
