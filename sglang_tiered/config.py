@@ -105,6 +105,7 @@ class TieredConfig:
     kvpr: str = "auto"  # compute-or-load of SSD prefixes (engine/meet.py); KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a compute-or-load
     kvpr_choice: str = "measured"  # which load takes a span compute would not join; KVPR_CHOICE_CHOICES
+    kvpr_early_memory: str = "256M"  # bytes of stored pages read at admission, before their forward (0 = off)
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
     remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
     remote_segment: str = "256M"  # bytes of this server's memory lent to the shared store
@@ -217,6 +218,7 @@ class TieredConfig:
             raise ConfigError(f"--tiered-retain-share: must be in (0, 1), got {self.retain_share}")
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
+        flag_size("kvpr_early_memory", self.kvpr_early_memory)
         if self.importance_load == "gated" and self.importance_heads == 0:
             raise ConfigError("--tiered-importance-load: 'gated' needs importance capture (--tiered-importance-heads "
                               ">= 1)")
@@ -341,6 +343,10 @@ FLAG_HELP: dict[str, str] = {
     "load would wait for the next such forward) unless our loader was measured slower by more than that forward "
     "took (its loads there are timed too, by their forward's own time, so the server learns it). Both are exact. "
     "Default: measured.",
+    "kvpr_early_memory": "Host memory (suffixes K/M/G) for the pages of stored spans our loader takes, read from "
+    "the request's admission on while it waits for its forward (behind another request's prefill), the last page "
+    "first, shared by every waiting load; a page that does not fit waits for room. 0: pages are read at the forward "
+    "only. Default: 256M.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
     "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "

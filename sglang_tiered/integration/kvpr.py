@@ -22,11 +22,11 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   `compute` asks for that). A taken span's L3 prefetch is skipped: its tokens become extend
   tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree
   as usual. From admission on, while the request waits for its forward, one background thread reads the pages the
-  loader would read, last first (`engine/early_reads.py`, at most EARLY_READ_BYTES held for all queued loads): as KV
-  where the request waits behind the next piece of another request's chunked prefill (a whole forward to read in;
+  loader would read, last first (`engine/early_reads.py`, at most --tiered-kvpr-early-memory for all queued loads): as
+  KV where the request waits behind the next piece of another request's chunked prefill (a whole forward to read in;
   placing KV is a copy, activations a recompute), else as the plan reads them. The forward takes them (the page in
   flight too) and reads the rest; a plan not followed (a fallback, a re-admission) drops them, and ones not taken
-  EARLY_HOLD_S after admission are dropped at the next start.
+  EARLY_HOLD_S after admission are dropped at the next start (counted).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -61,9 +61,9 @@ activations), `..._kvpr_bytes_saved_total` (KV bytes not read minus activation b
 `..._kvpr_choice_behind_prefills_total` (spans taken behind other prefills), `..._kvpr_choice_sglang_gives_up_total`
 (spans taken because SGLang's prefetch would give up on them), `..._kvpr_computed_spans_total` (spans left whole
 to SGLang's forward), `..._kvpr_alone_spans_total` (spans given the loader alone by the three-way choice),
-`..._kvpr_forward_samples_total`, `..._kvpr_early_pages_total` (pages read before the forward); one log line
-per load with the meet point (or naming
-SGLang's forward), one when the read rate moves by more than a quarter.
+`..._kvpr_forward_samples_total`, `..._kvpr_early_pages_total` (pages read before the forward),
+`..._kvpr_early_expired_total` (early reads no forward took within EARLY_HOLD_S); one log line per load with the
+meet point (or naming SGLang's forward), one when the read rate moves by more than a quarter.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from sglang_tiered.config import parse_size
 from sglang_tiered.engine.early_reads import EarlyJob, EarlyReader
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
@@ -137,7 +138,6 @@ _MIN_PROBE_BYTES = 1 << 20  # a read-bandwidth probe smaller than this says noth
 PROFILE_WAIT_S = 60.0  # the longest a forced load waits for the read bandwidth being measured (64 MiB at 1 MB/s)
 PROFILE_TRIES = 3  # compute profiles taken at most where they disagree with themselves (kvpr_profile.Unsettled)
 PROFILE_RETRY_S = 5.0  # ... each this long after the one before (what slowed it has likely ended)
-EARLY_READ_BYTES = 256 << 20  # host memory for pages read at admission, before their forward, all loads together
 EARLY_HOLD_S = 60.0  # pages read early and not taken by a forward this long after admission are dropped
 
 
@@ -199,7 +199,8 @@ class KVPR:
         self.slowdown = Slowdown()  # compute's time beside a loader over the profile's (`observe_chunks`)
         self.estimates = Estimates()  # SGLang's forward or the two-sided load, as measured (policy/compute_choice.py)
         self._l3_reads, self._l3_read_end = 0, 0.0  # SGLang's own L3 reads in flight; when the last ended
-        self.early = EarlyReader(EARLY_READ_BYTES, EARLY_HOLD_S)  # taken spans' reads, from admission on
+        self.early = EarlyReader(parse_size(rt.settings.config.kvpr_early_memory), EARLY_HOLD_S)  # taken spans'
+        #                                                                               reads, from admission on
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
@@ -300,8 +301,11 @@ class KVPR:
         source = self.span_pages(plan, dtype)
         as_kv = behind_chunk or not source.activations
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
-        return self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads
-                                lambda page: source.read(page, kv=as_kv))                                     # as KV)
+        expired = self.early.expired
+        job = self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads
+                               lambda page: source.read(page, kv=as_kv))                                     # as KV)
+        self.rt.events.count("kvpr_early_expired", self.early.expired - expired)
+        return job
 
     def span_pages(self, plan: Plan, dtype: torch.dtype) -> TierPages:
         """The plan's stored pages as the loader reads them, in `dtype`."""

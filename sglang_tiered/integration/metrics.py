@@ -297,6 +297,8 @@ EVENTS = {
                         "that way measured faster or tried once (policy/compute_choice.py)",
     "kvpr_early_pages": "Stored pages our loader placed that were read between the request's admission and its "
                         "forward (engine/early_reads.py)",
+    "kvpr_early_expired": "Loads whose pages read at admission no forward took within 60 s (an aborted request): "
+                          "dropped",
     "kvpr_forward_samples": "Forwards timed for the choice among the two-sided load, the loader alone and SGLang's "
                             "forward",
     "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "

@@ -89,7 +89,8 @@ def test_help_lists_our_flags(launches):
                  "--tiered-runahead-threads",
                  "--tiered-runahead-partitions", "--tiered-remote", "--tiered-remote-metadata",
                  "--tiered-remote-segment", "--tiered-remote-host", "--tiered-importance-repack-memory",
-                 "--tiered-importance-gate {jaccard,mass}", "--tiered-importance-max-drop"):
+                 "--tiered-importance-gate {jaccard,mass}", "--tiered-importance-max-drop",
+                 "--tiered-kvpr-early-memory"):
         assert flag in out, flag
 
 

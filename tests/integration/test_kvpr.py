@@ -9,13 +9,16 @@ page computed from token ids), and with a device-cached prefix ahead of the span
 every time. A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang
 compute the span (counted, identical). A prompt that SGLang prefills in pieces (longer than `--chunked-prefill-size`)
 is never planned: it keeps SGLang's own load. A request admitted behind another request's chunked prefill has its
-span read before its forward, as KV (identical). On the GQA default model no activations are stored, and it says why.
+span read before its forward, as KV (identical); where those pages are corrupt, SGLang computes the span (counted,
+identical). On the GQA default model no activations are stored, and it says why.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,22 +124,11 @@ def test_corrupt_activations_load_as_kv_and_a_lost_kv_page_is_computed(mha_serve
     assert "SGLang computes the span" in s.log_lines("tiered kvpr: rid")[-1]
 
 
-def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_kv(mha_server, essays):
-    """A request admitted while another request's chunked prefill has a piece to go waits a whole forward for it: its
-    span is read meanwhile (engine/early_reads.py), as KV although activations are stored (placing KV is a copy,
-    activations a recompute), and its forward reads only what was not in yet; the output is the computed one."""
-    import re
-    import threading
-
-    s = mha_server
-    prompt = essays[10][:3000] + "\n\nQuestion: What does the author want?\nAnswer:"
-    written = counter(s, "activation_pages_written")
-    cold = ask(s, prompt)
-    pages = (cold["meta_info"]["prompt_tokens"] - 1) // PAGE
-    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
-    noise = "\n\n".join(essays[12:20])  # about 5600 tokens: six pieces of --chunked-prefill-size
-    s.flush_cache()
-    early, mark = counter(s, "early_pages"), s.log_mark()
+def behind_a_chunked_prefill(s: ServerProcess, prompt: str, noise: str) -> tuple[dict, int]:
+    """`ask(s, prompt, 0)` (our loader reads every page: meet point 0) sent while `noise`, a prompt of five or more
+    pieces of --chunked-prefill-size that SGLang prefills its own way, has pieces to go: its reply and the log mark
+    before."""
+    mark = s.log_mark()
     replies: list = []
     other = threading.Thread(target=lambda: replies.append(s.request("/generate", {
         "text": noise, "sampling_params": {"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}}})))
@@ -145,10 +137,26 @@ def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_
         deadline = time.monotonic() + 60
         while not s.log_lines(f"#new-token: {PIECE},", since=mark) and time.monotonic() < deadline:
             time.sleep(0.02)  # its first piece is scheduled or done: several are to go after this request
-        out = ask(s, prompt, 0)  # our loader reads every page (meet point 0)
+        out = ask(s, prompt, 0)
     finally:
         other.join(120)
-    assert replies and replies[0][0] == 200 and replies[0][1]["meta_info"]["prompt_tokens"] > 5 * PIECE
+    assert replies and replies[0][0] == 200 and replies[0][1]["meta_info"]["prompt_tokens"] > 4 * PIECE
+    return out, mark
+
+
+def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_kv(mha_server, essays):
+    """A request admitted while another request's chunked prefill has a piece to go waits a whole forward for it: its
+    span is read meanwhile (engine/early_reads.py), as KV although activations are stored (placing KV is a copy,
+    activations a recompute), and its forward reads only what was not in yet; the output is the computed one."""
+    s = mha_server
+    prompt = essays[10][:3000] + "\n\nQuestion: What does the author want?\nAnswer:"
+    written = counter(s, "activation_pages_written")
+    cold = ask(s, prompt)
+    pages = (cold["meta_info"]["prompt_tokens"] - 1) // PAGE
+    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
+    s.flush_cache()
+    early = counter(s, "early_pages")
+    out, mark = behind_a_chunked_prefill(s, prompt, "\n\n".join(essays[12:20]))  # (about 5600 tokens)
     assert out["output_ids"] == cold["output_ids"]
     line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
     assert len(line) == 1, s.log_tail()
@@ -158,6 +166,33 @@ def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_
     from_x, kv, read_early = (int(g) for g in got.groups())
     assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
     assert counter(s, "early_pages") == early + read_early
+
+
+def test_a_corrupt_page_read_before_the_forward_is_a_counted_fallback(mha_server, essays):
+    """The pages read early (behind a chunked prefill, as KV) are corrupt: the forward meets the read's miss where it
+    waits for the page, counts a fallback, and SGLang computes the span -- the computed output."""
+    s = mha_server
+    prompt = essays[23][:3000] + "\n\nQuestion: What is the main point?\nAnswer:"
+
+    def kv_files() -> set[Path]:
+        return {p for p in s.ssd.glob("*/*/*.kvp") if not p.name.endswith(".x.kvp")}
+
+    stored, written = kv_files(), counter(s, "activation_pages_written")
+    cold = ask(s, prompt)
+    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
+    victims = kv_files() - stored  # this prompt's KV pages (its activations stay readable)
+    assert len(victims) >= (cold["meta_info"]["prompt_tokens"] - 1) // PAGE
+    for path in victims:
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    s.flush_cache()
+    fallbacks = counter(s, "fallbacks")
+    out, mark = behind_a_chunked_prefill(s, prompt, "\n\n".join(essays[24:32]))  # (not stored yet: chunked)
+    assert out["output_ids"] == cold["output_ids"]
+    assert counter(s, "fallbacks") - fallbacks == 1
+    line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
+    assert len(line) == 1 and "stored span unreadable" in line[0] and "SGLang computes the span" in line[0], line
 
 
 def test_a_bad_kvpr_parameter_is_a_400(mha_server):

@@ -51,6 +51,7 @@ def test_validate_names_the_flag(tmp_path):
         "--tiered-cpu-attention": TieredConfig(ssd_dir=str(tmp_path), cpu_attention="fast"),
         "--tiered-importance-probe-bits": TieredConfig(ssd_dir=str(tmp_path), importance_probe_bits=5),
         "--tiered-importance-repack-memory": TieredConfig(ssd_dir=str(tmp_path), importance_repack_memory="lots"),
+        "--tiered-kvpr-early-memory": TieredConfig(ssd_dir=str(tmp_path), kvpr_early_memory="-1G"),
         "--tiered-importance-gate": TieredConfig(ssd_dir=str(tmp_path), importance_gate="vote"),
         "--tiered-importance-max-drop": TieredConfig(ssd_dir=str(tmp_path), importance_max_drop=1.5),
     }
@@ -98,3 +99,17 @@ def test_stats_reporter_writes_json(tmp_path):
     assert "importance: 4 of 5 pages scored, 7 page reuses" in line \
         and "repacked=2 groups (9 pages: 6 from memory, 3 read back, 3.0 MiB)" in line
     assert "read 3.0 MiB for 2.0 MiB used (read amplification 1.50)" in line
+
+
+def test_every_flag_has_help_and_a_readme_row():
+    """Each option is flag `--tiered-<field>` with help text and a row in the README's flag table."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    from sglang_tiered.config import FLAG_HELP
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for f in fields(TieredConfig):
+        flag = "--tiered-" + f.name.replace("_", "-")
+        assert FLAG_HELP.get(f.name), flag
+        assert f"| `{flag}`" in readme or f"| `{flag} " in readme, flag
