@@ -771,6 +771,14 @@ MEET_RERUNS = [
      "s) and computes the 32 new tokens"),
     ("meet-s52-mha1k-idle-amd", "stop 52's code at idle, 200 and 50 MB/s (`--models smollm2-mha --lengths 1024 "
      "--slow-mbps 200 50 --skip-native --busy --repeats 4 --max-repeats 6 --name meet-s52-mha1k-idle-amd`)"),
+    ("meet-s53-gqa1k-busy-amd", "stop 53, SmolLM2 (KV only: every early read is KV) at 200 MB/s with a busy CPU on "
+     "the AVX2-only machine (`--models smollm2 --lengths 1024 --slow-mbps --skip-native --busy 200 --repeats 4 "
+     "--max-repeats 6 --name meet-s53-gqa1k-busy-amd`); every load had its 16 pages read before the forward (0.28-0.42 "
+     "s in all); auto and the loader alone ran the same forward, their gap is where each request fell in the other "
+     "client's prefill pieces"),
+    ("meet-s53-gqa1k-25-amd", "right after meet-s53-gqa1k-busy-amd: SmolLM2 at 25 MB/s, and at 100 MB/s with a busy "
+     "CPU (`--models smollm2 --lengths 1024 --slow-mbps 25 --skip-native --repeats 4 --max-repeats 6 "
+     "--name meet-s53-gqa1k-25-amd`)"),
 ]
 
 
