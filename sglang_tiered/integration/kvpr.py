@@ -20,13 +20,14 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   (`policy/compute_choice.py`: each way's forwards timed against the profile's estimates, `observe_forward`): the
   two meeting, the loader alone (the meet point forced to 0), or SGLang's own forward computing the whole span (mode
   `compute` asks for that). A taken span's L3 prefetch is skipped: its tokens become extend
-  tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree
-  as usual. From admission on, while the request waits for its forward, one background thread reads the pages the
-  loader would read, last first (`engine/early_reads.py`, at most --tiered-kvpr-early-memory for all queued loads): as
-  KV where the request waits behind the next piece of another request's chunked prefill (a whole forward to read in;
-  placing KV is a copy, activations a recompute), else as the plan reads them. The forward takes them (the page in
-  flight too) and reads the rest; a plan not followed (a fallback, a re-admission) drops them, and ones not taken
-  EARLY_HOLD_S after admission are dropped at the next start (counted).
+  tokens, filled by the forward below. The request prefills alone and its KV is exact, so it enters the radix tree as
+  usual. From admission on, while the request waits for its forward, one background thread reads the pages the loader
+  would read, last first (`engine/early_reads.py`, at most --tiered-kvpr-early-memory for all queued loads): as KV
+  where the request waits for another forward first -- the next piece of another request's chunked prefill, or the
+  batch of requests admitted before it (a whole forward to read in; placing KV is a copy, activations a recompute),
+  else as the plan reads them. The forward takes them (the page in flight too) and reads the rest; a plan not followed
+  (a fallback, a re-admission) drops them, and ones not taken EARLY_HOLD_S after admission are dropped at the next
+  start (counted).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -169,6 +170,14 @@ class Plan:
     #                                                                             admission (engine/early_reads.py)
 
 
+
+def waits_a_forward(scheduler, req) -> bool:
+    """Whether `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone), waits for
+    another forward before its own: another request's chunked prefill has its next piece to run, or requests admitted
+    before it wait (the next prefill batch is theirs)."""
+    chunked = getattr(scheduler, "chunked_req", None)
+    return (chunked is not None and chunked is not req) or any(r is not req for r in scheduler.waiting_queue)
+
 class KVPR:
     """This process's partial-recompute loading: the door's loader, the activation capture and writer, and the
     measured profile."""
@@ -286,20 +295,18 @@ class KVPR:
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
                     kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
-        chunked = getattr(scheduler, "chunked_req", None)  # a chunked prefill with pieces to go runs first
-        return replace(plan, early=self._read_early(plan, behind_chunk=chunked is not None and chunked is not req))
+        return replace(plan, early=self._read_early(plan, behind=waits_a_forward(scheduler, req)))
 
-    def _read_early(self, plan: Plan, behind_chunk: bool) -> Optional[EarlyJob]:
+    def _read_early(self, plan: Plan, behind: bool) -> Optional[EarlyJob]:
         """Begin reading, now, the pages of `plan` its loader would read (from the forced meet point up, or all where
         the two meet), last first, while the request waits for its forward (engine/early_reads.py): as KV when it
-        waits `behind_chunk` (another request's chunked prefill has its next piece to run first: a whole forward's
-        time to read in, so the forward need not recompute K and V from activations), else as the plan reads them.
-        None where the store's dtype is not a torch one."""
+        waits `behind` another forward (a whole forward's time to read in, so the forward need not recompute K and V
+        from activations), else as the plan reads them. None where the store's dtype is not a torch one."""
         dtype = getattr(torch, self.tier.namespace.dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             return None
         source = self.span_pages(plan, dtype)
-        as_kv = behind_chunk or not source.activations
+        as_kv = behind or not source.activations
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
         expired = self.early.expired
         job = self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads

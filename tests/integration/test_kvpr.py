@@ -9,8 +9,9 @@ page computed from token ids), and with a device-cached prefix ahead of the span
 every time. A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang
 compute the span (counted, identical). A prompt that SGLang prefills in pieces (longer than `--chunked-prefill-size`)
 is never planned: it keeps SGLang's own load. A request admitted behind another request's chunked prefill has its
-span read before its forward, as KV (identical); where those pages are corrupt, SGLang computes the span (counted,
-identical). On the GQA default model no activations are stored, and it says why.
+span read before its forward, as KV (identical), as has one admitted behind a request waiting for the next prefill
+batch; where those pages are corrupt, SGLang computes the span (counted, identical). On the GQA default model no
+activations are stored, and it says why.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def mha_server(tmp_path_factory) -> Iterator[ServerProcess]:
     args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force",
                        "--chunked-prefill-size", str(PIECE), max_tokens=8192)
     with ServerProcess(args, log_path=tmp / "server.log", model_path=str(model)) as s:
-        s.ssd = tmp / "ssd"
+        s.ssd, s.model = tmp / "ssd", model
         yield s
 
 
@@ -124,6 +125,14 @@ def test_corrupt_activations_load_as_kv_and_a_lost_kv_page_is_computed(mha_serve
     assert "SGLang computes the span" in s.log_lines("tiered kvpr: rid")[-1]
 
 
+def early_split(line: str) -> tuple[int, int, int]:
+    """A load line's tokens loaded from activations, tokens loaded as KV and pages read before the forward."""
+    got = re.search(r"\((\d+) from activations, [\d.]+ MiB; (\d+) KV, [\d.]+ MiB; \d+ activation pages missing/"
+                    r"corrupt; (\d+) pages read before the forward", line)
+    assert got, line
+    return tuple(int(g) for g in got.groups())
+
+
 def behind_a_chunked_prefill(s: ServerProcess, prompt: str, noise: str) -> tuple[dict, int]:
     """`ask(s, prompt, 0)` (our loader reads every page: meet point 0) sent while `noise`, a prompt of five or more
     pieces of --chunked-prefill-size that SGLang prefills its own way, has pieces to go: its reply and the log mark
@@ -160,12 +169,37 @@ def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_
     assert out["output_ids"] == cold["output_ids"]
     line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
     assert len(line) == 1, s.log_tail()
-    got = re.search(r"\((\d+) from activations, [\d.]+ MiB; (\d+) KV, [\d.]+ MiB; \d+ activation pages missing/"
-                    r"corrupt; (\d+) pages read before the forward", line[0])
-    assert got, line[0]
-    from_x, kv, read_early = (int(g) for g in got.groups())
+    from_x, kv, read_early = early_split(line[0])
     assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
     assert counter(s, "early_pages") == early + read_early
+
+
+def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_kv(mha_server, essays):
+    """Two requests arrive together (one batch of token ids: the scheduler admits both in one round). The second,
+    whose span our loader takes, prefills alone, so it waits for the first's forward: its span is read meanwhile, as
+    KV (as behind a chunked prefill), and the output is the computed one."""
+    from transformers import AutoTokenizer
+
+    s = mha_server
+    tokenizer = AutoTokenizer.from_pretrained(s.model)
+    ids = tokenizer(essays[33] + "\n\nQuestion: What is the argument?\nAnswer:")["input_ids"]
+    written = counter(s, "activation_pages_written")
+    cold = ask(s, ids)
+    pages = (len(ids) - 1) // PAGE
+    wait_for_activations(s, written + len(ids) // PAGE)
+    s.flush_cache()
+    mark = s.log_mark()
+    status, replies = s.request("/generate", {
+        "input_ids": [tokenizer(essays[35][:1600])["input_ids"], ids],
+        "sampling_params": [{"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}},
+                            {"max_new_tokens": 10, "temperature": 0, "custom_params": {"tiered_kvpr": 0}}]})
+    assert status == 200, replies
+    out = replies[1]
+    assert out["output_ids"] == cold["output_ids"]
+    line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
+    assert len(line) == 1, s.log_tail()
+    from_x, kv, read_early = early_split(line[0])
+    assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
 
 
 def test_a_corrupt_page_read_before_the_forward_is_a_counted_fallback(mha_server, essays):
