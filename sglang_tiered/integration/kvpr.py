@@ -170,13 +170,13 @@ class Plan:
     #                                                                             admission (engine/early_reads.py)
 
 
-
 def waits_a_forward(scheduler, req) -> bool:
     """Whether `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone), waits for
     another forward before its own: another request's chunked prefill has its next piece to run, or requests admitted
     before it wait (the next prefill batch is theirs)."""
     chunked = getattr(scheduler, "chunked_req", None)
     return (chunked is not None and chunked is not req) or any(r is not req for r in scheduler.waiting_queue)
+
 
 class KVPR:
     """This process's partial-recompute loading: the door's loader, the activation capture and writer, and the
@@ -208,8 +208,8 @@ class KVPR:
         self.slowdown = Slowdown()  # compute's time beside a loader over the profile's (`observe_chunks`)
         self.estimates = Estimates()  # SGLang's forward or the two-sided load, as measured (policy/compute_choice.py)
         self._l3_reads, self._l3_read_end = 0, 0.0  # SGLang's own L3 reads in flight; when the last ended
-        self.early = EarlyReader(parse_size(rt.settings.config.kvpr_early_memory), EARLY_HOLD_S)  # taken spans'
-        #                                                                               reads, from admission on
+        budget = parse_size(rt.settings.config.kvpr_early_memory)
+        self.early = EarlyReader(budget, EARLY_HOLD_S)  # taken spans' reads, from admission on
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
