@@ -779,6 +779,9 @@ MEET_RERUNS = [
     ("meet-s53-gqa1k-25-amd", "right after meet-s53-gqa1k-busy-amd: SmolLM2 at 25 MB/s, and at 100 MB/s with a busy "
      "CPU (`--models smollm2 --lengths 1024 --slow-mbps 25 --skip-native --repeats 4 --max-repeats 6 "
      "--name meet-s53-gqa1k-25-amd`)"),
+    ("meet-s53-gqa4k-amd", "stop 53's final code (early reads as KV behind waiting requests too): SmolLM2, 4096 "
+     "stored tokens at 200 and 50 MB/s on the same machine (`--models smollm2 --lengths 4096 --slow-mbps 200 50 "
+     "--skip-native --busy --repeats 4 --max-repeats 6 --name meet-s53-gqa4k-amd`)"),
 ]
 
 
