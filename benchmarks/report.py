@@ -782,6 +782,9 @@ MEET_RERUNS = [
     ("meet-s53-gqa4k-amd", "stop 53's final code (early reads as KV behind waiting requests too): SmolLM2, 4096 "
      "stored tokens at 200 and 50 MB/s on the same machine (`--models smollm2 --lengths 4096 --slow-mbps 200 50 "
      "--skip-native --busy --repeats 4 --max-repeats 6 --name meet-s53-gqa4k-amd`)"),
+    ("meet-s53-mha1k-busy-amd", "right after meet-s53-gqa4k-amd: the MHA model at 100 MB/s with a busy CPU "
+     "(`--models smollm2-mha --lengths 1024 --slow-mbps --skip-native --busy 100 --repeats 4 --max-repeats 6 "
+     "--name meet-s53-mha1k-busy-amd`); every load's 16 pages read early as KV, forwards 0.33-0.52 s in all"),
 ]
 
 
