@@ -344,7 +344,7 @@ FLAG_HELP: dict[str, str] = {
     "took (its loads there are timed too, by their forward's own time, so the server learns it). Both are exact. "
     "Default: measured.",
     "kvpr_early_memory": "Host memory (suffixes K/M/G) for the pages of stored spans our loader takes, read from "
-    "the request's admission on while it waits for its forward (behind another request's prefill), the last page "
+    "the request's admission on while it waits for its forward (behind other requests' forwards), the last page "
     "first, shared by every waiting load; a page that does not fit waits for room. 0: pages are read at the forward "
     "only. Default: 256M.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "

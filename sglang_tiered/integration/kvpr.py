@@ -174,7 +174,7 @@ def waits_a_forward(scheduler, req) -> bool:
     """Whether `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone), waits for
     another forward before its own: another request's chunked prefill has its next piece to run, or requests admitted
     before it wait (the next prefill batch is theirs)."""
-    chunked = getattr(scheduler, "chunked_req", None)
+    chunked = scheduler.chunked_req
     return (chunked is not None and chunked is not req) or any(r is not req for r in scheduler.waiting_queue)
 
 

@@ -30,7 +30,7 @@ import torch
 from sglang_tiered.engine.llama import LlamaConfig
 from sglang_tiered.models import random_model_dir
 from sglang_tiered.server_process import ServerProcess, cached_details
-from tests.integration.helpers import tiered_args
+from tests.integration.helpers import flip_middle_byte, tiered_args
 from tests.integration.kvpr_helpers import (
     MHA,
     PAGE,
@@ -217,9 +217,7 @@ def test_a_corrupt_page_read_before_the_forward_is_a_counted_fallback(mha_server
     victims = kv_files() - stored  # this prompt's KV pages (its activations stay readable)
     assert len(victims) >= (cold["meta_info"]["prompt_tokens"] - 1) // PAGE
     for path in victims:
-        raw = bytearray(path.read_bytes())
-        raw[-100] ^= 0xFF
-        path.write_bytes(bytes(raw))
+        flip_middle_byte(path)
     s.flush_cache()
     fallbacks = counter(s, "fallbacks")
     out, mark = behind_a_chunked_prefill(s, prompt, "\n\n".join(essays[24:32]))  # (not stored yet: chunked)
