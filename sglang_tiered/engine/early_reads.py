@@ -65,6 +65,11 @@ class EarlyReader:
             self._cv.notify_all()
             return job
 
+    def unread_bytes(self) -> int:
+        """Bytes the queued jobs have still to read (their pages not begun), in memory size."""
+        with self._cv:
+            return sum(max(0, j.next - j.lowest + 1) * j.page_bytes for j in self.jobs if not j.stopped)
+
     def take(self, job: EarlyJob) -> dict[int, Future]:
         """Stop `job` (no page begun after this) and hand over its pages, read or in flight: page -> a future of
         its `StoredPage` (raising what the read raised). Its bytes leave the budget: the forward's memory now."""

@@ -24,8 +24,9 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   usual. From admission on, while the request waits for its forward, one background thread reads the pages the loader
   would read, last first (`engine/early_reads.py`, at most --tiered-kvpr-early-memory for all queued loads): as KV
   where the request waits for another forward first -- the next piece of another request's chunked prefill, or the
-  batch of requests admitted before it (a whole forward to read in; placing KV is a copy, activations a recompute),
-  else as the plan reads them. The forward takes them (the page in flight too) and reads the rest; a plan not followed
+  batch of requests admitted before it (`wait_ahead_s`) -- long enough for the reader to get their KV in at the read
+  rate (`policy/kvpr.early_as_kv`: placing KV is a copy, activations a recompute), else as the plan reads them.
+  The forward takes them (the page in flight too) and reads the rest; a plan not followed
   (a fallback, a re-admission) drops them, and ones not taken EARLY_HOLD_S after admission are dropped at the next
   start (counted).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
@@ -73,7 +74,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
@@ -118,6 +119,7 @@ from sglang_tiered.policy.kvpr import (
     chunk_page_s,
     chunk_slowdown,
     decide,
+    early_as_kv,
     forward_s,
     gate,
     meet_s,
@@ -166,16 +168,22 @@ class Plan:
     #                            the span; MEET, ALONE: its forward is a sample of that way); None: not one of them
     estimate_s: float = 0.0  # the profile's seconds for this load's forward, the way's sample once run (0: none)
     kept_out: bool = False  # the slowdown kept compute out of a load it would join at the profile's times
+    wait_s: float = 0.0  # seconds of other forwards it was expected to wait for at admission (wait_ahead_s)
     early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
     #                                                                             admission (engine/early_reads.py)
 
 
-def waits_a_forward(scheduler, req) -> bool:
-    """Whether `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone), waits for
-    another forward before its own: another request's chunked prefill has its next piece to run, or requests admitted
-    before it wait (the next prefill batch is theirs)."""
+def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int], float]) -> float:
+    """About how many seconds `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone),
+    waits for another forward before its own: the next piece of another request's chunked prefill (`last_extend_s`,
+    its last piece's), or the prefill of the requests admitted before it (the next prefill batch is theirs:
+    `estimate(tokens)` of their prompts, up to the chunk budget); 0: its forward is next."""
     chunked = scheduler.chunked_req
-    return (chunked is not None and chunked is not req) or any(r is not req for r in scheduler.waiting_queue)
+    if chunked is not None and chunked is not req:
+        return last_extend_s
+    tokens = sum(len(r.origin_input_ids) for r in scheduler.waiting_queue if r is not req)
+    budget = scheduler.chunked_prefill_size
+    return estimate(min(tokens, budget) if budget and budget > 0 else tokens) if tokens else 0.0
 
 
 class KVPR:
@@ -295,18 +303,24 @@ class KVPR:
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
                     kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
-        return replace(plan, early=self._read_early(plan, behind=waits_a_forward(scheduler, req)))
+        wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
+                              lambda tokens: forward_s(alone, layers, tokens))
+        return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s))
 
-    def _read_early(self, plan: Plan, behind: bool) -> Optional[EarlyJob]:
+    def _read_early(self, plan: Plan, wait_s: float) -> Optional[EarlyJob]:
         """Begin reading, now, the pages of `plan` its loader would read (from the forced meet point up, or all where
-        the two meet), last first, while the request waits for its forward (engine/early_reads.py): as KV when it
-        waits `behind` another forward (a whole forward's time to read in, so the forward need not recompute K and V
-        from activations), else as the plan reads them. None where the store's dtype is not a torch one."""
+        the two meet), last first, while the request waits for its forward (engine/early_reads.py), about `wait_s`
+        seconds: as KV where their KV is read in by then (policy/kvpr.early_as_kv: the forward then recomputes no K
+        and V from activations), else as the plan reads them. None where the store's dtype is not a torch one."""
         dtype = getattr(torch, self.tier.namespace.dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             return None
         source = self.span_pages(plan, dtype)
-        as_kv = behind or not source.activations
+        kv_page = source.page_size * self.shape.layers * self.shape.kv_bytes
+        as_kv = early_as_kv(activations=source.activations,
+                            kv_bytes=max(0, source.pages - (plan.pages or 0)) * kv_page,
+                            queued_bytes=self.early.unread_bytes(), wait_s=wait_s,
+                            bps=None if self.rate is None else self.rate.bps)
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
         expired = self.early.expired
         job = self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads
@@ -756,12 +770,13 @@ class KVPRHandler(SpanHandler):
         logger.info("tiered kvpr: rid %s loaded %d stored tokens (prefix=%d computed=%d mode=%s): met at page %d of "
                     "%d: front %d tokens computed from token ids in %.3fs, back %d tokens read in %.3fs by %d "
                     "thread(s) (%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; "
-                    "%d pages read before the forward; read path %s), waited %.3fs at the meet, then the new tokens' "
-                    "layers %.3fs and the write into SGLang's pool %.3fs, total=%.3fs; compute's chunks %s%s (%s)",
+                    "%d pages read before the forward, %.2fs of other forwards expected ahead; read path %s), waited "
+                    "%.3fs at the meet, then the new tokens' layers %.3fs and the write into SGLang's pool %.3fs, "
+                    "total=%.3fs; compute's chunks %s%s (%s)",
                     req.rid, s, prefix, ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s,
                     loaded, res.load_s, plan.loaders, recomputed, source.bytes_x / 2**20, loaded - recomputed,
-                    source.bytes_kv / 2**20, source.act_misses, res.early_pages, read, res.wait_s, res.new_s, write_s,
-                    time.perf_counter() - t0,
+                    source.bytes_kv / 2**20, source.act_misses, res.early_pages, plan.wait_s, read, res.wait_s,
+                    res.new_s, write_s, time.perf_counter() - t0,
                     _chunks(res.chunks), " (the span out of the page cache: compute claimed at once)" if from_disk
                     else "", beside_note)
         return hidden

@@ -309,6 +309,21 @@ def loaders(d: Decision, forced_pages: Optional[int]) -> int:
     return MEET_LOADERS if forced_pages == 0 or (forced_pages is None and not d.compute_joins) else 1
 
 
+def early_as_kv(*, activations: bool, kv_bytes: int, queued_bytes: int, wait_s: float, bps: Optional[float]) -> bool:
+    """Read a taken span's pages from admission on as KV rather than as its plan reads them (activations where
+    stored)? Where nothing is stored as activations, KV is all there is. Otherwise only where the request waits
+    `wait_s` seconds (> 0) for another forward before its own and the early reader gets through the bytes queued
+    before it (`queued_bytes`) and the span's KV (`kv_bytes`) in that time at the read rate `bps` (None: not measured
+    yet -- taken as fast enough): then the forward finds K and V read and recomputes none. Where the KV would not be
+    in by then, the pages are read as the plan reads them (an MHA model's activations are half its KV: more of the
+    span is in when the forward begins, as the plan priced it)."""
+    if not activations:
+        return True
+    if wait_s <= 0:
+        return False
+    return bps is None or (queued_bytes + kv_bytes) / bps <= wait_s
+
+
 @dataclass(frozen=True)
 class Route:
     """How a stored span is filled: `way` (policy/compute_choice.py: MEET, ALONE or COMPUTE, a timed way; None: not

@@ -171,18 +171,22 @@ def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_
     assert len(line) == 1, s.log_tail()
     from_x, kv, read_early = early_split(line[0])
     assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
+    assert float(re.search(r"([\d.]+)s of other forwards expected ahead", line[0]).group(1)) > 0, line[0]
     assert counter(s, "early_pages") == early + read_early
 
 
 def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_kv(mha_server, essays):
     """Two requests arrive together (one batch of token ids: the scheduler admits both in one round). The second,
     whose span our loader takes, prefills alone, so it waits for the first's forward: its span is read meanwhile, as
-    KV (as behind a chunked prefill), and the output is the computed one."""
+    KV (as behind a chunked prefill), and the output is the computed one. The first is ~950 tokens, the span 6 pages:
+    their KV (53 MB) is read in well within that forward (policy/kvpr.early_as_kv) on any disk of 200 MB/s or more."""
     from transformers import AutoTokenizer
 
     s = mha_server
     tokenizer = AutoTokenizer.from_pretrained(s.model)
-    ids = tokenizer(essays[33] + "\n\nQuestion: What is the argument?\nAnswer:")["input_ids"]
+    ids = tokenizer(essays[33][:1600] + "\n\nQuestion: What is the argument?\nAnswer:")["input_ids"]
+    ahead = tokenizer(essays[35] + "\n\n" + essays[36][:1000])["input_ids"]
+    assert len(ahead) < PIECE, len(ahead)  # one forward, not a chunked prefill
     written = counter(s, "activation_pages_written")
     cold = ask(s, ids)
     pages = (len(ids) - 1) // PAGE
@@ -190,7 +194,7 @@ def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_
     s.flush_cache()
     mark = s.log_mark()
     status, replies = s.request("/generate", {
-        "input_ids": [tokenizer(essays[35][:1600])["input_ids"], ids],
+        "input_ids": [ahead, ids],
         "sampling_params": [{"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}},
                             {"max_new_tokens": 10, "temperature": 0, "custom_params": {"tiered_kvpr": 0}}]})
     assert status == 200, replies
@@ -200,6 +204,7 @@ def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_
     assert len(line) == 1, s.log_tail()
     from_x, kv, read_early = early_split(line[0])
     assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
+    assert float(re.search(r"([\d.]+)s of other forwards expected ahead", line[0]).group(1)) > 0, line[0]
 
 
 def test_a_corrupt_page_read_before_the_forward_is_a_counted_fallback(mha_server, essays):

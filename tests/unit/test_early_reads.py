@@ -99,3 +99,15 @@ def test_nothing_to_read_or_a_page_over_the_budget_starts_nothing():
     assert reader.start(span(3), 3, 8) is None
     assert reader.start(span(3), 0, 17) is None
     assert not reader.jobs and reader._thread is None  # (no thread started either)
+
+
+def test_unread_bytes_count_the_pages_of_queued_loads_not_begun():
+    reader = EarlyReader(2 * 8, 60.0)  # two pages of 8 bytes: the rest wait for room
+    a, b = reader.start(span(5), 1, 8), reader.start(span(3), 0, 8)
+    settle(reader, a, 2)
+    time.sleep(0.05)
+    assert reader.unread_bytes() == (2 + 3) * 8  # a: pages 2 and 1 left (4 and 3 read); b: all three
+    reader.take(a)
+    assert reader.unread_bytes() <= 3 * 8  # b's pages, some begun now that there is room
+    reader.drop(b)
+    assert reader.unread_bytes() == 0

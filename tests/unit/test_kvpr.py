@@ -32,6 +32,7 @@ from sglang_tiered.policy.kvpr import (
     chunk_page_s,
     chunk_slowdown,
     decide,
+    early_as_kv,
     gate,
     loaders,
     meet_pays,
@@ -541,3 +542,20 @@ def test_compute_beside_a_loader_is_priced_as_measured_there():
         relaxed += 1
     assert relaxed == 6 and 1.25 < record.factor(True) < 1.3  # 1 + 2.41 x 0.7^6: six loads kept out, then it joins
     assert beside(prof, 1.0) == prof
+
+
+def test_pages_are_read_early_as_kv_only_where_their_kv_is_in_before_the_forward_it_waits_for():
+    mib = 1 << 20
+    kv = 80 * mib  # the span's KV; its activations are half that on an MHA model
+    # nothing stored as activations: KV is all there is, waiting or not
+    assert early_as_kv(activations=False, kv_bytes=kv, queued_bytes=0, wait_s=0.0, bps=1e6)
+    # activations stored: the forward is next, so the pages are read as the plan reads them
+    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=0.0, bps=None)
+    # a 1 s wait: 80 MiB at 100 MiB/s is in (0.8 s); behind 40 MiB queued for another load it is not (1.2 s)
+    assert early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=1.0, bps=100 * mib)
+    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=40 * mib, wait_s=1.0, bps=100 * mib)
+    # a slower disk (25 MiB/s: 3.2 s) or a shorter wait (0.5 s): as the plan reads them
+    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=1.0, bps=25 * mib)
+    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=0.5, bps=100 * mib)
+    # the read rate not measured yet: taken as fast enough
+    assert early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=0.1, bps=None)
