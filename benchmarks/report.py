@@ -785,6 +785,10 @@ MEET_RERUNS = [
     ("meet-s53-mha1k-busy-amd", "right after meet-s53-gqa4k-amd: the MHA model at 100 MB/s with a busy CPU "
      "(`--models smollm2-mha --lengths 1024 --slow-mbps --skip-native --busy 100 --repeats 4 --max-repeats 6 "
      "--name meet-s53-mha1k-busy-amd`); every load's 16 pages read early as KV, forwards 0.33-0.52 s in all"),
+    ("meet-s54-gqa8k-amd", "stop 54, the same AVX2 machine (float32), stop 53's code: SmolLM2's 8064-token point "
+     "at 100 MB/s, idle (`--models smollm2 --lengths 8064 --slow-mbps 100 --skip-native --busy --repeats 4 "
+     "--max-repeats 6 --name meet-s54-gqa8k-amd`); SGLang's load 51.8 s, slower than recompute; auto met at page 0 "
+     "of 126 (the loader alone by the measured choice 3 times, two-sided once)"),
 ]
 
 

@@ -24,8 +24,9 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   usual. From admission on, while the request waits for its forward, one background thread reads the pages the loader
   would read, last first (`engine/early_reads.py`, at most --tiered-kvpr-early-memory for all queued loads): as KV
   where the request waits for another forward first -- the next piece of another request's chunked prefill, or the
-  batch of requests admitted before it (`wait_ahead_s`) -- long enough for the reader to get their KV in at the read
-  rate (`policy/kvpr.early_as_kv`: placing KV is a copy, activations a recompute), else as the plan reads them.
+  batch of requests admitted before it (`wait_ahead_s`) -- where that leaves the forward less to do than reading
+  activations would (`policy/kvpr.early_as_kv`: placing KV is a copy, activations a recompute; what the wait does
+  not read in is the forward's), else as the plan reads them.
   The forward takes them (the page in flight too) and reads the rest; a plan not followed
   (a fallback, a re-admission) drops them, and ones not taken EARLY_HOLD_S after admission are dropped at the next
   start (counted).
@@ -305,22 +306,25 @@ class KVPR:
                     kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
                               lambda tokens: forward_s(alone, layers, tokens))
-        return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s))
+        return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))
 
-    def _read_early(self, plan: Plan, wait_s: float) -> Optional[EarlyJob]:
+    def _read_early(self, plan: Plan, wait_s: float, recompute_s: float) -> Optional[EarlyJob]:
         """Begin reading, now, the pages of `plan` its loader would read (from the forced meet point up, or all where
         the two meet), last first, while the request waits for its forward (engine/early_reads.py), about `wait_s`
-        seconds: as KV where their KV is read in by then (policy/kvpr.early_as_kv: the forward then recomputes no K
-        and V from activations), else as the plan reads them. None where the store's dtype is not a torch one."""
+        seconds: as KV where that leaves the forward less to do than activations (policy/kvpr.early_as_kv; K and V
+        recomputed at `recompute_s` per token-layer), else as the plan reads them. None where the store's dtype is
+        not a torch one."""
         dtype = getattr(torch, self.tier.namespace.dtype.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             return None
         source = self.span_pages(plan, dtype)
-        kv_page = source.page_size * self.shape.layers * self.shape.kv_bytes
-        as_kv = early_as_kv(activations=source.activations,
-                            kv_bytes=max(0, source.pages - (plan.pages or 0)) * kv_page,
-                            queued_bytes=self.early.unread_bytes(), wait_s=wait_s,
-                            bps=None if self.rate is None else self.rate.bps)
+        token_layers = source.page_size * self.shape.layers
+        as_kv = not source.activations or early_as_kv(
+            pages=max(0, source.pages - (plan.pages or 0)), kv_page=token_layers * self.shape.kv_bytes,
+            x_page=token_layers * self.shape.x_bytes, recompute_page_s=token_layers * recompute_s,
+            rest_page_s=meet_s(1, plan.read_s, plan.page_s) if plan.pages is None and min(plan.read_s, plan.page_s) > 0
+            else plan.read_s,
+            queued_bytes=self.early.unread_bytes(), wait_s=wait_s, bps=None if self.rate is None else self.rate.bps)
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
         expired = self.early.expired
         job = self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads

@@ -309,19 +309,24 @@ def loaders(d: Decision, forced_pages: Optional[int]) -> int:
     return MEET_LOADERS if forced_pages == 0 or (forced_pages is None and not d.compute_joins) else 1
 
 
-def early_as_kv(*, activations: bool, kv_bytes: int, queued_bytes: int, wait_s: float, bps: Optional[float]) -> bool:
-    """Read a taken span's pages from admission on as KV rather than as its plan reads them (activations where
-    stored)? Where nothing is stored as activations, KV is all there is. Otherwise only where the request waits
-    `wait_s` seconds (> 0) for another forward before its own and the early reader gets through the bytes queued
-    before it (`queued_bytes`) and the span's KV (`kv_bytes`) in that time at the read rate `bps` (None: not measured
-    yet -- taken as fast enough): then the forward finds K and V read and recomputes none. Where the KV would not be
-    in by then, the pages are read as the plan reads them (an MHA model's activations are half its KV: more of the
-    span is in when the forward begins, as the plan priced it)."""
-    if not activations:
-        return True
+def early_as_kv(*, pages: int, kv_page: int, x_page: int, recompute_page_s: float, rest_page_s: float,
+                queued_bytes: int, wait_s: float, bps: Optional[float]) -> bool:
+    """Read a taken span's `pages` pages from admission on as KV (`kv_page` bytes each) rather than as activations
+    (`x_page` bytes each; their K and V then recomputed on the forward, `recompute_page_s` a page)? The request waits
+    about `wait_s` seconds for other forwards (0: its forward is next); in that time the early reader gets through
+    the `queued_bytes` of loads admitted before it, then this span's pages at `bps` (None: not measured yet --
+    taken as all in either way). What is not in when the forward begins costs `rest_page_s` a page there (the
+    plan's way: read as it reads them, compute joining where it does). KV where the forward's expected work is no
+    more: (pages - KV pages in) x rest, against activation pages in x recompute + (pages - those) x rest. So KV where
+    the wait reads it all in (placing KV is a copy), activations where the wait is short next to the KV's read and
+    the recompute is cheap next to a page's read; the forward next: as the plan reads them."""
     if wait_s <= 0:
         return False
-    return bps is None or (queued_bytes + kv_bytes) / bps <= wait_s
+    if bps is None:
+        return True
+    room = max(0.0, wait_s * bps - queued_bytes)
+    kv_in, x_in = min(pages, int(room // kv_page)), min(pages, int(room // x_page))
+    return (pages - kv_in) * rest_page_s <= x_in * recompute_page_s + (pages - x_in) * rest_page_s
 
 
 @dataclass(frozen=True)

@@ -544,18 +544,24 @@ def test_compute_beside_a_loader_is_priced_as_measured_there():
     assert beside(prof, 1.0) == prof
 
 
-def test_pages_are_read_early_as_kv_only_where_their_kv_is_in_before_the_forward_it_waits_for():
-    mib = 1 << 20
-    kv = 80 * mib  # the span's KV; its activations are half that on an MHA model
-    # nothing stored as activations: KV is all there is, waiting or not
-    assert early_as_kv(activations=False, kv_bytes=kv, queued_bytes=0, wait_s=0.0, bps=1e6)
-    # activations stored: the forward is next, so the pages are read as the plan reads them
-    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=0.0, bps=None)
-    # a 1 s wait: 80 MiB at 100 MiB/s is in (0.8 s); behind 40 MiB queued for another load it is not (1.2 s)
-    assert early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=1.0, bps=100 * mib)
-    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=40 * mib, wait_s=1.0, bps=100 * mib)
-    # a slower disk (25 MiB/s: 3.2 s) or a shorter wait (0.5 s): as the plan reads them
-    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=1.0, bps=25 * mib)
-    assert not early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=0.5, bps=100 * mib)
-    # the read rate not measured yet: taken as fast enough
-    assert early_as_kv(activations=True, kv_bytes=kv, queued_bytes=0, wait_s=0.1, bps=None)
+def test_pages_are_read_early_as_kv_where_that_leaves_the_forward_less_to_do():
+    mb = 1e6
+
+    def as_kv(wait_s: float, bps, queued: float = 0.0, recompute_page_s: float = 0.043) -> bool:
+        # 16 pages of 8.4 MB of KV or 4.2 MB of activations; a page the wait did not bring in costs the forward 0.104 s
+        # (the MHA model at 25 MB/s: the profile's two-sided rate), a page of activations 0.043 s of K/V recompute
+        return early_as_kv(pages=16, kv_page=int(8.4 * mb), x_page=int(4.2 * mb), recompute_page_s=recompute_page_s,
+                           rest_page_s=0.104, queued_bytes=int(queued * mb), wait_s=wait_s, bps=bps)
+
+    assert not as_kv(0.0, 25 * mb)  # the forward is next: as the plan reads them
+    assert as_kv(0.1, None)  # the read rate not measured yet: taken as all in either way
+    assert as_kv(6.0, 25 * mb)  # 150 MB in the wait: all the KV (134 MB) is in, nothing left to the forward
+    # a busy point of stop 54's run (waits of 3.7-5.1 s at 25 MB/s): 13 KV pages in leave 3 x 0.104 = 0.31 s, where
+    # all 16 activation pages in leave 16 x 0.043 = 0.69 s of recompute
+    assert as_kv(4.5, 25 * mb)
+    # behind 100 MB queued for other loads: 1 KV page or 2 activation pages in: 1.56 s against 1.54 s
+    assert not as_kv(4.5, 25 * mb, queued=100)
+    # a short wait (25 MB in: 2 KV pages or 5 activation pages): 1.46 s against 1.36 s; with a dearer recompute
+    # (0.08 s a page) 1.54 s: KV
+    assert not as_kv(1.0, 25 * mb)
+    assert as_kv(1.0, 25 * mb, recompute_page_s=0.08)
