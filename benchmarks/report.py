@@ -789,6 +789,11 @@ MEET_RERUNS = [
      "at 100 MB/s, idle (`--models smollm2 --lengths 8064 --slow-mbps 100 --skip-native --busy --repeats 4 "
      "--max-repeats 6 --name meet-s54-gqa8k-amd`); SGLang's load 51.8 s, slower than recompute; auto met at page 0 "
      "of 126 (the loader alone by the measured choice 3 times, two-sided once)"),
+    ("meet-s54-mha1k-25-amd", "right after meet-s54-gqa8k-amd: the MHA model at 25 MB/s, idle and with a busy CPU, "
+     "with the first version of stop 54's rule for early reads (KV only where all of it is in before the forward: "
+     "here activations, 16 pages read early behind waits of 3.7-5.1 s, forwards 0.97-1.9 s) (`--models "
+     "smollm2-mha --lengths 1024 --slow-mbps 25 --skip-native --busy 25 --repeats 4 --max-repeats 6 --name "
+     "meet-s54-mha1k-25-amd`)"),
 ]
 
 
