@@ -799,6 +799,10 @@ MEET_RERUNS = [
      "--lengths 1024 --slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 6 --name "
      "meet-s54-mha1k-busy25-amd`); 13-16 of 16 pages read early, as KV (one load as activations), forwards "
      "0.54-0.96 s in all against 0.97-1.9 s with the first version"),
+    ("meet-s54-native-amd", "right after meet-s54-mha1k-busy25-amd, the same code: both models at the disk's own "
+     "speed, 1024 and 4096 tokens, idle (`--models smollm2 smollm2-mha --lengths 1024 4096 --slow-mbps --busy "
+     "--repeats 4 --max-repeats 6 --name meet-s54-native-amd`); auto took our loader by the measured choice 3 of "
+     "4 times at every point, SGLang's load once"),
 ]
 
 
