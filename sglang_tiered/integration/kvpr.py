@@ -26,10 +26,9 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   where the request waits for another forward first -- the next piece of another request's chunked prefill, or the
   batch of requests admitted before it (`wait_ahead_s`) -- where that leaves the forward less to do than reading
   activations would (`policy/kvpr.early_as_kv`: placing KV is a copy, activations a recompute; what the wait does
-  not read in is the forward's), else as the plan reads them.
-  The forward takes them (the page in flight too) and reads the rest; a plan not followed
-  (a fallback, a re-admission) drops them, and ones not taken EARLY_HOLD_S after admission are dropped at the next
-  start (counted).
+  not read in is the forward's), else as the plan reads them. The forward takes them (the page in flight too) and
+  reads the rest; a plan not followed (a fallback, a re-admission) drops them, and ones not taken EARLY_HOLD_S after
+  admission are dropped at the next start (counted).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -319,12 +318,14 @@ class KVPR:
             return None
         source = self.span_pages(plan, dtype)
         token_layers = source.page_size * self.shape.layers
+        rest_page_s = plan.read_s  # a page the forward still brings in: read as planned, or met by compute
+        if plan.pages is None and min(plan.read_s, plan.page_s) > 0:
+            rest_page_s = meet_s(1, plan.read_s, plan.page_s)
         as_kv = not source.activations or early_as_kv(
             pages=max(0, source.pages - (plan.pages or 0)), kv_page=token_layers * self.shape.kv_bytes,
             x_page=token_layers * self.shape.x_bytes, recompute_page_s=token_layers * recompute_s,
-            rest_page_s=meet_s(1, plan.read_s, plan.page_s) if plan.pages is None and min(plan.read_s, plan.page_s) > 0
-            else plan.read_s,
-            queued_bytes=self.early.unread_bytes(), wait_s=wait_s, bps=None if self.rate is None else self.rate.bps)
+            rest_page_s=rest_page_s, queued_bytes=self.early.unread_bytes(), wait_s=wait_s,
+            bps=None if self.rate is None else self.rate.bps)
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
         expired = self.early.expired
         job = self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads
