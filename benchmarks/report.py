@@ -803,6 +803,10 @@ MEET_RERUNS = [
      "speed, 1024 and 4096 tokens, idle (`--models smollm2 smollm2-mha --lengths 1024 4096 --slow-mbps --busy "
      "--repeats 4 --max-repeats 6 --name meet-s54-native-amd`); auto took our loader by the measured choice 3 of "
      "4 times at every point, SGLang's load once"),
+    ("meet-s54-mha4k-amd", "right after the fresh-clone CI run, stop 54's final code: the MHA model's 4096-token "
+     "point at 200 and 50 MB/s, idle (`--models smollm2-mha --lengths 4096 --slow-mbps 200 50 --skip-native --busy "
+     "--repeats 4 --max-repeats 6 --name meet-s54-mha4k-amd`); SGLang's load slower than recompute at both (its "
+     "prefetch gives up on 540 MiB of KV); auto two-sided 4 of 4, met at page 0-4 of 64"),
 ]
 
 
