@@ -807,6 +807,9 @@ MEET_RERUNS = [
      "point at 200 and 50 MB/s, idle (`--models smollm2-mha --lengths 4096 --slow-mbps 200 50 --skip-native --busy "
      "--repeats 4 --max-repeats 6 --name meet-s54-mha4k-amd`); SGLang's load slower than recompute at both (its "
      "prefetch gives up on 540 MiB of KV); auto two-sided 4 of 4, met at page 0-4 of 64"),
+    ("meet-s54-mha8k-amd", "right after meet-s54-mha4k-amd, the same code: the MHA model's 8064-token point at 100 "
+     "MB/s, idle (`--models smollm2-mha --lengths 8064 --slow-mbps 100 --skip-native --busy --repeats 4 "
+     "--max-repeats 4 --name meet-s54-mha8k-amd`); SGLang's prefetch gives up, auto two-sided 4 of 4"),
 ]
 
 

@@ -133,6 +133,18 @@ def early_split(line: str) -> tuple[int, int, int]:
     return tuple(int(g) for g in got.groups())
 
 
+def read_early_as_kv(s: ServerProcess, mark: int, out: dict, pages: int) -> int:
+    """Check the load line of the request answered by `out` (logged after `mark`, a span of `pages` pages): some of
+    its pages read before the forward, all of those as KV, the rest from activations, behind a positive expected
+    wait for other forwards. Returns the pages read before the forward."""
+    line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
+    assert len(line) == 1, s.log_tail()
+    from_x, kv, read_early = early_split(line[0])
+    assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
+    assert float(re.search(r"([\d.]+)s of other forwards expected ahead", line[0]).group(1)) > 0, line[0]
+    return read_early
+
+
 def behind_a_chunked_prefill(s: ServerProcess, prompt: str, noise: str) -> tuple[dict, int]:
     """`ask(s, prompt, 0)` (our loader reads every page: meet point 0) sent while `noise`, a prompt of five or more
     pieces of --chunked-prefill-size that SGLang prefills its own way, has pieces to go: its reply and the log mark
@@ -167,12 +179,7 @@ def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_
     early = counter(s, "early_pages")
     out, mark = behind_a_chunked_prefill(s, prompt, "\n\n".join(essays[12:20]))  # (about 5600 tokens)
     assert out["output_ids"] == cold["output_ids"]
-    line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
-    assert len(line) == 1, s.log_tail()
-    from_x, kv, read_early = early_split(line[0])
-    assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
-    assert float(re.search(r"([\d.]+)s of other forwards expected ahead", line[0]).group(1)) > 0, line[0]
-    assert counter(s, "early_pages") == early + read_early
+    assert counter(s, "early_pages") == early + read_early_as_kv(s, mark, out, pages)
 
 
 def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_kv(mha_server, essays):
@@ -200,11 +207,7 @@ def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_
     assert status == 200, replies
     out = replies[1]
     assert out["output_ids"] == cold["output_ids"]
-    line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]
-    assert len(line) == 1, s.log_tail()
-    from_x, kv, read_early = early_split(line[0])
-    assert read_early >= 1 and kv == read_early * PAGE and from_x + kv == pages * PAGE, line[0]
-    assert float(re.search(r"([\d.]+)s of other forwards expected ahead", line[0]).group(1)) > 0, line[0]
+    read_early_as_kv(s, mark, out, pages)
 
 
 def test_a_corrupt_page_read_before_the_forward_is_a_counted_fallback(mha_server, essays):
