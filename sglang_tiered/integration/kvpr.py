@@ -328,8 +328,8 @@ class KVPR:
             bps=None if self.rate is None else self.rate.bps)
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
         expired = self.early.expired
-        job = self.early.start(source, plan.pages or 0, source.page_size * self.shape.layers * per_token,  # reads
-                               lambda page: source.read(page, kv=as_kv))                                     # as KV)
+        job = self.early.start(source, plan.pages or 0, token_layers * per_token,  # reads as KV)
+                               lambda page: source.read(page, kv=as_kv))
         self.rt.events.count("kvpr_early_expired", self.early.expired - expired)
         return job
 
