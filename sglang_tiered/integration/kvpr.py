@@ -177,11 +177,14 @@ def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int],
     """About how many seconds `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone),
     waits for another forward before its own: the next piece of another request's chunked prefill (`last_extend_s`,
     its last piece's), or the prefill of the requests admitted before it (the next prefill batch is theirs:
-    `estimate(tokens)` of their prompts, up to the chunk budget); 0: its forward is next."""
+    `estimate(tokens)` of the tokens their prompts leave to compute past the prefix matched on device and host --
+    SGLang matches each request as it queues it where an L3 is on, `Scheduler._prefetch_kvcache` -- up to the chunk
+    budget); 0: its forward is next."""
     chunked = scheduler.chunked_req
     if chunked is not None and chunked is not req:
         return last_extend_s
-    tokens = sum(len(r.origin_input_ids) for r in scheduler.waiting_queue if r is not req)
+    tokens = sum(max(0, len(r.origin_input_ids) - r.prefix_len - r.host_hit_length)
+                 for r in scheduler.waiting_queue if r is not req)
     budget = scheduler.chunked_prefill_size
     return estimate(min(tokens, budget) if budget and budget > 0 else tokens) if tokens else 0.0
 

@@ -565,3 +565,25 @@ def test_pages_are_read_early_as_kv_where_that_leaves_the_forward_less_to_do():
     # (0.08 s a page) 1.54 s: KV
     assert not as_kv(1.0, 25 * mb)
     assert as_kv(1.0, 25 * mb, recompute_page_s=0.08)
+
+
+def test_the_wait_ahead_is_the_chunked_piece_or_what_the_queued_prompts_leave_to_compute():
+    from types import SimpleNamespace as NS
+
+    from sglang_tiered.integration.kvpr import wait_ahead_s
+
+    def queued(tokens: int, device: int = 0, host: int = 0) -> NS:
+        return NS(origin_input_ids=[1] * tokens, prefix_len=device, host_hit_length=host)
+
+    me, per_token = queued(2000), (lambda tokens: tokens / 1000)  # 1 ms a token
+    ahead = [queued(900, device=256, host=128), queued(300, device=300), me]
+    assert wait_ahead_s(NS(chunked_req=None, waiting_queue=[me], chunked_prefill_size=1024), me, 4.0, per_token) == 0
+    # 516 + 0 tokens left to compute ahead (their matched prefixes are not computed again); `me` is not ahead of itself
+    assert wait_ahead_s(NS(chunked_req=None, waiting_queue=ahead, chunked_prefill_size=1024), me, 4.0,
+                        per_token) == pytest.approx(0.516)
+    # the next prefill batch holds at most the chunk budget
+    assert wait_ahead_s(NS(chunked_req=None, waiting_queue=ahead, chunked_prefill_size=256), me, 4.0,
+                        per_token) == pytest.approx(0.256)
+    # another request's chunked prefill: its next piece, as long as its last one
+    assert wait_ahead_s(NS(chunked_req=queued(8000), waiting_queue=ahead, chunked_prefill_size=1024), me, 4.0,
+                        per_token) == 4.0
