@@ -810,6 +810,19 @@ MEET_RERUNS = [
     ("meet-s54-mha8k-amd", "right after meet-s54-mha4k-amd, the same code: the MHA model's 8064-token point at 100 "
      "MB/s, idle (`--models smollm2-mha --lengths 8064 --slow-mbps 100 --skip-native --busy --repeats 4 "
      "--max-repeats 4 --name meet-s54-mha8k-amd`); SGLang's prefetch gives up, auto two-sided 4 of 4"),
+    ("meet-s55-4k-amd", "stop 55, the same AVX2 machine (float32), stop 54's final code: both models' 4096-token "
+     "points at 100 and 25 MB/s, idle (`--models smollm2 smollm2-mha --lengths 4096 --slow-mbps 100 25 --skip-native "
+     "--busy --repeats 4 --max-repeats 6 --name meet-s55-4k-amd`); auto two-sided at every request, met at page 0-4 "
+     "(100 MB/s) and 20-21 (25 MB/s) of 64"),
+    ("meet-s55-gqa1k-amd", "right after meet-s55-4k-amd, stop 55's code: SmolLM2's 1024-token point at 200 and 100 "
+     "MB/s, idle (`--models smollm2 --lengths 1024 --slow-mbps 200 100 --skip-native --busy --repeats 4 "
+     "--max-repeats 6 --name meet-s55-gqa1k-amd`); auto took our loader by the measured choice 3 of 4 at 200 MB/s, "
+     "two-sided 4 of 4 at 100"),
+    ("meet-s55-native8k-amd", "right after meet-s55-gqa1k-amd, the same code: both models' 8064-token points at the "
+     "disk's own speed (`--models smollm2 smollm2-mha --lengths 8064 --slow-mbps --busy --repeats 4 --max-repeats 6 "
+     "--name meet-s55-native8k-amd`); auto took our loader (KV) by the measured choice 3 of 4 and SGLang's load once "
+     "at each; the MHA model's loader alone reads activations there (8.0 s against SGLang's 3.3 s), which auto does "
+     "not"),
 ]
 
 
