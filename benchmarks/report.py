@@ -823,6 +823,13 @@ MEET_RERUNS = [
      "--name meet-s55-native8k-amd`); auto took our loader (KV) by the measured choice 3 of 4 and SGLang's load once "
      "at each; the MHA model's loader alone reads activations there (8.0 s against SGLang's 3.3 s), which auto does "
      "not"),
+    ("meet-s55-gqa4k-busy25-amd", "after the fresh-clone CI run, stop 55's code: SmolLM2's 4096-token point at 25 "
+     "MB/s with a second client keeping the CPU busy with long prefills (`--models smollm2 --lengths 4096 "
+     "--slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4 --name meet-s55-gqa4k-busy25-amd`); auto "
+     "two-sided 4 of 4, met at page 21-26 of 64"),
+    ("meet-s55-mha4k-busy25-amd", "right after meet-s55-gqa4k-busy25-amd, the same code: the MHA model's 4096-token "
+     "point at 25 MB/s with a busy CPU (`--models smollm2-mha --lengths 4096 --slow-mbps --skip-native --busy 25 "
+     "--repeats 4 --max-repeats 4 --name meet-s55-mha4k-busy25-amd`); auto two-sided 4 of 4, met at page 24-25 of 64"),
 ]
 
 
