@@ -830,6 +830,9 @@ MEET_RERUNS = [
     ("meet-s55-mha4k-busy25-amd", "right after meet-s55-gqa4k-busy25-amd, the same code: the MHA model's 4096-token "
      "point at 25 MB/s with a busy CPU (`--models smollm2-mha --lengths 4096 --slow-mbps --skip-native --busy 25 "
      "--repeats 4 --max-repeats 4 --name meet-s55-mha4k-busy25-amd`); auto two-sided 4 of 4, met at page 24-25 of 64"),
+    ("meet-s55-gqa8k-25-amd", "right after meet-s55-mha4k-busy25-amd, the same code: SmolLM2's 8064-token point at "
+     "25 MB/s, idle (`--models smollm2 --lengths 8064 --slow-mbps 25 --skip-native --busy --repeats 4 --max-repeats "
+     "4 --name meet-s55-gqa8k-25-amd`); SGLang's prefetch gives up; auto two-sided 4 of 4, met at page 38-45 of 126"),
 ]
 
 
