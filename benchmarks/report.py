@@ -833,6 +833,9 @@ MEET_RERUNS = [
     ("meet-s55-gqa8k-25-amd", "right after meet-s55-mha4k-busy25-amd, the same code: SmolLM2's 8064-token point at "
      "25 MB/s, idle (`--models smollm2 --lengths 8064 --slow-mbps 25 --skip-native --busy --repeats 4 --max-repeats "
      "4 --name meet-s55-gqa8k-25-amd`); SGLang's prefetch gives up; auto two-sided 4 of 4, met at page 38-45 of 126"),
+    ("meet-s55-mha1k-100-amd", "right after meet-s55-gqa8k-25-amd, the same code: the MHA model's 1024-token point "
+     "at 100 MB/s, idle (`--models smollm2-mha --lengths 1024 --slow-mbps 100 --skip-native --busy --repeats 4 "
+     "--max-repeats 6 --name meet-s55-mha1k-100-amd`); auto two-sided 4 of 4, met at page 0 of 16"),
 ]
 
 
