@@ -79,6 +79,12 @@ def has_load(req) -> bool:
     return getattr(req, "tiered_load", None) is not None
 
 
+def matched(req) -> int:
+    """Tokens of `req`'s prompt matched on device and host as it was queued (`init_next_round_input`, which SGLang
+    runs on every request it queues where an L3 is on: `Scheduler._prefetch_kvcache`)."""
+    return req.prefix_len + req.host_hit_length
+
+
 class SpanHandler(ForwardHandler):
     """The forward handler of a loader: computes the extend batch of the request whose stored span the loader took
     at the door, following its plan. Shared reasons to decline (then the load is dropped, logged and counted, and
@@ -184,7 +190,7 @@ class Door:
             loader.handler.fallback([req.rid], why + "; SGLang loads the stored prefix")
             return None
         req.init_next_round_input(scheduler.tree_cache, cow_mamba=False)
-        plan = loader.plan(scheduler, req, req.prefix_len + req.host_hit_length)
+        plan = loader.plan(scheduler, req, matched(req))
         return Load(loader.name, plan) if plan is not None else None
 
     # ------------------------------------------------------------------------------------------- retention

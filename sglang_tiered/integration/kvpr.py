@@ -101,7 +101,7 @@ from sglang_tiered.engine.meet import meet_prefill
 from sglang_tiered.engine.page_span import TierPages
 from sglang_tiered.engine.scratch import KVScratch
 from sglang_tiered.integration import faults, model_forward
-from sglang_tiered.integration.door import SpanHandler, planned
+from sglang_tiered.integration.door import SpanHandler, matched, planned
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.load_timing import LoadTiming
 from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
@@ -177,14 +177,12 @@ def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int],
     """About how many seconds `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone),
     waits for another forward before its own: the next piece of another request's chunked prefill (`last_extend_s`,
     its last piece's), or the prefill of the requests admitted before it (the next prefill batch is theirs:
-    `estimate(tokens)` of the tokens their prompts leave to compute past the prefix matched on device and host --
-    SGLang matches each request as it queues it where an L3 is on, `Scheduler._prefetch_kvcache` -- up to the chunk
-    budget); 0: its forward is next."""
+    `estimate(tokens)` of the tokens their prompts leave to compute past the prefix matched on device and host,
+    `door.matched`, up to the chunk budget); 0: its forward is next."""
     chunked = scheduler.chunked_req
     if chunked is not None and chunked is not req:
         return last_extend_s
-    tokens = sum(max(0, len(r.origin_input_ids) - r.prefix_len - r.host_hit_length)
-                 for r in scheduler.waiting_queue if r is not req)
+    tokens = sum(max(0, len(r.origin_input_ids) - matched(r)) for r in scheduler.waiting_queue if r is not req)
     budget = scheduler.chunked_prefill_size
     return estimate(min(tokens, budget) if budget and budget > 0 else tokens) if tokens else 0.0
 
