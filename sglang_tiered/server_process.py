@@ -117,22 +117,26 @@ class ServerProcess:
                                      env=self.env)
         log.close()
         bind_error = f"('127.0.0.1', {self.port}): address already in use".encode()
+        bound = f"Uvicorn running on {self.url}".encode()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during startup; log: {self.log_path}\n"
                                    + self.log_tail())
-            try:  # a ready server's /health generates one token and answers in 1-2 s (SGLang polls it every 1 s,
-                # for up to 20 s): a shorter timeout gave up on every first healthy answer and asked again
-                with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
+            with open(self.log_path, "rb") as f:
+                f.seek(log_start)
+                logged = f.read()
+            if bind_error in logged:
+                return False
+            # once the log says the port is ours, a ready server's /health generates one token and answers in 1-2 s
+            # (SGLang polls it every 1 s, for up to 20 s): a shorter timeout gave up on every first healthy answer
+            # and asked again. Before that, whatever listens on the port is not our server: do not wait on it.
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=30 if bound in logged else 2) as r:
                     if r.status == 200:
                         return True
             except (urllib.error.URLError, OSError):
                 pass
-            with open(self.log_path, "rb") as f:
-                f.seek(log_start)
-                if bind_error in f.read():
-                    return False
             time.sleep(0.25)
         self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout} s; log: {self.log_path}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -26,6 +27,7 @@ STANDIN = textwrap.dedent("""
         print(f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address ('127.0.0.1', {port}): "
               f"address already in use", flush=True)
         time.sleep(600)
+    print(f"INFO:     Uvicorn running on http://127.0.0.1:{port} (Press CTRL+C to quit)", flush=True)
     server.serve_forever()
 """)
 
@@ -48,7 +50,9 @@ def test_a_taken_http_port_is_retried_on_a_new_one(tmp_path, monkeypatch, standi
     monkeypatch.setattr(server_process, "free_port", lambda: next(ports, None) or real())
     s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", wrapper=standin)
     try:
+        t0 = time.monotonic()
         s.start()
+        assert time.monotonic() - t0 < 15, "waited on the other listener's /health (30 s) before reading the log"
         assert s.port != taken
         assert f"('127.0.0.1', {taken}): address already in use" in s.log_path.read_text()
         assert s.get("/health") == ""
@@ -66,8 +70,10 @@ def test_a_fixed_port_that_is_taken_is_an_error(tmp_path, standin):
         s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", port=taken,
                           wrapper=standin)
         try:
+            t0 = time.monotonic()
             with pytest.raises(RuntimeError, match=f"port {taken} is in use"):
                 s.start()
+            assert time.monotonic() - t0 < 15, "waited on the other listener's /health before reading the log"
         finally:
             s.stop()
     assert s.proc is None
