@@ -836,6 +836,10 @@ MEET_RERUNS = [
     ("meet-s55-mha1k-100-amd", "right after meet-s55-gqa8k-25-amd, the same code: the MHA model's 1024-token point "
      "at 100 MB/s, idle (`--models smollm2-mha --lengths 1024 --slow-mbps 100 --skip-native --busy --repeats 4 "
      "--max-repeats 6 --name meet-s55-mha1k-100-amd`); auto two-sided 4 of 4, met at page 0 of 16"),
+    ("meet-s56-8k-amd", "stop 56, the same AVX2 machine (float32), stop 55's code: both models' 8064-token points at "
+     "200 and 50 MB/s, idle (`--models smollm2 smollm2-mha --lengths 8064 --slow-mbps 200 50 --skip-native --busy "
+     "--repeats 4 --max-repeats 4 --name meet-s56-8k-amd`); SmolLM2 at 200 MB/s: auto took our loader by the measured "
+     "choice 3 of 4 and SGLang's load once; elsewhere SGLang's prefetch gives up and auto is two-sided 4 of 4"),
 ]
 
 
