@@ -840,6 +840,10 @@ MEET_RERUNS = [
      "200 and 50 MB/s, idle (`--models smollm2 smollm2-mha --lengths 8064 --slow-mbps 200 50 --skip-native --busy "
      "--repeats 4 --max-repeats 4 --name meet-s56-8k-amd`); SmolLM2 at 200 MB/s: auto took our loader by the measured "
      "choice 3 of 4 and SGLang's load once; elsewhere SGLang's prefetch gives up and auto is two-sided 4 of 4"),
+    ("meet-s56-mha8k-25-amd", "right after meet-s56-8k-amd and the --quick run, the same code: the MHA model's "
+     "8064-token point at 25 MB/s, idle (`--models smollm2-mha --lengths 8064 --slow-mbps 25 --skip-native --busy "
+     "--repeats 4 --max-repeats 4 --name meet-s56-mha8k-25-amd`); SGLang's prefetch gives up; auto two-sided 4 of 4, "
+     "met at page 20-45 of 126"),
 ]
 
 
