@@ -116,16 +116,14 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=self.env)
         log.close()
-        bind_error = f"('127.0.0.1', {self.port}): address already in use".encode()
-        bound = f"Uvicorn running on {self.url}".encode()
+        bind_error = f"('127.0.0.1', {self.port}): address already in use"
+        bound = f"Uvicorn running on {self.url}"
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode} during startup; log: {self.log_path}\n"
                                    + self.log_tail())
-            with open(self.log_path, "rb") as f:
-                f.seek(log_start)
-                logged = f.read()
+            logged = self.log_since(log_start)
             if bind_error in logged:
                 return False
             # once the log says the port is ours, a ready server's /health generates one token and answers in 1-2 s
@@ -170,12 +168,15 @@ class ServerProcess:
         except OSError:
             return 0
 
-    def log_lines(self, pattern: str = "", since: int = 0) -> list[str]:
-        """Lines of the server log containing `pattern`, logged after the mark `since`."""
+    def log_since(self, since: int = 0) -> str:
+        """The server log after the mark `since` (a byte offset, `log_mark`)."""
         with open(self.log_path, "rb") as f:
             f.seek(since)
-            text = f.read().decode(errors="replace")
-        return [line for line in text.splitlines() if pattern in line]
+            return f.read().decode(errors="replace")
+
+    def log_lines(self, pattern: str = "", since: int = 0) -> list[str]:
+        """Lines of the server log containing `pattern`, logged after the mark `since`."""
+        return [line for line in self.log_since(since).splitlines() if pattern in line]
 
     def log_tail(self, n: int = 30) -> str:
         try:
