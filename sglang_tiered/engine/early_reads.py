@@ -38,8 +38,10 @@ class EarlyJob:
 
 
 class EarlyReader:
-    def __init__(self, budget_bytes: int, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.budget_bytes, self.hold_s, self.clock = budget_bytes, hold_s, clock
+    def __init__(self, budget_bytes: int, hold_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_expired: Callable[[int], None] = lambda n: None) -> None:
+        """`on_expired(n)`: told of the `n` jobs a `start` dropped for outliving `hold_s` (called under the lock)."""
+        self.budget_bytes, self.hold_s, self.clock, self.on_expired = budget_bytes, hold_s, clock, on_expired
         self.held = 0  # bytes held by every job
         self.expired = 0  # jobs dropped for outliving hold_s
         self.jobs: deque[EarlyJob] = deque()
@@ -52,9 +54,12 @@ class EarlyReader:
         None if there is none to read or one page would not fit the whole budget."""
         with self._cv:
             now = self.clock()
-            for job in [j for j in self.jobs if now - j.since > self.hold_s]:
+            old = [j for j in self.jobs if now - j.since > self.hold_s]
+            for job in old:
                 self._end(job)
-                self.expired += 1
+            if old:
+                self.expired += len(old)
+                self.on_expired(len(old))
             if lowest >= source.pages or page_bytes > self.budget_bytes:
                 return None
             job = EarlyJob(source, read or source.read, max(0, lowest), page_bytes, now)

@@ -218,7 +218,8 @@ class KVPR:
         self.estimates = Estimates()  # SGLang's forward or the two-sided load, as measured (policy/compute_choice.py)
         self._l3_reads, self._l3_read_end = 0, 0.0  # SGLang's own L3 reads in flight; when the last ended
         budget = parse_size(rt.settings.config.kvpr_early_memory)
-        self.early = EarlyReader(budget, EARLY_HOLD_S)  # taken spans' reads, from admission on
+        self.early = EarlyReader(budget, EARLY_HOLD_S,  # taken spans' reads, from admission on
+                                 on_expired=lambda n: rt.events.count("kvpr_early_expired", n))
 
     def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
         """The store is open: start storing activations (gate open or `force`); the read bandwidth is measured in
@@ -328,11 +329,8 @@ class KVPR:
             rest_page_s=rest_page_s, queued_bytes=self.early.unread_bytes(), wait_s=wait_s,
             bps=None if self.rate is None else self.rate.bps)
         per_token = max(self.shape.kv_bytes, 0 if as_kv else self.shape.x_bytes)  # (a missing activation page
-        expired = self.early.expired
-        job = self.early.start(source, plan.pages or 0, token_layers * per_token,  # reads as KV)
-                               lambda page: source.read(page, kv=as_kv))
-        self.rt.events.count("kvpr_early_expired", self.early.expired - expired)
-        return job
+        return self.early.start(source, plan.pages or 0, token_layers * per_token,  # reads as KV)
+                                lambda page: source.read(page, kv=as_kv))
 
     def span_pages(self, plan: Plan, dtype: torch.dtype) -> TierPages:
         """The plan's stored pages as the loader reads them, in `dtype`."""

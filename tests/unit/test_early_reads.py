@@ -83,13 +83,16 @@ def test_a_miss_is_raised_when_the_page_is_waited_for_and_ends_the_loads_early_r
 
 
 def test_a_load_outliving_its_hold_is_dropped_at_the_next_start():
-    now = [0.0]
-    reader = EarlyReader(1 << 20, 10.0, clock=lambda: now[0])
+    now, told = [0.0], []
+    reader = EarlyReader(1 << 20, 10.0, clock=lambda: now[0], on_expired=told.append)
     job = reader.start(span(2), 0, 8)
     settle(reader, job, 2)
+    now[0] = 5.0
+    reader.drop(reader.start(span(1), 0, 8))  # within the hold: nothing expires, nobody is told
+    assert told == []
     now[0] = 11.0
     other = reader.start(span(1), 0, 8)
-    assert job not in reader.jobs and job.pages == {} and reader.expired == 1
+    assert job not in reader.jobs and job.pages == {} and reader.expired == 1 and told == [1]
     settle(reader, other, 1)
     assert reader.held == 8
 
