@@ -95,6 +95,9 @@ class Busy:
         self.s, self.ids, self.new_tokens = s, ids, new_tokens
         self.go, self.idle, self.stop = threading.Event(), threading.Event(), threading.Event()
         self.idle.set()
+        self.label, self.fresh = None, False  # the measured request's (tokens, config), set at resume
+        self.first_s: dict = {}  # label -> seconds of this client's first request after each resume (what the
+        #                          measured request cost it)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -105,8 +108,12 @@ class Busy:
                 continue
             self.idle.clear()
             n += 1
+            label, first, self.fresh = self.label, self.fresh, False
             try:
+                t0 = time.perf_counter()
                 request(self.s, self.ids, "off", salt=f"busy-{n}", new_tokens=self.new_tokens)
+                if first and label is not None:  # the request the measured one arrived beside
+                    self.first_s.setdefault(label, []).append(time.perf_counter() - t0)
             except Exception:  # noqa: BLE001 -- it only loads the CPU; the measured requests decide
                 time.sleep(0.1)
             finally:
@@ -116,7 +123,8 @@ class Busy:
         self.go.clear()
         self.idle.wait(900)
 
-    def resume(self) -> None:
+    def resume(self, label=None) -> None:
+        self.label, self.fresh = label, True
         self.go.set()
         # prefills: its prefill is under way when the measured request arrives; decode: its short prefill (about
         # 0.2 s) is done and it decodes (at 0.2 s the measured request came right after that prefill: `auto` then
@@ -146,7 +154,7 @@ def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt:
     s.flush_cache()
     evict_from_page_cache(ssd)
     if busy is not None:
-        busy.resume()
+        busy.resume((len(ids), config))
     mark = s.log_mark()
     ttft, body = request(s, ids, MODES[config], salt if config == "recompute" else None)
     line = (s.log_lines("tiered kvpr: rid", since=mark) or [""])[-1]
@@ -275,13 +283,18 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                 point = {c: {"ttft_s": statistics.median(x["ttft_s"] for x in rs), "rows": rs} for c, rs in
                          rows.items()}
                 point.update(compare(rows, n))
+                if noise is not None:  # the second client's request beside each configuration's, median (s)
+                    point["busy_client_s"] = {c: statistics.median(v) for c in CONFIGS
+                                              if (v := noise.first_s.get((len(ids), c)))}
                 point["auto_over_min_ci"] = ratio_interval(rows)
                 out[str(n)] = point
                 print(f"[meet] {model} {disk}{' busy ' + busy if busy else ''} {n} tokens: " +
                       ", ".join(f"{c} {point[c]['ttft_s']:.3f}s ({len(rows[c])})" for c in CONFIGS) +
                       f"; auto / min {ratio(rows):.3f} {point['auto_over_min_ci']}"
                       f"; met at {[x['met'] for x in rows['race']]}"
-                      f"; auto's ways {dict(Counter(x['way'] for x in rows['auto']))}", flush=True)
+                      f"; auto's ways {dict(Counter(x['way'] for x in rows['auto']))}" +
+                      (f"; the busy client beside each {point['busy_client_s']}" if noise is not None else ""),
+                      flush=True)
         finally:
             if noise is not None:
                 noise.close()

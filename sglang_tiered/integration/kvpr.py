@@ -173,16 +173,19 @@ class Plan:
     #                                                                             admission (engine/early_reads.py)
 
 
-def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int], float]) -> float:
+def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int], float],
+                 goes_ahead: Callable[[Any, Any], bool]) -> float:
     """About how many seconds `req`, admitted now with a taken span (it prefills alone, model_forward.prefill_alone),
     waits for another forward before its own: the next piece of another request's chunked prefill (`last_extend_s`,
-    its last piece's), or the prefill of the requests admitted before it (the next prefill batch is theirs:
-    `estimate(tokens)` of the tokens their prompts leave to compute past the prefix matched on device and host,
-    `door.matched`, up to the chunk budget); 0: its forward is next."""
+    its last piece's) unless `req`, next in line, goes before it (`goes_ahead(scheduler, req)`: ahead.py), or the
+    prefill of the requests admitted before it (the next prefill batch is theirs: `estimate(tokens)` of the tokens
+    their prompts leave to compute past the prefix matched on device and host, `door.matched`, up to the chunk
+    budget); 0: its forward is next."""
+    others = [r for r in scheduler.waiting_queue if r is not req]
     chunked = scheduler.chunked_req
     if chunked is not None and chunked is not req:
-        return last_extend_s
-    tokens = sum(max(0, len(r.origin_input_ids) - matched(r)) for r in scheduler.waiting_queue if r is not req)
+        return 0.0 if not others and goes_ahead(scheduler, req) else last_extend_s
+    tokens = sum(max(0, len(r.origin_input_ids) - matched(r)) for r in others)
     budget = scheduler.chunked_prefill_size
     return estimate(min(tokens, budget) if budget and budget > 0 else tokens) if tokens else 0.0
 
@@ -306,7 +309,7 @@ class KVPR:
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
                     kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
-                              lambda tokens: forward_s(alone, layers, tokens))
+                              lambda tokens: forward_s(alone, layers, tokens), self.rt.forward.ahead.would_go)
         return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))
 
     def _read_early(self, plan: Plan, wait_s: float, recompute_s: float) -> Optional[EarlyJob]:

@@ -307,6 +307,8 @@ EVENTS = {
     "(something else slowed the measurement); taken again at a later idle moment",
     "kvpr_choice_samples_decoding": "Of kvpr_choice_samples, those admitted while other requests were decoding (kept "
     "apart: the choice among decodes follows them)",
+    "prefill_ahead_of_chunks": "Requests that prefill alone (a taken stored span, a blend) run before the next piece "
+    "of another request's chunked prefill instead of after its last (integration/ahead.py)",
     "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",
     "retain_released": "Pins released before their expiry to keep pinned pages within --tiered-retain-share",
     "retain_refused": "Pins refused: the prompt alone has more pages than retention may hold",

@@ -34,6 +34,7 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.integration import faults
+from sglang_tiered.integration.ahead import AheadOfChunks
 
 if TYPE_CHECKING:
     from sglang_tiered.integration.runtime import Runtime
@@ -127,6 +128,7 @@ class ForwardHook:
         self._batch = threading.local()
         self._hooked = self._tracking = False
         self.last_extend_s = 0.0  # wall seconds of the last extend forward (any handler's or SGLang's; CPU: its work)
+        self.ahead = AheadOfChunks(rt, self.prefills_alone)  # prefill-alone requests between chunked pieces
 
     def _ensure_hook(self) -> None:
         if not self._hooked:
@@ -162,20 +164,25 @@ class ForwardHook:
         """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
         request): such a request joins no prefill batch that already has a request, and nothing joins its batch;
         the refused request waits for the next round, as when the token budget runs out. Seam (plugin.py):
-        `PrefillAdder.add_one_req` (AROUND), registered with the first predicate."""
+        `PrefillAdder.add_one_req` (AROUND), registered with the first predicate. Such a request next in line goes
+        before the next piece of another request's chunked prefill, once per piece (`ahead.py`)."""
         if not self._alone:
             from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
             HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
                                   self._around_add_one_req, HookType.AROUND)
+            self.ahead.register()
         self._alone.append(predicate)
+
+    def prefills_alone(self, req) -> bool:
+        return any(p(req) for p in self._alone)
 
     def _around_add_one_req(self, original, adder, req, *args, **kwargs):
         """If this check fails, SGLang's admission decides alone (logged and counted)."""
         try:
             faults.check("admission")
-            alone = bool(adder.can_run_list) and any(p(req) or any(p(r) for r in adder.can_run_list)
-                                                     for p in self._alone)
+            alone = bool(adder.can_run_list) and (self.prefills_alone(req) or
+                                                  any(self.prefills_alone(r) for r in adder.can_run_list))
         except Exception as exc:
             self._admission_errors += 1
             self.rt.events.count("hook_errors")

@@ -24,6 +24,8 @@ the process's `runtime.Runtime`):
   that the SSD write-through waits for).
 * `PrefillAdder.add_one_req` (AROUND, `model_forward.py`): a request marked for blending, or whose stored span a
   loader took at the door, prefills alone.
+* `Scheduler.get_new_batch_prefill` (AROUND, `ahead.py`): such a request, next in line, goes before the next piece
+  of another request's chunked prefill (once per piece).
 * `Scheduler._prefetch_kvcache` (AROUND, `door.py`): the one door for stored spans -- which loader (SGLang's L3
   prefetch, sparse, kvpr) serves a request's stored span, decided once per admission into `req.tiered_load` -- and
   retention pins (`custom_params.tiered_retain`).

@@ -29,8 +29,8 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaConfig
 from sglang_tiered.models import random_model_dir
-from sglang_tiered.server_process import ServerProcess, cached_details
-from tests.integration.helpers import flip_middle_byte, tiered_args
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from tests.integration.helpers import flip_middle_byte, tiered_args, wait_for_metric
 from tests.integration.kvpr_helpers import (
     MHA,
     PAGE,
@@ -44,6 +44,7 @@ from tests.rounding import rows_alone
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 PIECE = 1024  # --chunked-prefill-size: every prompt here is one extend but the long one's
+AHEAD = "sglang_tiered:prefill_ahead_of_chunks_total"
 
 
 @pytest.fixture(scope="module")
@@ -145,41 +146,64 @@ def read_early_as_kv(s: ServerProcess, mark: int, out: dict, pages: int) -> int:
     return read_early
 
 
-def behind_a_chunked_prefill(s: ServerProcess, prompt: str, noise: str) -> tuple[dict, int]:
-    """`ask(s, prompt, 0)` (our loader reads every page: meet point 0) sent while `noise`, a prompt of five or more
-    pieces of --chunked-prefill-size that SGLang prefills its own way, has pieces to go: its reply and the log mark
-    before."""
+def tokens(s: ServerProcess, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(s.model)(text)["input_ids"]
+
+
+def stored(s: ServerProcess, *prompts: list[int]) -> list[dict]:
+    """Serve each prompt cold (its KV and activation pages reach the SSD tier); their replies."""
+    written = counter(s, "activation_pages_written")
+    colds = [ask(s, ids) for ids in prompts]
+    wait_for_activations(s, written + sum(len(ids) // PAGE for ids in prompts))
+    return colds
+
+
+def together(s: ServerProcess, prompts: list[list[int]], modes: list) -> list[dict]:
+    """One request of several prompts (the scheduler admits them in one round), 10 greedy tokens each; `modes`: each
+    one's `tiered_kvpr` (None: 1 token, our loader off)."""
+    params = [{"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}} if m is None else
+              {"max_new_tokens": 10, "temperature": 0, "custom_params": {"tiered_kvpr": m}} for m in modes]
+    status, replies = s.request("/generate", {"input_ids": prompts, "sampling_params": params})
+    assert status == 200, replies
+    return replies
+
+
+def test_requests_admitted_behind_a_chunked_prefill_go_before_its_next_pieces(mha_server, essays):
+    """Two requests whose spans our loader takes arrive together while another request's chunked prefill has pieces
+    to go. Each goes before one of the next pieces instead of after the last (integration/ahead.py, once per piece):
+    the first expects no wait; the second waits for the piece between them, its span read meanwhile
+    (engine/early_reads.py) as KV although activations are stored (placing KV is a copy, activations a recompute),
+    and its forward reads only what was not in yet. Every output, the chunked request's too, is the computed one."""
+    s = mha_server
+    first = tokens(s, essays[9][:1500] + "\n\nQuestion: What is the claim?\nAnswer:")
+    ids = tokens(s, essays[10][:3000] + "\n\nQuestion: What does the author want?\nAnswer:")
+    cold_first, cold = stored(s, first, ids)
+    noise = {"text": "\n\n".join(essays[12:20]),  # (about 5600 tokens: six pieces)
+             "sampling_params": {"max_new_tokens": 4, "temperature": 0, "custom_params": {"tiered_kvpr": "off"}}}
+    status, alone = s.request("/generate", {**noise, "cache_salt": "alone"})  # (a fresh salt: computed in pieces)
+    assert status == 200 and alone["meta_info"]["prompt_tokens"] > 4 * PIECE, alone
+    s.flush_cache()
+    early, ahead = counter(s, "early_pages"), metric_total(s.get("/metrics"), AHEAD)
     mark = s.log_mark()
     replies: list = []
-    other = threading.Thread(target=lambda: replies.append(s.request("/generate", {
-        "text": noise, "sampling_params": {"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}}})))
+    other = threading.Thread(target=lambda: replies.append(s.request("/generate", {**noise, "cache_salt": "beside"})))
     other.start()
     try:
         deadline = time.monotonic() + 60
         while not s.log_lines(f"#new-token: {PIECE},", since=mark) and time.monotonic() < deadline:
-            time.sleep(0.02)  # its first piece is scheduled or done: several are to go after this request
-        out = ask(s, prompt, 0)
+            time.sleep(0.02)  # its first piece is scheduled or done: several are to go after these requests
+        out_first, out = together(s, [first, ids], [0, 0])
     finally:
         other.join(120)
-    assert replies and replies[0][0] == 200 and replies[0][1]["meta_info"]["prompt_tokens"] > 4 * PIECE
-    return out, mark
-
-
-def test_a_span_admitted_behind_a_chunked_prefill_is_read_before_its_forward_as_kv(mha_server, essays):
-    """A request admitted while another request's chunked prefill has a piece to go waits a whole forward for it: its
-    span is read meanwhile (engine/early_reads.py), as KV although activations are stored (placing KV is a copy,
-    activations a recompute), and its forward reads only what was not in yet; the output is the computed one."""
-    s = mha_server
-    prompt = essays[10][:3000] + "\n\nQuestion: What does the author want?\nAnswer:"
-    written = counter(s, "activation_pages_written")
-    cold = ask(s, prompt)
-    pages = (cold["meta_info"]["prompt_tokens"] - 1) // PAGE
-    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
-    s.flush_cache()
-    early = counter(s, "early_pages")
-    out, mark = behind_a_chunked_prefill(s, prompt, "\n\n".join(essays[12:20]))  # (about 5600 tokens)
-    assert out["output_ids"] == cold["output_ids"]
-    assert counter(s, "early_pages") == early + read_early_as_kv(s, mark, out, pages)
+    assert replies and replies[0][0] == 200 and replies[0][1]["output_ids"] == alone["output_ids"], replies
+    assert out_first["output_ids"] == cold_first["output_ids"] and out["output_ids"] == cold["output_ids"]
+    assert metric_total(wait_for_metric(s, AHEAD, ahead + 2), AHEAD) == ahead + 2
+    line = [x for x in load_lines(s, mark) if f"rid {out_first['meta_info']['id']} " in x]
+    assert len(line) == 1 and "0.00s of other forwards expected ahead" in line[0], line
+    first_early = early_split(line[0])[2]  # (its reads began at admission too: what came in before its forward)
+    assert counter(s, "early_pages") == early + first_early + read_early_as_kv(s, mark, out, (len(ids) - 1) // PAGE)
 
 
 def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_kv(mha_server, essays):
@@ -187,48 +211,39 @@ def test_a_span_admitted_behind_a_waiting_request_is_read_before_its_forward_as_
     whose span our loader takes, prefills alone, so it waits for the first's forward: its span is read meanwhile, as
     KV (as behind a chunked prefill), and the output is the computed one. The first is ~950 tokens, the span 6 pages:
     their KV (53 MB) is read in well within that forward (policy/kvpr.early_as_kv) on any disk of 200 MB/s or more."""
-    from transformers import AutoTokenizer
-
     s = mha_server
-    tokenizer = AutoTokenizer.from_pretrained(s.model)
-    ids = tokenizer(essays[33][:1600] + "\n\nQuestion: What is the argument?\nAnswer:")["input_ids"]
-    ahead = tokenizer(essays[35] + "\n\n" + essays[36][:1000])["input_ids"]
+    ids = tokens(s, essays[33][:1600] + "\n\nQuestion: What is the argument?\nAnswer:")
+    ahead = tokens(s, essays[35] + "\n\n" + essays[36][:1000])
     assert len(ahead) < PIECE, len(ahead)  # one forward, not a chunked prefill
-    written = counter(s, "activation_pages_written")
-    cold = ask(s, ids)
-    pages = (len(ids) - 1) // PAGE
-    wait_for_activations(s, written + len(ids) // PAGE)
+    (cold,) = stored(s, ids)
     s.flush_cache()
     mark = s.log_mark()
-    status, replies = s.request("/generate", {
-        "input_ids": [ahead, ids],
-        "sampling_params": [{"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}},
-                            {"max_new_tokens": 10, "temperature": 0, "custom_params": {"tiered_kvpr": 0}}]})
-    assert status == 200, replies
-    out = replies[1]
+    out = together(s, [ahead, ids], [None, 0])[1]
     assert out["output_ids"] == cold["output_ids"]
-    read_early_as_kv(s, mark, out, pages)
+    read_early_as_kv(s, mark, out, (len(ids) - 1) // PAGE)
 
 
 def test_a_corrupt_page_read_before_the_forward_is_a_counted_fallback(mha_server, essays):
-    """The pages read early (behind a chunked prefill, as KV) are corrupt: the forward meets the read's miss where it
-    waits for the page, counts a fallback, and SGLang computes the span -- the computed output."""
+    """The pages read early (behind a waiting request, as KV) are corrupt: the forward meets the read's miss where
+    it waits for the page, counts a fallback, and SGLang computes the span -- the computed output."""
     s = mha_server
-    prompt = essays[23][:3000] + "\n\nQuestion: What is the main point?\nAnswer:"
+    ids = tokens(s, essays[23][:3000] + "\n\nQuestion: What is the main point?\nAnswer:")
+    ahead = tokens(s, essays[25] + "\n\n" + essays[26][:1000])
+    assert len(ahead) < PIECE, len(ahead)
 
     def kv_files() -> set[Path]:
         return {p for p in s.ssd.glob("*/*/*.kvp") if not p.name.endswith(".x.kvp")}
 
-    stored, written = kv_files(), counter(s, "activation_pages_written")
-    cold = ask(s, prompt)
-    wait_for_activations(s, written + cold["meta_info"]["prompt_tokens"] // PAGE)
-    victims = kv_files() - stored  # this prompt's KV pages (its activations stay readable)
-    assert len(victims) >= (cold["meta_info"]["prompt_tokens"] - 1) // PAGE
+    before = kv_files()
+    (cold,) = stored(s, ids)
+    victims = kv_files() - before  # this prompt's KV pages (its activations stay readable)
+    assert len(victims) >= (len(ids) - 1) // PAGE
     for path in victims:
         flip_middle_byte(path)
     s.flush_cache()
     fallbacks = counter(s, "fallbacks")
-    out, mark = behind_a_chunked_prefill(s, prompt, "\n\n".join(essays[24:32]))  # (not stored yet: chunked)
+    mark = s.log_mark()
+    out = together(s, [ahead, ids], [None, 0])[1]
     assert out["output_ids"] == cold["output_ids"]
     assert counter(s, "fallbacks") - fallbacks == 1
     line = [x for x in load_lines(s, mark) if f"rid {out['meta_info']['id']} " in x]

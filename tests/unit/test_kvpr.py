@@ -576,14 +576,21 @@ def test_the_wait_ahead_is_the_chunked_piece_or_what_the_queued_prompts_leave_to
         return NS(origin_input_ids=[1] * tokens, prefix_len=device, host_hit_length=host)
 
     me, per_token = queued(2000), (lambda tokens: tokens / 1000)  # 1 ms a token
+    goes, stays = (lambda scheduler, req: True), (lambda scheduler, req: False)
     ahead = [queued(900, device=256, host=128), queued(300, device=300), me]
-    assert wait_ahead_s(NS(chunked_req=None, waiting_queue=[me], chunked_prefill_size=1024), me, 4.0, per_token) == 0
+    assert wait_ahead_s(NS(chunked_req=None, waiting_queue=[me], chunked_prefill_size=1024), me, 4.0, per_token,
+                        goes) == 0
     # 516 + 0 tokens left to compute ahead (their matched prefixes are not computed again); `me` is not ahead of itself
     assert wait_ahead_s(NS(chunked_req=None, waiting_queue=ahead, chunked_prefill_size=1024), me, 4.0,
-                        per_token) == pytest.approx(0.516)
+                        per_token, goes) == pytest.approx(0.516)
     # the next prefill batch holds at most the chunk budget
     assert wait_ahead_s(NS(chunked_req=None, waiting_queue=ahead, chunked_prefill_size=256), me, 4.0,
-                        per_token) == pytest.approx(0.256)
-    # another request's chunked prefill: its next piece, as long as its last one
-    assert wait_ahead_s(NS(chunked_req=queued(8000), waiting_queue=ahead, chunked_prefill_size=1024), me, 4.0,
-                        per_token) == 4.0
+                        per_token, goes) == pytest.approx(0.256)
+    # another request's chunked prefill: its next piece, as long as its last one, unless `me` is next in line and
+    # goes before that piece (integration/ahead.py)
+    chunking = NS(chunked_req=queued(8000), waiting_queue=ahead, chunked_prefill_size=1024)
+    assert wait_ahead_s(chunking, me, 4.0, per_token, goes) == 4.0  # others are in line before it
+    assert wait_ahead_s(NS(chunked_req=queued(8000), waiting_queue=[], chunked_prefill_size=1024), me, 4.0,
+                        per_token, stays) == 4.0
+    assert wait_ahead_s(NS(chunked_req=queued(8000), waiting_queue=[], chunked_prefill_size=1024), me, 4.0,
+                        per_token, goes) == 0
