@@ -844,6 +844,14 @@ MEET_RERUNS = [
      "8064-token point at 25 MB/s, idle (`--models smollm2-mha --lengths 8064 --slow-mbps 25 --skip-native --busy "
      "--repeats 4 --max-repeats 4 --name meet-s56-mha8k-25-amd`); SGLang's prefetch gives up; auto two-sided 4 of 4, "
      "met at page 20-45 of 126"),
+    ("meet-s57-mha1k-busy-amd", "stop 57, the same AVX2 machine (float32): the busy crossover that stops 51-54 "
+     "missed, the MHA model's 1024 tokens at 200 MB/s with a busy CPU, after a request that prefills alone goes before "
+     "the next piece of the other client's chunked prefill (integration/ahead.py) and CPU servers set "
+     "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=1 (`--models smollm2-mha --lengths 1024 --slow-mbps --skip-native "
+     "--busy 200 --repeats 4 --max-repeats 4 --name meet-s57-mha1k-busy-amd`); the busy client's request beside each "
+     "configuration's (median): load 11.1 s, recompute 10.7 s, loader 13.3 s, auto 12.3 s, race 13.1 s. The same "
+     "point with the go-ahead but without the variable (the run before, not kept): auto / min 0.83 [0.72, 0.92], "
+     "load 14.2 s, recompute 14.6 s, auto 11.8 s: our request's first token waited for the piece after it"),
 ]
 
 

@@ -253,6 +253,9 @@ def _claim_directory(ssd_dir: str) -> None:
         raise ConfigError(f"--tiered-ssd-dir: cannot claim {ssd_dir}: {exc.strerror or exc}") from None
 
 
+CONSECUTIVE_PREFILL_ENV = "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
+
+
 def _cpu_settings(ns: argparse.Namespace) -> None:
     """Device, host-tier layout and I/O backend of a machine without CUDA (what the CPU shims support)."""
     if getattr(ns, "device", None) in (None, "cpu"):
@@ -265,6 +268,12 @@ def _cpu_settings(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--hicache-mem-layout: only 'layer_first' works without CUDA, got {ns.hicache_mem_layout}")
     ns.hicache_io_backend = cpu_shims.CPU_IO_BACKEND
     ns.hicache_mem_layout = cpu_shims.CPU_MEM_LAYOUT
+    # SGLang's overlap loop handles a batch's result after launching the next batch; on a CPU the launch is the whole
+    # forward, so a prefill's first token waited for the next prefill's forward too (docs/cpu.md). SGLang's own switch
+    # handles a prefill's result first when two prefills follow each other; an operator's setting of it stands.
+    if os.environ.setdefault(CONSECUTIVE_PREFILL_ENV, "1") == "1":
+        logger.info("sglang-tiered: %s=1 (CPU: a prefill's first token does not wait for the next prefill's forward)",
+                    CONSECUTIVE_PREFILL_ENV)
 
 
 def _runahead_settings(ns: argparse.Namespace, cfg: TieredConfig, hf: dict | None) -> tuple[int, str]:

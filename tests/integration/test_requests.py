@@ -104,6 +104,19 @@ def test_dtype_auto_is_measured_and_logged(shared_server):
     assert "CPU capability" in line and "float32" in line and "bfloat16" in line and "x the slowest" in line
 
 
+def test_a_cpu_server_answers_a_prefill_before_the_next_prefill_runs(shared_server):
+    """docs/cpu.md: SGLang's switch that handles a prefill's result before launching the next prefill (on a CPU the
+    launch is the whole forward) is set for every process of the server, and said."""
+    import psutil
+
+    assert shared_server.log_lines("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=1 (CPU")
+    # the processes the launcher started after reading its flags, whose environment can be read (setproctitle hides
+    # that of SGLang's named scheduler and detokenizer, started the same way): multiprocessing's resource tracker
+    started = [c.environ() for c in psutil.Process(shared_server.proc.pid).children(recursive=True)]
+    readable = [env for env in started if "PATH" in env]
+    assert readable and all(env.get("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP") == "1" for env in readable)
+
+
 @pytest.mark.slow
 def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
     """Every hook of ours that runs in a forward raises (SGLANG_TIERED_TEST_FAULTS): marked and plain requests are
