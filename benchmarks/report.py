@@ -852,6 +852,16 @@ MEET_RERUNS = [
      "configuration's (median): load 11.1 s, recompute 10.7 s, loader 13.3 s, auto 12.3 s, race 13.1 s. The same "
      "point with the go-ahead but without the variable (the run before, not kept): auto / min 0.83 [0.72, 0.92], "
      "load 14.2 s, recompute 14.6 s, auto 11.8 s: our request's first token waited for the piece after it"),
+    ("meet-s57-gqa1k-busy-amd", "right after meet-s57-mha1k-busy-amd and a CI run, the same code: SmolLM2's 1024 "
+     "tokens at 200 MB/s with a busy CPU (stop 53: 0.79x, a miss) (`--models smollm2 --lengths 1024 --slow-mbps "
+     "--skip-native --busy 200 --repeats 4 --max-repeats 4 --name meet-s57-gqa1k-busy-amd`); auto took our loader "
+     "behind prefills 4 of 4; the busy client's request beside each (median): load 7.5 s, recompute 7.7 s, loader "
+     "8.5 s, auto 8.6 s, race 8.4 s"),
+    ("meet-s57-mha1k-busy100-amd", "right after meet-s57-gqa1k-busy-amd, the same code: the MHA model's 1024 tokens "
+     "at 100 MB/s with a busy CPU (stop 53: 0.79x, a miss) (`--models smollm2-mha --lengths 1024 --slow-mbps "
+     "--skip-native --busy 100 --repeats 4 --max-repeats 4 --name meet-s57-mha1k-busy100-amd`); auto two-sided 4 of "
+     "4 (met at page 0); the busy client's request beside each (median): load 10.2 s, recompute 10.5 s, loader "
+     "12.0 s, auto 11.9 s, race 11.9 s"),
 ]
 
 
