@@ -862,6 +862,11 @@ MEET_RERUNS = [
      "--skip-native --busy 100 --repeats 4 --max-repeats 4 --name meet-s57-mha1k-busy100-amd`); auto two-sided 4 of "
      "4 (met at page 0); the busy client's request beside each (median): load 10.2 s, recompute 10.5 s, loader "
      "12.0 s, auto 11.9 s, race 11.9 s"),
+    ("meet-s57-mha1k-busy25-amd", "right after the closing note's runs, the same code: the MHA model's 1024 tokens at "
+     "25 MB/s with a busy CPU (stop 54: 0.755x) (`--models smollm2-mha --lengths 1024 --slow-mbps --skip-native "
+     "--busy 25 --repeats 4 --max-repeats 4 --name meet-s57-mha1k-busy25-amd`); auto two-sided 4 of 4 (met at page "
+     "2-5 of 16); the busy client's request beside each (median): load 9.6 s, recompute 9.3 s, loader 13.3 s, auto "
+     "12.0 s, race 12.5 s"),
 ]
 
 
