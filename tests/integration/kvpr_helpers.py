@@ -12,13 +12,18 @@ MHA = LlamaConfig(hidden=576, layers=6, heads=9, kv_heads=9, head_dim=64, interm
 PAGE = 64
 
 
-def ask(s: ServerProcess, prompt: str | list[int], mode=None, logprobs: bool = False) -> dict:
-    """10 greedy tokens of a text or of token ids; `mode` sets the request's `tiered_kvpr` custom parameter;
-    `logprobs`: also the output tokens' log-probabilities (`token_logprobs`)."""
+def greedy(mode=None) -> dict:
+    """Sampling parameters of 10 greedy tokens; `mode` sets the request's `tiered_kvpr` custom parameter."""
     params: dict = {"max_new_tokens": 10, "temperature": 0}
     if mode is not None:
         params["custom_params"] = {"tiered_kvpr": mode}
-    request = {"input_ids" if isinstance(prompt, list) else "text": prompt, "sampling_params": params}
+    return params
+
+
+def ask(s: ServerProcess, prompt: str | list[int], mode=None, logprobs: bool = False) -> dict:
+    """10 greedy tokens of a text or of token ids (`greedy(mode)`); `logprobs`: also the output tokens'
+    log-probabilities (`token_logprobs`)."""
+    request = {"input_ids" if isinstance(prompt, list) else "text": prompt, "sampling_params": greedy(mode)}
     if logprobs:
         request["return_logprob"] = True
     status, body = s.request("/generate", request)

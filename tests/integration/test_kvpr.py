@@ -16,6 +16,7 @@ activations are stored, and it says why.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from tests.integration.kvpr_helpers import (
     ask,
     assert_as_sglangs_load,
     counter,
+    greedy,
     wait_for_activations,
 )
 from tests.rounding import rows_alone
@@ -146,10 +148,15 @@ def read_early_as_kv(s: ServerProcess, mark: int, out: dict, pages: int) -> int:
     return read_early
 
 
-def tokens(s: ServerProcess, text: str) -> list[int]:
+@functools.cache
+def tokenizer(model: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(s.model)(text)["input_ids"]
+    return AutoTokenizer.from_pretrained(model)
+
+
+def tokens(s: ServerProcess, text: str) -> list[int]:
+    return tokenizer(s.model)(text)["input_ids"]
 
 
 def stored(s: ServerProcess, *prompts: list[int]) -> list[dict]:
@@ -163,8 +170,8 @@ def stored(s: ServerProcess, *prompts: list[int]) -> list[dict]:
 def together(s: ServerProcess, prompts: list[list[int]], modes: list) -> list[dict]:
     """One request of several prompts (the scheduler admits them in one round), 10 greedy tokens each; `modes`: each
     one's `tiered_kvpr` (None: 1 token, our loader off)."""
-    params = [{"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}} if m is None else
-              {"max_new_tokens": 10, "temperature": 0, "custom_params": {"tiered_kvpr": m}} for m in modes]
+    params = [{"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}} if m is None else greedy(m)
+              for m in modes]
     status, replies = s.request("/generate", {"input_ids": prompts, "sampling_params": params})
     assert status == 200, replies
     return replies

@@ -106,7 +106,8 @@ def test_dtype_auto_is_measured_and_logged(shared_server):
 
 def test_a_cpu_server_answers_a_prefill_before_the_next_prefill_runs(shared_server):
     """docs/cpu.md: SGLang's switch that handles a prefill's result before launching the next prefill (on a CPU the
-    launch is the whole forward) is set for every process of the server, and said."""
+    launch is the whole forward) is said, and set in the environment of the processes the launcher starts (checked
+    where that environment can be read)."""
     import psutil
 
     assert shared_server.log_lines("SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=1 (CPU")
