@@ -11,7 +11,8 @@ such requests alternates with the pieces and never stalls them.
 
 Seam (plugin.py): `Scheduler.get_new_batch_prefill` (AROUND), registered with the first prefill-alone predicate.
 Counted: `prefill_ahead_of_chunks`. Not with `--enable-mixed-chunk` (its chunk budget shrinks with the running
-batch). A failure in the decision is logged and counted (`hook_errors`); the pass runs SGLang's way.
+batch), nor with `--tiered-ahead-of-chunks off` (the hook is not registered: SGLang's order). A failure in the
+decision is logged and counted (`hook_errors`); the pass runs SGLang's way.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ def fits_one_chunk(scheduler, req) -> bool:
 
 
 class AheadOfChunks:
-    def __init__(self, rt: Runtime, alone: Callable[[Any], bool]) -> None:
-        self.rt, self.alone = rt, alone
+    def __init__(self, rt: Runtime, alone: Callable[[Any], bool], on: bool = True) -> None:
+        self.rt, self.alone, self.on = rt, alone, on
         self.skipped: Optional[tuple[str, int]] = None  # the piece last set aside (piece())
         self._errors = 0
 
     def register(self) -> None:
+        """Register the hook (nothing when off)."""
+        if not self.on:
+            return
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
         HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill", self._around,
@@ -51,9 +55,10 @@ class AheadOfChunks:
 
     def would_go(self, scheduler, req) -> bool:
         """Would `req`, next in line and prefilling alone, go before the chunked request's next piece? False when
-        no request is being chunked, its next piece was set aside once already, or `req` does not fit one chunk."""
+        off, no request is being chunked, its next piece was set aside once already, or `req` does not fit one
+        chunk."""
         chunked = scheduler.chunked_req
-        return (chunked is not None and chunked is not req and self.skipped != piece(chunked)
+        return (self.on and chunked is not None and chunked is not req and self.skipped != piece(chunked)
                 and not getattr(scheduler, "is_mixed_chunk", False) and fits_one_chunk(scheduler, req))
 
     def _next(self, scheduler) -> Optional[Any]:

@@ -128,7 +128,9 @@ class ForwardHook:
         self._batch = threading.local()
         self._hooked = self._tracking = False
         self.last_extend_s = 0.0  # wall seconds of the last extend forward (any handler's or SGLang's; CPU: its work)
-        self.ahead = AheadOfChunks(rt, self.prefills_alone)  # prefill-alone requests between chunked pieces
+        settings = rt.settings
+        self.ahead = AheadOfChunks(rt, self.prefills_alone,  # prefill-alone requests between chunked pieces
+                                   on=settings is None or settings.config.ahead_of_chunks == "on")
 
     def _ensure_hook(self) -> None:
         if not self._hooked:

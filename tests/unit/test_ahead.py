@@ -3,6 +3,7 @@ chunked request's next piece, once per piece, and SGLang's own pass in every oth
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from types import SimpleNamespace as NS
 
@@ -113,3 +114,30 @@ def test_a_failing_check_is_counted_and_sglang_schedules():
     s = Scheduler(long, [mine])
     assert run(h, s).batch_to_run == [long, mine]
     assert rt.events.counts["hook_errors"] == 1 and s.chunked_req is long
+
+
+def test_off_keeps_sglangs_order_and_registers_nothing(monkeypatch):
+    registered = []
+    hooks = NS(HookRegistry=NS(register=lambda *a: registered.append(a)), HookType=NS(AROUND="around"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", hooks)
+    rt = Rt()
+    off, on = AheadOfChunks(rt, lambda r: r.alone, on=False), AheadOfChunks(rt, lambda r: r.alone)
+    long, mine = req("long", 5000), req("mine", alone=True)
+    s = Scheduler(long, [mine])
+    assert not off.would_go(s, mine) and on.would_go(s, mine)  # the same case
+    off.register()
+    assert registered == []
+    on.register()
+    assert [a[0] for a in registered] == ["sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"]
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_the_servers_flag_reaches_the_forward_hook(monkeypatch, flag):
+    from sglang_tiered.config import TieredConfig
+    from sglang_tiered.integration import settings
+    from sglang_tiered.integration.model_forward import ForwardHook
+    from sglang_tiered.integration.runtime import Runtime
+
+    published = settings.Settings(config=TieredConfig(ahead_of_chunks=flag), model="m", model_path="m", cpu_only=True)
+    monkeypatch.setenv(settings.ENV, published.to_json())
+    assert ForwardHook(Runtime()).ahead.on is (flag == "on")
