@@ -870,6 +870,56 @@ MEET_RERUNS = [
 ]
 
 
+MEET_LENGTHS = ("1024", "4096", "8064")  # the issue's spans (4096 and 8064: 4k and 8k less the question)
+
+
+def meet_order() -> list[str]:
+    """Every benchmarks/meet.py run in the order it was measured: the partial runs made before the full run, the
+    full run `meet`, then the others as MEET_RERUNS lists them (appended as they were run)."""
+    before = [name for name, what in MEET_RERUNS if "before the full run" in what]
+    return before + ["meet"] + [name for name, _ in MEET_RERUNS if name not in before]
+
+
+def meet_latest() -> list[str]:
+    """Per machine (CPU, capability, dtype): each point's latest auto / min(load, recompute), with the run it came
+    from and whether it met its targets (<= 1.03x; <= 0.75x where load and recompute were within 1.5x; 0 answers
+    differing)."""
+    latest: dict[str, dict[tuple[str, str], dict[str, tuple[str, str]]]] = {}
+    for name in meet_order():
+        d = _results(name)
+        if d is None or "checks" not in d:
+            continue
+        m = d["machine"]
+        machine = f"{m['cpu']}, {m.get('cpu_capability', 'capability not recorded')}, {_dtype(d)}"
+        checks = {title: {key: ok for key, ok, _ in rows} for title, rows in d["checks"].items()}
+        for key, ok, ratio in d["checks"]["auto <= 1.03 x min(load, recompute)"]:
+            model, *disk, length = key.split("/")
+            if length not in MEET_LENGTHS:
+                continue
+            cross = checks["auto <= 0.75 x min where within 1.5x"].get(key)
+            same = checks["no answer differing from load"].get(key, True)
+            missed = [t for t, bad in (("1.03x", not ok), ("0.75x", cross is False), ("answers", not same)) if bad]
+            mark = f"**{ratio:.2f}** missed {', '.join(missed)}" if missed else f"{ratio:.2f}" + (" c" if cross else "")
+            latest.setdefault(machine, {}).setdefault((model, "/".join(disk)), {})[length] = (mark, name)
+    out = ["Latest per point, by machine: auto / min(load, recompute) of the last run that measured it (c: a "
+           "crossover, load and recompute within 1.5x, target 0.75x; every point's target 1.03x and 0 answers "
+           "differing; **bold**: a miss), and that run's name (its table is below).", ""]
+    for machine, rows in latest.items():
+        out += [f"{machine}:", "", "| model | disk | " + " | ".join(f"{n} tokens" for n in MEET_LENGTHS) + " |",
+                "| --- | --- | " + " | ".join("---" for _ in MEET_LENGTHS) + " |"]
+        for (model, disk), cells in sorted(rows.items(), key=lambda kv: (kv[0][0], _disk_order(kv[0][1]))):
+            out.append(f"| {model} | {disk} | " + " | ".join(
+                f"{cells[n][0]} ({cells[n][1]})" if n in cells else "" for n in MEET_LENGTHS) + " |")
+        out.append("")
+    return out
+
+
+def _disk_order(disk: str) -> tuple[int, float, str]:
+    """native first, then throttled speeds from fast to slow; each speed's plain point before its loaded ones."""
+    speed = disk.split(" ")[0]
+    return (0 if speed == "native" else 1, -float(speed) if speed != "native" else 0.0, disk)
+
+
 def meet_section() -> list[str]:
     d = _results("meet")
     if d is None:
@@ -884,7 +934,7 @@ def meet_section() -> list[str]:
            "stored matches), loader = our loader reading the whole span (as activations where they pay), auto "
            "= the default, race = two-sided always; met = the pages race computed of the span's pages; x = span "
            "tokens race read as activations (median).", "", *meet_rows(d),
-           "", f"Verdict: {d['verdict']}.", "", "![meet](benchmarks/results/meet.png)", ""]
+           "", f"Verdict: {d['verdict']}.", "", "![meet](benchmarks/results/meet.png)", "", *meet_latest()]
     for name, what in MEET_RERUNS:
         r = _results(name)
         if r is not None:
