@@ -17,6 +17,8 @@ Configurations (same run, same dtype, `--max-total-tokens 4096`, host memory 3x 
   hicache-file   SGLang HiCache with its `file` storage backend
   tiered         --kv-backend tiered (prefix-aware CPU attention)
   tiered-native  --kv-backend tiered --tiered-cpu-attention torch_native (SGLang's attention: isolates the store)
+  tiered-overlap tiered with SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=0: SGLang's overlap of consecutive prefills,
+                 which CPU servers turn off by default (docs/cpu.md); not in the default set
 and for `rag` (`--rag-configs`): `blend` (--tiered-blend blend: chunk KV reused in any order) against `prefix`
 (--tiered-blend prefix: the separators removed, SGLang's exact prefill and radix cache), and `prefix-alone`: `prefix`
 with SGLang admitting one request per prefill batch (chunked prefill off, a 1,024-token prefill budget: a second
@@ -29,8 +31,8 @@ server's /metrics the mean time requests waited in the queue (`sglang:queue_time
 
     bash scripts/bench-env.sh && .venv/bin/python benchmarks/serving.py [--workloads gsp gsp-multiturn rag]
 
-Writes benchmarks/results/serving.json (workloads not run keep their last results) and .png and prints one verdict
-line.
+Writes benchmarks/results/serving.json (workloads not run keep their last results; `--name` another name) and .png
+and prints one verdict line.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +57,7 @@ from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm,
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / ".venv-bench" / "bin" / "python"
 DEVICE_TOKENS = 4096
+OVERLAP_ENV = "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"  # set to 1 by CPU servers unless the operator sets it
 GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-group-distribution", "zipf", "--gsp-zipf-alpha", "1.0",
        "--gsp-num-groups", "16", "--gsp-system-prompt-len", "1536", "--gsp-question-len", "128",
        "--gsp-output-len", "32"]
@@ -74,7 +78,7 @@ def server_args(config: str, store: Path, dtype: str) -> list[str]:
                          "layer_first", "--device", "cpu"]
     tiered = common + ["--kv-backend", "tiered", "--tiered-ssd-dir", str(store), "--tiered-host-size", "3x",
                        "--tiered-ssd-capacity", "8G", "--tiered-stats-interval", "0"]
-    if config == "tiered":
+    if config in ("tiered", "tiered-overlap"):
         return tiered
     if config == "tiered-native":
         return tiered + ["--tiered-cpu-attention", "torch_native"]
@@ -118,7 +122,8 @@ def run_client(s: ServerProcess, workload: list[str], concurrency: int, out: Pat
 def measure(config: str, workload: list[str], concurrency: int, tmp: Path, dtype: str, tag: str) -> dict:
     store = tmp / f"store-{tag}"
     store.mkdir()
-    with ServerProcess(server_args(config, store, dtype), log_path=tmp / f"{tag}.log") as s:
+    env = {OVERLAP_ENV: "0"} if config == "tiered-overlap" else None
+    with ServerProcess(server_args(config, store, dtype), log_path=tmp / f"{tag}.log", env=env) as s:
         t0 = time.monotonic()
         r = run_client(s, workload, concurrency, tmp / f"{tag}.jsonl", tmp / f"{tag}.client.log")
         metrics = s.get("/metrics")
@@ -134,6 +139,17 @@ def measure(config: str, workload: list[str], concurrency: int, tmp: Path, dtype
           f"{(point['queue_mean_s'] or 0):.2f} s, cached {((r.get('cache_report') or {}).get('cache_hit_rate_pct'))} %",
           flush=True)
     return point
+
+
+def combined(points: list[dict]) -> dict:
+    """One point from rounds of it: the median round's numbers (by req/s) as the point's, every round under
+    `rounds` (a single round is returned as it is)."""
+    if len(points) == 1:
+        return points[0]
+    ranked = sorted(points, key=lambda p: p["request_throughput"])
+    return {**ranked[len(ranked) // 2], "rounds": points,
+            "median_of_rounds": {k: statistics.median(p[k] for p in points)
+                                 for k in ("request_throughput", "median_ttft_ms", "p90_ttft_ms")}}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -175,6 +191,8 @@ def main() -> int:
     ap.add_argument("--rag-configs", nargs="+", default=["prefix", "blend", "prefix-alone"],
                     choices=["prefix", "blend", "prefix-alone"])
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each gsp point, the configurations alternating")
+    ap.add_argument("--name", default="serving", help="results under benchmarks/results/NAME.json and .png")
     a = ap.parse_args()
     if not CLIENT.exists():
         raise SystemExit("the benchmark client's environment is missing: bash scripts/bench-env.sh")
@@ -182,14 +200,14 @@ def main() -> int:
     dtype = a.dtype or auto_dtype()
     results: dict[str, dict] = {}
     data = {"machine": machine(), "dtype": dtype, "device_tokens": DEVICE_TOKENS, "workloads": {}, "results": results}
-    earlier = RESULTS / "serving.json"
+    earlier = RESULTS / f"{a.name}.json"
     if earlier.exists():  # a run of some workloads keeps the other workloads' last results
         old = json.loads(earlier.read_text())
         for name in (w for w in old.get("results", {}) if w not in a.workloads or w == "rag"):
             results[name], data["workloads"][name] = old["results"][name], old["workloads"].get(name)
 
     def keep() -> None:
-        save("serving", data)
+        save(a.name, data)
 
     with tempfile.TemporaryDirectory(prefix="serving-bench-") as tmp_name:
         tmp = Path(tmp_name)
@@ -197,10 +215,13 @@ def main() -> int:
         for name in (w for w in a.workloads if w != "rag"):
             data["workloads"][name] = {"args": WORKLOADS[name], "concurrency": a.concurrency}
             results[name] = {}
-            for config in a.configs:
-                results[name][config] = measure(config, WORKLOADS[name], a.concurrency, tmp, dtype,
-                                                f"{name}-{config}")
-                keep()
+            runs: dict[str, list[dict]] = {c: [] for c in a.configs}
+            for r in range(a.rounds):
+                for config in a.configs if r % 2 == 0 else reversed(a.configs):
+                    tag = f"{name}-{config}" + (f"-{r}" if a.rounds > 1 else "")
+                    runs[config].append(measure(config, WORKLOADS[name], a.concurrency, tmp, dtype, tag))
+                    results[name][config] = combined(runs[config])
+                    keep()
         if "rag" in a.workloads:
             path = tmp / "rag.jsonl"
             n = rag_dataset(path, a.rag_start, a.rag_questions, a.rag_repeats)
@@ -220,7 +241,7 @@ def main() -> int:
                     keep()
     data["verdict"] = verdict(results)
     keep()
-    plot(results, RESULTS / "serving.png")
+    plot(results, RESULTS / f"{a.name}.png")
     print("verdict:", data["verdict"])
     return 0
 
