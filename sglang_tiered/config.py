@@ -331,8 +331,8 @@ FLAG_HELP: dict[str, str] = {
     "head attention) pages written through also store it, and the loader reads those pages as activations and "
     "recomputes their K, V (KVPR). 'auto' takes a span only where reading it takes longer than computing 2 of its "
     "pages (from the measured profile: `sglang-tiered kvpr-profile`), else SGLang loads it; 'force' always. Per "
-    "request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | tokens to compute (the meet point; 0 = read "
-    "everything). Default: auto.",
+    "request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | 'compute' (SGLang's forward computes the "
+    "span) | tokens to compute (the meet point; 0 = read everything). Default: auto.",
     "kvpr_min_tokens": "Shortest stored span (tokens) loaded by our loader. Default: 128.",
     "kvpr_choice": "Under --tiered-kvpr auto, which load brings in a stored span that compute would not join (its "
     "pages read fast next to computing them): 'rule', SGLang's own load (our loader only where it reads "
