@@ -867,6 +867,23 @@ MEET_RERUNS = [
      "--busy 25 --repeats 4 --max-repeats 4 --name meet-s57-mha1k-busy25-amd`); auto two-sided 4 of 4 (met at page "
      "2-5 of 16); the busy client's request beside each (median): load 9.6 s, recompute 9.3 s, loader 13.3 s, auto "
      "12.0 s, race 12.5 s"),
+    ("meet-s58-gqa4k-busy25-amd", "stop 58, the same AVX2 machine, stop 57's code (the go-ahead, the prefill-overlap "
+     "variable): SmolLM2's 4096 tokens at 25 MB/s with a busy CPU (stop 55: 0.42x) (`--models smollm2 --lengths 4096 "
+     "--slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4 --name meet-s58-gqa4k-busy25-amd`); auto "
+     "two-sided 4 of 4 (met at page 20-21 of 64); the busy client's request beside each (median): load 7.8 s, "
+     "recompute 8.1 s, loader 7.2 s, auto 8.2 s, race 7.8 s (its 2048-token prompt fits one chunk here: nothing "
+     "went ahead)"),
+    ("meet-s58-mha4k-busy25-amd", "right after, the same code: the MHA model's 4096 tokens at 25 MB/s with a busy CPU "
+     "(stop 55: 0.49x) (`--models smollm2-mha --lengths 4096 --slow-mbps --skip-native --busy 25 --repeats 4 "
+     "--max-repeats 4 --name meet-s58-mha4k-busy25-amd`); auto two-sided 4 of 4 (met at page 4-20 of 64); every "
+     "configuration slower than in stop 55's run (load 40.8 against 33.1 s, the loader alone 21.5 against 18.6 s); "
+     "the busy client's request beside each (median): load 9.0 s, recompute 9.2 s, loader 9.4 s, auto 9.2 s, race "
+     "9.3 s"),
+    ("meet-s58-gqa8k-busy25-amd", "right after, the same code: SmolLM2's 8064 tokens at 25 MB/s with a busy CPU (no "
+     "busy 8064-token point on this machine before; idle, stop 55: 0.26x) (`--models smollm2 --lengths 8064 "
+     "--slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4 --name meet-s58-gqa8k-busy25-amd`); auto "
+     "two-sided 4 of 4 (met at page 32-36 of 126); the busy client's request beside each (median): load 7.2 s, "
+     "recompute 8.0 s, loader 8.1 s, auto 7.5 s, race 7.8 s"),
 ]
 
 
