@@ -1022,6 +1022,28 @@ def retrieval_section(name: str) -> list[str]:
     return out + ["", f"Verdict: {d['verdict']}.", "", f"![{name}](benchmarks/results/{name}.png)", ""]
 
 
+SERVING_RERUNS = [
+    ("serving-overlap-s58-amd", "stop 58, AMD EPYC with AVX2 only: what CPU servers' default "
+     "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=1 (stop 57, docs/cpu.md) does to SGLang's own requests -- `tiered` "
+     "(the default) against `tiered-overlap` (the variable set to 0: SGLang's overlap as before), the gsp workload "
+     "(`--workloads gsp --configs tiered tiered-overlap --name serving-overlap-s58-amd`)"),
+]
+
+
+def serving_rows(d: dict) -> list[str]:
+    """The table of one benchmarks/serving.py run."""
+    out = ["| workload | configuration | req/s | TTFT median (s) | TTFT p90 (s) | queue mean (s) | cached | "
+           "blend fallbacks |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for workload, points in d["results"].items():
+        for config, p in points.items():
+            cached = (p.get("cache") or {}).get("cache_hit_rate_pct")
+            queue = f"{p['queue_mean_s']:.2f}" if p.get("queue_mean_s") is not None else "n/a"
+            out.append(f"| {workload} | {config} | {p['request_throughput']:.3f} | {p['median_ttft_ms'] / 1e3:.2f} | "
+                       f"{p['p90_ttft_ms'] / 1e3:.2f} | {queue} | "
+                       f"{'n/a' if cached is None else f'{cached:.0f} %'} | {p.get('blend_fallbacks', 0)} |")
+    return out
+
+
 def serving_section() -> list[str]:
     d = _results("serving")
     if d is None:
@@ -1032,18 +1054,14 @@ def serving_section() -> list[str]:
            f"Machine: {_machine(d['machine'])}; {_dtype(d)}; device pool {d['device_tokens']} tokens; "
            "`python -m sglang.benchmark.serving` (its numbers: req/s, TTFT); queue = the server's mean "
            "`sglang:queue_time_seconds`; cached = the client's cache report (prompt tokens served from any tier).", "",
-           "| workload | configuration | req/s | TTFT median (s) | TTFT p90 (s) | queue mean (s) | cached | "
-           "blend fallbacks |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for workload, points in d["results"].items():
-        for config, p in points.items():
-            cached = (p.get("cache") or {}).get("cache_hit_rate_pct")
-            queue = f"{p['queue_mean_s']:.2f}" if p.get("queue_mean_s") is not None else "n/a"
-            out.append(f"| {workload} | {config} | {p['request_throughput']:.3f} | {p['median_ttft_ms'] / 1e3:.2f} | "
-                       f"{p['p90_ttft_ms'] / 1e3:.2f} | {queue} | "
-                       f"{'n/a' if cached is None else f'{cached:.0f} %'} | {p.get('blend_fallbacks', 0)} |")
-    return out + ["", f"Verdict: {d.get('verdict', 'partial')}.", "", "![serving](benchmarks/results/serving.png)",
-                  ""]
-
+           *serving_rows(d), "", f"Verdict: {d.get('verdict', 'partial')}.", "",
+           "![serving](benchmarks/results/serving.png)", ""]
+    for name, what in SERVING_RERUNS:
+        r = _results(name)
+        if r is not None:
+            out += [f"Run {name}, {what}; {_machine(r['machine'])}, {_dtype(r)}:", "", *serving_rows(r),
+                    "", f"Verdict of this run: {r.get('verdict', 'partial')}.", ""]
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())
