@@ -1033,7 +1033,7 @@ SERVING_RERUNS = [
 def serving_rows(d: dict) -> list[str]:
     """The table of one benchmarks/serving.py run."""
     out = ["| workload | configuration | req/s | TTFT median (s) | TTFT p90 (s) | queue mean (s) | cached | "
-           "blend fallbacks |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "fallbacks to SGLang's prefill |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for workload, points in d["results"].items():
         for config, p in points.items():
             cached = (p.get("cache") or {}).get("cache_hit_rate_pct")

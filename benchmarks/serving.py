@@ -32,7 +32,7 @@ server's /metrics the mean time requests waited in the queue (`sglang:queue_time
     bash scripts/bench-env.sh && .venv/bin/python benchmarks/serving.py [--workloads gsp gsp-multiturn rag]
 
 Writes benchmarks/results/serving.json (workloads not run keep their last results; `--name` another name) and .png
-and prints one verdict line.
+and prints one verdict line; `--logs DIR` keeps the servers' and clients' logs.
 """
 
 from __future__ import annotations
@@ -119,15 +119,18 @@ def run_client(s: ServerProcess, workload: list[str], concurrency: int, out: Pat
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
-def measure(config: str, workload: list[str], concurrency: int, tmp: Path, dtype: str, tag: str) -> dict:
+def measure(config: str, workload: list[str], concurrency: int, tmp: Path, dtype: str, tag: str,
+            logs: Path | None = None) -> dict:
+    """One point; the server's and the client's logs go to `logs` (kept) or `tmp` (removed at the end)."""
     store = tmp / f"store-{tag}"
     store.mkdir()
+    where = logs or tmp
     env = {OVERLAP_ENV: "0"} if config == "tiered-overlap" else None
-    with ServerProcess(server_args(config, store, dtype), log_path=tmp / f"{tag}.log", env=env) as s:
+    with ServerProcess(server_args(config, store, dtype), log_path=where / f"{tag}.log", env=env) as s:
         t0 = time.monotonic()
-        r = run_client(s, workload, concurrency, tmp / f"{tag}.jsonl", tmp / f"{tag}.client.log")
+        r = run_client(s, workload, concurrency, tmp / f"{tag}.jsonl", where / f"{tag}.client.log")
         metrics = s.get("/metrics")
-        fallbacks = len(s.log_lines("runs a normal prefill"))
+        fallbacks = len(s.log_lines("runs a normal prefill"))  # any forward handler's fallback to SGLang's prefill
     queued = metric_total(metrics, "sglang:queue_time_seconds_sum")
     count = metric_total(metrics, "sglang:queue_time_seconds_count")
     point = {k: r.get(k) for k in ("completed", "request_throughput", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
@@ -193,10 +196,13 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each gsp point, the configurations alternating")
     ap.add_argument("--name", default="serving", help="results under benchmarks/results/NAME.json and .png")
+    ap.add_argument("--logs", type=Path, default=None, help="keep the servers' and clients' logs in this directory")
     a = ap.parse_args()
     if not CLIENT.exists():
         raise SystemExit("the benchmark client's environment is missing: bash scripts/bench-env.sh")
     exit_cleanly_on_sigterm()
+    if a.logs is not None:
+        a.logs.mkdir(parents=True, exist_ok=True)
     dtype = a.dtype or auto_dtype()
     results: dict[str, dict] = {}
     data = {"machine": machine(), "dtype": dtype, "device_tokens": DEVICE_TOKENS, "workloads": {}, "results": results}
@@ -219,7 +225,7 @@ def main() -> int:
             for r in range(a.rounds):
                 for config in a.configs if r % 2 == 0 else reversed(a.configs):
                     tag = f"{name}-{config}" + (f"-{r}" if a.rounds > 1 else "")
-                    runs[config].append(measure(config, WORKLOADS[name], a.concurrency, tmp, dtype, tag))
+                    runs[config].append(measure(config, WORKLOADS[name], a.concurrency, tmp, dtype, tag, a.logs))
                     results[name][config] = combined(runs[config])
                     keep()
         if "rag" in a.workloads:
@@ -237,7 +243,8 @@ def main() -> int:
             results.setdefault("rag", {})
             for c in a.rag_concurrency:
                 for config in a.rag_configs:
-                    results["rag"][f"{config} x{c}"] = measure(config, workload, c, tmp, dtype, f"rag-{config}-{c}")
+                    results["rag"][f"{config} x{c}"] = measure(config, workload, c, tmp, dtype, f"rag-{config}-{c}",
+                                                               a.logs)
                     keep()
     data["verdict"] = verdict(results)
     keep()
