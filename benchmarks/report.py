@@ -884,6 +884,11 @@ MEET_RERUNS = [
      "--slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4 --name meet-s58-gqa8k-busy25-amd`); auto "
      "two-sided 4 of 4 (met at page 32-36 of 126); the busy client's request beside each (median): load 7.2 s, "
      "recompute 8.0 s, loader 8.1 s, auto 7.5 s, race 7.8 s"),
+    ("meet-s58-gqa1k-busy100-amd", "after the closing note's first version, the same code: SmolLM2's 1024 tokens at "
+     "100 MB/s with a busy CPU (stop 53's code: 0.72x) (`--models smollm2 --lengths 1024 --slow-mbps --skip-native "
+     "--busy 100 --repeats 4 --max-repeats 4 --name meet-s58-gqa1k-busy100-amd`); auto: our loader behind prefills "
+     "4 of 4; the busy client's request beside each (median): load 9.2 s, recompute 7.8 s, loader 9.1 s, auto 9.3 s, "
+     "race 9.5 s"),
 ]
 
 
