@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -892,6 +893,18 @@ MEET_RERUNS = [
 ]
 
 
+def reruns(runs: list[tuple[str, str]], rows: Callable[[dict], list[str]], kind: str) -> list[str]:
+    """The tables of the runs `runs` lists (name, what it was) that have results, each with its machine, dtype and
+    verdict; `kind` names them ("partial run", "run")."""
+    out = []
+    for name, what in runs:
+        r = _results(name)
+        if r is not None:
+            out += [f"{kind.capitalize()} {name}, {what}; {_machine(r['machine'])}, {_dtype(r)}:", "", *rows(r),
+                    "", f"Verdict of this {kind}: {r.get('verdict', 'partial')}.", ""]
+    return out
+
+
 MEET_LENGTHS = ("1024", "4096", "8064")  # the issue's spans (4096 and 8064: 4k and 8k less the question)
 
 
@@ -957,12 +970,7 @@ def meet_section() -> list[str]:
            "= the default, race = two-sided always; met = the pages race computed of the span's pages; x = span "
            "tokens race read as activations (median).", "", *meet_rows(d),
            "", f"Verdict: {d['verdict']}.", "", "![meet](benchmarks/results/meet.png)", "", *meet_latest()]
-    for name, what in MEET_RERUNS:
-        r = _results(name)
-        if r is not None:
-            out += [f"Partial run {name}, {what}; {_machine(r['machine'])}, {_dtype(r)}:", "", *meet_rows(r),
-                    "", f"Verdict of this partial run: {r['verdict']}.", ""]
-    return out
+    return out + reruns(MEET_RERUNS, meet_rows, "partial run")
 
 
 def hotpotqa_section() -> list[str]:
@@ -1061,12 +1069,7 @@ def serving_section() -> list[str]:
            "`sglang:queue_time_seconds`; cached = the client's cache report (prompt tokens served from any tier).", "",
            *serving_rows(d), "", f"Verdict: {d.get('verdict', 'partial')}.", "",
            "![serving](benchmarks/results/serving.png)", ""]
-    for name, what in SERVING_RERUNS:
-        r = _results(name)
-        if r is not None:
-            out += [f"Run {name}, {what}; {_machine(r['machine'])}, {_dtype(r)}:", "", *serving_rows(r),
-                    "", f"Verdict of this run: {r.get('verdict', 'partial')}.", ""]
-    return out
+    return out + reruns(SERVING_RERUNS, serving_rows, "run")
 
 if __name__ == "__main__":
     sys.exit(main())

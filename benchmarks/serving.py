@@ -51,13 +51,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, auto_dtype, machine, save  # noqa: E402
 from hotpotqa import SEP, load_questions, prompt  # noqa: E402
 
+from sglang_tiered.integration.server_flags import CONSECUTIVE_PREFILL_ENV  # noqa: E402 (CPU servers set it to 1)
 from sglang_tiered.models import default_model_path  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm, metric_total  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / ".venv-bench" / "bin" / "python"
 DEVICE_TOKENS = 4096
-OVERLAP_ENV = "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"  # set to 1 by CPU servers unless the operator sets it
 GSP = ["--dataset-name", "generated-shared-prefix", "--gsp-group-distribution", "zipf", "--gsp-zipf-alpha", "1.0",
        "--gsp-num-groups", "16", "--gsp-system-prompt-len", "1536", "--gsp-question-len", "128",
        "--gsp-output-len", "32"]
@@ -125,7 +125,7 @@ def measure(config: str, workload: list[str], concurrency: int, tmp: Path, dtype
     store = tmp / f"store-{tag}"
     store.mkdir()
     where = logs or tmp
-    env = {OVERLAP_ENV: "0"} if config == "tiered-overlap" else None
+    env = {CONSECUTIVE_PREFILL_ENV: "0"} if config == "tiered-overlap" else None
     with ServerProcess(server_args(config, store, dtype), log_path=where / f"{tag}.log", env=env) as s:
         t0 = time.monotonic()
         r = run_client(s, workload, concurrency, tmp / f"{tag}.jsonl", where / f"{tag}.client.log")
