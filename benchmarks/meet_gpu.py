@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, evict_from_page_cache, machine, save  # noqa: E402
+from report import best  # noqa: E402
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel  # noqa: E402
 from sglang_tiered.engine.meet import MeetResult, StoredPage, meet_prefill  # noqa: E402
@@ -235,10 +236,6 @@ class _Unread:
 
     def read(self, page: int) -> StoredPage:
         raise AssertionError("compute-only reads no page")
-
-
-def best(point: dict, configs: tuple[str, ...]) -> float:
-    return min(point[c]["s"] for c in configs if "s" in point.get(c, {}))
 
 
 def profiled(calls: dict, device: torch.device) -> str:

@@ -340,6 +340,11 @@ def main() -> int:
     return 0
 
 
+def best(point: dict, configs: tuple[str, ...]) -> float:
+    """The least seconds among `configs` of a point of benchmarks/meet_gpu.py (those it measured)."""
+    return min(point[c]["s"] for c in configs if "s" in point.get(c, {}))
+
+
 # runs of benchmarks/meet_gpu.py, in the order they ran: (name, what it measured)
 MEET_GPU_RUNS = (
     ("meet_gpu-before", "first run, pages from pinned host memory (before the two fixes below)"),
@@ -398,9 +403,9 @@ def meet_gpu_section() -> list[str]:
             for n, pt in points.items():
                 cells = [f"{pt[c]['s']:.3f}" if "s" in pt[c] else pt[c].get("error", "")
                          for c in ("compute", "compute-full", "load", "meet", "meet-rule")]
-                best = min(pt[c]["s"] for c in ("compute", "compute-full", "load") if "s" in pt[c])
+                least = best(pt, ("compute", "compute-full", "load"))
                 same = all(pt[c].get("same_token", True) for c in pt if isinstance(pt[c], dict) and "s" in pt[c])
-                out.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {pt['meet-rule']['s'] / best:.2f}x | "
+                out.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {pt['meet-rule']['s'] / least:.2f}x | "
                            f"{pt['meet-rule']['computed_pages']} of {pt['pages']} | {'yes' if same else 'NO'} |")
         out.append("")
         wide = [c for c in ("compute-wide", "meet-wide", "meet-floor") if any(c in pt for pts in d["results"].values()
@@ -413,12 +418,11 @@ def meet_gpu_section() -> list[str]:
                     "pass | floor |", "| --- | ---: |" + " ---: |" * len(wide) + " ---: | --- | ---: | ---: |"]
             for model, points in d["results"].items():
                 for n, pt in points.items():
-                    best = min(pt[c]["s"] for c in ("compute", "compute-full", "compute-wide", "load")
-                               if "s" in pt.get(c, {}))
+                    least = best(pt, ("compute", "compute-full", "compute-wide", "load"))
                     floor = pt.get("meet-floor", {})
                     passes = [x for c in pt if isinstance(pt[c], dict) for x in pt[c].get("new_s", []) if x]
                     out.append(f"| {model} | {n} | " + " | ".join(f"{pt[c]['s']:.3f}" for c in wide) + " | "
-                               + (f"{floor['s'] / best:.2f}x | {floor['computed_pages']} of {pt['pages']}"
+                               + (f"{floor['s'] / least:.2f}x | {floor['computed_pages']} of {pt['pages']}"
                                   if "s" in floor else " | ")
                                + f" | {statistics.median(passes) * 1e3:.0f} | "
                                + (f"{pt['per_page_s']['floor'] * 1e3:.1f} |" if "floor" in pt["per_page_s"] else " |"))
@@ -469,13 +473,13 @@ def meet_rows(d: dict) -> list[str]:
             for n, p in lengths.items():
                 if n == "profile":
                     continue
-                best = min(p["load"]["ttft_s"], p["recompute"]["ttft_s"])
+                least = min(p["load"]["ttft_s"], p["recompute"]["ttft_s"])
                 met = ", ".join(f"{r['met'][0]}/{r['met'][1]}" for r in p["race"]["rows"] if r["met"])
                 x = sorted(r.get("from_activations", 0) for r in p["race"]["rows"])[len(p["race"]["rows"]) // 2]
                 out.append(f"| {model} | {disk} | {n} | {p['load']['ttft_s']:.3f} | "
                            f"{p['recompute']['ttft_s']:.3f} | {p['loader']['ttft_s']:.3f} | "
                            f"{p['auto']['ttft_s']:.3f} | {p['race']['ttft_s']:.3f} | "
-                           f"{p['auto']['ttft_s'] / best:.2f} | {met} | {x} | {differing(p)} |")
+                           f"{p['auto']['ttft_s'] / least:.2f} | {met} | {x} | {differing(p)} |")
     return out
 
 

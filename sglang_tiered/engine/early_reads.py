@@ -43,7 +43,6 @@ class EarlyReader:
         """`on_expired(n)`: told of the `n` jobs a `start` dropped for outliving `hold_s` (called under the lock)."""
         self.budget_bytes, self.hold_s, self.clock, self.on_expired = budget_bytes, hold_s, clock, on_expired
         self.held = 0  # bytes held by every job
-        self.expired = 0  # jobs dropped for outliving hold_s
         self.jobs: deque[EarlyJob] = deque()
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
@@ -58,7 +57,6 @@ class EarlyReader:
             for job in old:
                 self._end(job)
             if old:
-                self.expired += len(old)
                 self.on_expired(len(old))
             if lowest >= source.pages or page_bytes > self.budget_bytes:
                 return None
