@@ -894,6 +894,11 @@ MEET_RERUNS = [
      "--busy 100 --repeats 4 --max-repeats 4 --name meet-s58-gqa1k-busy100-amd`); auto: our loader behind prefills "
      "4 of 4; the busy client's request beside each (median): load 9.2 s, recompute 7.8 s, loader 9.1 s, auto 9.3 s, "
      "race 9.5 s"),
+    ("meet-s59-gqa1k-busy25-amd", "stop 59, the same AVX2 machine and stop 58's code (`--tiered-ahead-of-chunks` on): "
+     "SmolLM2's 1024 tokens at 25 MB/s with a busy CPU (`--models smollm2 --lengths 1024 --slow-mbps --skip-native "
+     "--busy 25 --repeats 4 --max-repeats 4 --name meet-s59-gqa1k-busy25-amd`); auto two-sided 4 of 4 (met at page "
+     "4-6 of 16); the busy client's request beside each (median): load 8.2 s, recompute 8.1 s, loader 10.4 s, auto "
+     "10.4 s, race 10.9 s"),
 ]
 
 
