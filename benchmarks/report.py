@@ -899,6 +899,11 @@ MEET_RERUNS = [
      "--busy 25 --repeats 4 --max-repeats 4 --name meet-s59-gqa1k-busy25-amd`); auto two-sided 4 of 4 (met at page "
      "4-6 of 16); the busy client's request beside each (median): load 8.2 s, recompute 8.1 s, loader 10.4 s, auto "
      "10.4 s, race 10.9 s"),
+    ("meet-s59-gqa4k-busy100-amd", "right after meet-s59-gqa1k-busy25-amd, the same code: SmolLM2's 4096 tokens at "
+     "100 MB/s with a busy CPU (`--models smollm2 --lengths 4096 --slow-mbps --skip-native --busy 100 --repeats 4 "
+     "--max-repeats 4 --name meet-s59-gqa4k-busy100-amd`); auto two-sided 4 of 4, compute taking no page (met at "
+     "page 0 of 64: reads fast next to compute beside the busy client); the busy client's request beside each "
+     "(median): load 8.1 s, recompute 7.8 s, loader 7.7 s, auto 8.1 s, race 8.3 s"),
 ]
 
 
