@@ -904,6 +904,12 @@ MEET_RERUNS = [
      "--max-repeats 4 --name meet-s59-gqa4k-busy100-amd`); auto two-sided 4 of 4, compute taking no page (met at "
      "page 0 of 64: reads fast next to compute beside the busy client); the busy client's request beside each "
      "(median): load 8.1 s, recompute 7.8 s, loader 7.7 s, auto 8.1 s, race 8.3 s"),
+    ("meet-s59-mha8k-busy25-amd", "right after meet-s59-gqa4k-busy100-amd, the same code: the MHA model's 8064 tokens "
+     "at 25 MB/s with a busy CPU (`--models smollm2-mha --lengths 8064 --slow-mbps --skip-native --busy 25 --repeats 4 "
+     "--max-repeats 4 --name meet-s59-mha8k-busy25-amd`); auto two-sided 4 of 4: compute joined a one-thread loader "
+     "in 3 (met at page 31-35 of 126, the load 17.9-18.3 s) and was kept out by its measured slowdown (1.51x) in 1 "
+     "(two loader threads, 23.2 s; race kept out 3 of 4); the busy client's request beside each (median): load "
+     "10.5 s, recompute 10.3 s, loader 10.8 s, auto 11.5 s, race 10.4 s"),
 ]
 
 
