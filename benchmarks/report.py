@@ -910,6 +910,12 @@ MEET_RERUNS = [
      "in 3 (met at page 31-35 of 126, the load 17.9-18.3 s) and was kept out by its measured slowdown (1.51x) in 1 "
      "(two loader threads, 23.2 s; race kept out 3 of 4); the busy client's request beside each (median): load "
      "10.5 s, recompute 10.3 s, loader 10.8 s, auto 11.5 s, race 10.4 s"),
+    ("meet-s59-gqa8k-busy100-amd", "right after meet-s59-mha8k-busy25-amd, the same code: SmolLM2's 8064 tokens at "
+     "100 MB/s with a busy CPU (`--models smollm2 --lengths 8064 --slow-mbps --skip-native --busy 100 --repeats 4 "
+     "--max-repeats 4 --name meet-s59-gqa8k-busy100-amd`); auto two-sided 4 of 4, compute taking no page (met at "
+     "page 0 of 126; our load itself 4.2-4.5 s, the rest of its time to the first token the busy client's forward "
+     "ahead of it); the busy client's request beside each (median): load 7.3 s, recompute 7.2 s, loader 7.3 s, auto "
+     "7.6 s, race 7.3 s"),
 ]
 
 
