@@ -916,6 +916,11 @@ MEET_RERUNS = [
      "page 0 of 126; our load itself 4.2-4.5 s, the rest of its time to the first token the busy client's forward "
      "ahead of it); the busy client's request beside each (median): load 7.3 s, recompute 7.2 s, loader 7.3 s, auto "
      "7.6 s, race 7.3 s"),
+    ("meet-s59-mha4k-busy100-amd", "right after meet-s59-gqa8k-busy100-amd, the same code: the MHA model's 4096 "
+     "tokens at 100 MB/s with a busy CPU (`--models smollm2-mha --lengths 4096 --slow-mbps --skip-native --busy 100 "
+     "--repeats 4 --max-repeats 4 --name meet-s59-mha4k-busy100-amd`); auto two-sided 4 of 4, compute taking no page "
+     "(two loader threads of activations, the load 3.8-4.3 s); the busy client's request beside each (median): load "
+     "9.6 s, recompute 9.1 s, loader 9.3 s, auto 9.6 s, race 9.8 s"),
 ]
 
 
