@@ -921,6 +921,11 @@ MEET_RERUNS = [
      "--repeats 4 --max-repeats 4 --name meet-s59-mha4k-busy100-amd`); auto two-sided 4 of 4, compute taking no page "
      "(two loader threads of activations, the load 3.8-4.3 s); the busy client's request beside each (median): load "
      "9.6 s, recompute 9.1 s, loader 9.3 s, auto 9.6 s, race 9.8 s"),
+    ("meet-s59-mha8k-busy100-amd", "right after meet-s59-mha4k-busy100-amd, the same code: the MHA model's 8064 "
+     "tokens at 100 MB/s with a busy CPU (`--models smollm2-mha --lengths 8064 --slow-mbps --skip-native --busy 100 "
+     "--repeats 4 --max-repeats 4 --name meet-s59-mha8k-busy100-amd`); auto two-sided 4 of 4, compute taking no page "
+     "(two loader threads of activations, the load 7.4-9.4 s); the busy client's request beside each (median): load "
+     "8.8 s, recompute 8.9 s, loader 8.9 s, auto 9.2 s, race 9.8 s"),
 ]
 
 
