@@ -77,11 +77,28 @@ def gate(shape: Shape) -> Optional[str]:
     return None
 
 
-def activations_pay(shape: Shape, prof: Profile, page_size: int) -> bool:
-    """Does the loader bring a page in faster as activations (K, V recomputed) than as KV, under `prof`?"""
+# compute joins a load only while a page reads in at least this share of a page's compute: the two-sided load then
+# finishes in c / (c + t) of the loader's time (c, t: seconds per computed / read page), a gain below 20 % that the
+# two sides' contention for the CPU eats (measured in one run, SmolLM2 bf16: at 200 MB/s, a 4096-token span, a read
+# 9 ms against 45 ms of compute, two-sided 0.643 s vs the loader alone 0.584 s; at the disk's own speed 0.326 vs
+# 0.261 s)
+MEET_MIN_READ_SHARE = 0.25
+
+# the gain compute must promise to join an activation load once its slowdown beside a loader is measured (`beside`
+# prices the contention MEET_MIN_READ_SHARE stood in for): only the swing of that factor from load to load (1.5-2.05x
+# in one run moved the estimate of the two together by +-5 %). Measured (the MHA model, AMD AVX2, float32, 25 MB/s,
+# a second client busy): with MEET_MIN_READ_SHARE on top of factors of 1.5-2.05x, compute stayed out of loads that,
+# joined, brought a page in every 0.14 s against 0.18 s for two loader threads alone (8064 tokens: 17.5-18.3 s
+# joined, 23.0-23.2 s alone), 10-23 % faster on paper
+MEET_PRICED_MARGIN = 0.1
+
+
+def activations_pay(shape: Shape, prof: Profile, page_size: int, margin: float = MEET_MIN_READ_SHARE) -> bool:
+    """Does the loader bring a page in faster as activations (K, V recomputed) than as KV, under `prof` (`margin`:
+    `activation_read_s`'s)?"""
     if gate(shape) is not None:
         return False
-    return activation_read_s(shape, prof, page_size)[0] < page_read_s(shape, prof, page_size, False)
+    return activation_read_s(shape, prof, page_size, margin)[0] < page_read_s(shape, prof, page_size, False)
 
 
 def page_compute_s(prof: Profile, layers: int, page_size: int) -> float:
@@ -108,7 +125,8 @@ def page_read_s(shape: Shape, prof: Profile, page_size: int, activations: bool) 
     return shape.layers * page_size * shape.kv_bytes / prof.read_bytes_per_s
 
 
-def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[float, int]:
+def activation_read_s(shape: Shape, prof: Profile, page_size: int,
+                      margin: float = MEET_MIN_READ_SHARE) -> tuple[float, int]:
     """(seconds per page, threads) for the loader bringing pages in as activations: alone on MEET_LOADERS threads,
     or on one thread beside compute, whichever the join rule picks. Alone, one page's read runs beside another's
     recompute, so a page every max(read, recompute) -- the recompute term the activation loads' own measured cost
@@ -116,26 +134,28 @@ def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[floa
     model, 2 cores, activation loads measured 9.9-10.1 us per token-layer at the disk's own speed and at 200 MB/s
     against 8.2-8.3 us for one recompute on one thread). Beside compute (`chunk_page_s` a page), one thread reads
     then recomputes, and the two together bring a page in every both = one x c / (one + c). Compute joins where
-    both x (1 + MEET_MIN_READ_SHARE) <= alone: the rule for KV (a read of at least that share of a page's compute),
-    where one thread and two read at the disk's one rate. Measured (MHA model, Intel with AMX, bf16, 200 MB/s,
+    both x (1 + margin) <= alone: with MEET_MIN_READ_SHARE the rule for KV (a read of at least that share of a
+    page's compute), where one thread and two read at the disk's one rate, standing in for the two sides'
+    contention for the CPU until compute's slowdown beside a loader is measured; MEET_PRICED_MARGIN once `prof` is
+    compute `beside` a loader as measured. Measured (MHA model, Intel with AMX, bf16, 200 MB/s,
     8064 tokens): reads of 9.4 ms a page alone against 37.4 ms of compute a page put the two-thread rate at the KV
     rule's threshold, compute joined a one-thread loader, both sides ran 2-3.5x slower than their estimates beside
     each other's CPU work (the recompute is CPU work too), and the load took 1.11x SGLang's against the loader
     alone's 0.74x."""
-    return _activation_plan(shape, prof, page_size)[:2]
+    return _activation_plan(shape, prof, page_size, margin)[:2]
 
 
-def _activation_plan(shape: Shape, prof: Profile, page_size: int) -> tuple[float, int, float]:
+def _activation_plan(shape: Shape, prof: Profile, page_size: int, margin: float) -> tuple[float, int, float]:
     """`activation_read_s`'s (seconds per page, threads), and the share of a page's compute (c) that the loader's
     measured pages must reach for compute to join them at run time (`Decision.join_share`). The join rule,
-    both x (1 + MEET_MIN_READ_SHARE) <= alone with both = one x c / (one + c), rearranged: alone / c >=
-    (1 + MEET_MIN_READ_SHARE) x one / (one + c) -- so on two threads the run-time rule is that share (at least the
-    KV rule's), on one thread the KV rule."""
+    both x (1 + margin) <= alone with both = one x c / (one + c), rearranged: alone / c >= (1 + margin) x one /
+    (one + c) -- so on two threads the run-time rule is that share (at least the KV rule's), on one thread the KV
+    rule."""
     tokens = shape.layers * page_size
     apart = alone_page_s(shape, prof, page_size, True)
     one = tokens * (shape.x_bytes / prof.read_bytes_per_s + prof.recompute_s)
     c = chunk_page_s(prof, shape.layers, page_size)
-    share = (1 + MEET_MIN_READ_SHARE) * one / (one + c)
+    share = (1 + margin) * one / (one + c)
     if apart < share * c:
         return apart, MEET_LOADERS, max(MEET_MIN_READ_SHARE, share)
     return one, 1, MEET_MIN_READ_SHARE
@@ -146,13 +166,6 @@ def _activation_plan(shape: Shape, prof: Profile, page_size: int) -> tuple[float
 # chunk cannot be abandoned, so the claim rule (engine/meet.py) may take fewer; more than 4 overshot the meet when the
 # first reads from a throttled disk were slow
 MEET_CHUNK_PAGES = 4
-
-# compute joins a load only while a page reads in at least this share of a page's compute: the two-sided load then
-# finishes in c / (c + t) of the loader's time (c, t: seconds per computed / read page), a gain below 20 % that the
-# two sides' contention for the CPU eats (measured in one run, SmolLM2 bf16: at 200 MB/s, a 4096-token span, a read
-# 9 ms against 45 ms of compute, two-sided 0.643 s vs the loader alone 0.584 s; at the disk's own speed 0.326 vs
-# 0.261 s)
-MEET_MIN_READ_SHARE = 0.25
 
 # `auto` takes a span that the loader would read as KV only where the profile puts a page's read at this share of a
 # page's compute or more: the profile's estimate is looser than the engine's rule above because the engine decides
@@ -195,15 +208,17 @@ class Decision:
 
 
 def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_activations: bool,
-           forced: bool) -> Decision:
+           forced: bool, margin: float = MEET_MIN_READ_SHARE) -> Decision:
     """The loader's plan for a span of `pages` pages: activations wherever stored when `forced`, else where they pay;
     taken always when `forced`, else where `meet_pays` and either the loader reads activations or compute may join
     (a page read takes MEET_TAKE_READ_SHARE of a page's compute or more; alone on KV the loader only repeats
-    SGLang's load, slower). A page's compute here: its share of a chunk of MEET_CHUNK_PAGES (`chunk_page_s`)."""
-    use_x = stored_activations and (forced or activations_pay(shape, prof, page_size))
+    SGLang's load, slower). A page's compute here: its share of a chunk of MEET_CHUNK_PAGES (`chunk_page_s`).
+    `margin`: the activation join rule's (`activation_read_s`): MEET_PRICED_MARGIN where `prof` is compute `beside`
+    a loader as measured."""
+    use_x = stored_activations and (forced or activations_pay(shape, prof, page_size, margin))
     page_s, full_s = page_compute_s(prof, shape.layers, page_size), chunk_page_s(prof, shape.layers, page_size)
     if use_x:  # (the join rule for activations weighs the loader alone on two threads: activation_read_s)
-        read_s, threads, share = _activation_plan(shape, prof, page_size)
+        read_s, threads, share = _activation_plan(shape, prof, page_size, margin)
         joins = threads == 1
     else:
         read_s, share = page_read_s(shape, prof, page_size, False), MEET_MIN_READ_SHARE
