@@ -926,6 +926,26 @@ MEET_RERUNS = [
      "--repeats 4 --max-repeats 4 --name meet-s59-mha8k-busy100-amd`); auto two-sided 4 of 4, compute taking no page "
      "(two loader threads of activations, the load 7.4-9.4 s); the busy client's request beside each (median): load "
      "8.8 s, recompute 8.9 s, loader 8.9 s, auto 9.2 s, race 9.8 s"),
+    ("meet-s60-mha8k-busy25-amd", "stop 60, the activation join rule with a 10 % margin once compute's slowdown is "
+     "measured (`MEET_PRICED_MARGIN`, was 25 %): the MHA model's 8064 tokens at 25 MB/s with a busy CPU, stop 59's "
+     "weak spot (`--models smollm2-mha --lengths 8064 --slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4 "
+     "--name meet-s60-mha8k-busy25-amd`); compute joined a one-thread loader in every auto and forced load (met at "
+     "page 36-39 of 126, the load 16.5-17.0 s, compute 1.70-1.87x its profile) against 22.9-23.3 s for two loader "
+     "threads alone (stop 59: kept out in 1 of 4 auto and 3 of 4 forced loads); the busy client's request beside each "
+     "(median): load 10.0 s, recompute 9.2 s, loader 9.6 s, auto 9.6 s, race 9.8 s"),
+    ("meet-s60-mha4k-busy25-amd", "right after meet-s60-mha8k-busy25-amd, the same code: the MHA model's 4096 tokens "
+     "at 25 MB/s with a busy CPU (stop 58: 0.60x, auto 0.89x the loader alone) (`--models smollm2-mha --lengths 4096 "
+     "--slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4 --name meet-s60-mha4k-busy25-amd`); compute "
+     "joined a one-thread loader in every auto and forced load (met at page 20-23 of 64, the load 7.9-8.7 s, compute "
+     "1.51-1.90x its profile) against 11.6-11.9 s for two loader threads alone; the busy client's request beside each "
+     "(median): load 8.4 s, recompute 8.8 s, loader 8.3 s, auto 8.4 s, race 7.9 s"),
+    ("meet-s60-mha4k-idle-amd", "right after meet-s60-mha4k-busy25-amd, the same code, a regression check of the "
+     "margin at idle (stop 54: 0.70x / 0.17x): the MHA model's 4096 tokens at the disk's own speed and 200 MB/s "
+     "(`--models smollm2-mha --lengths 4096 --slow-mbps 200 --busy --repeats 4 --max-repeats 4 --name "
+     "meet-s60-mha4k-idle-amd`); at 200 MB/s compute joined the server's first auto load (slowdown unmeasured, the "
+     "25 % margin: met at page 4, 3.16 s) and, priced at 1.39x, stayed out of every later one (two loader threads, "
+     "3.2-4.0 s, the factor relaxing to 1.13x); at the disk's own speed auto took our loader alone by the measured "
+     "choice in 3 of 4 rounds (1.0-1.2 s) and SGLang's load in 1"),
 ]
 
 
