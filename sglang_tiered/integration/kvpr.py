@@ -10,7 +10,7 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   span at all: only where reading it takes longer than computing 2 of its pages (`meet_pays`), else SGLang's own load
   is as fast. Compute joins a load only while a page reads in at least `MEET_MIN_READ_SHARE` of a page's compute
   (an activation load on two threads: only where compute beside one thread would be faster -- by 25 % until compute's
-  slowdown beside such loads is measured, at all once it is: `MEET_PRICED_MARGIN` -- `Decision.join_share`). A
+  slowdown beside such loads is measured, by `MEET_PRICED_MARGIN` once it is -- `Decision.join_share`). A
   number of tokens (`custom_params.tiered_kvpr`) forces the meet point. Where SGLang's load would be as fast at idle,
   a request admitted right after another request's prefill forward still goes to our loader (`behind_prefills` in
   policy/load_choice.py: SGLang's load would wait for the next such forward), unless our loader was measured slower
@@ -283,12 +283,11 @@ class KVPR:
             return None
         stored_x = self.writer is not None
         d = d0 = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
-        slowdown = self.slowdown.factor(d.activations)
+        slowdown, margin = self.slowdown.factor(d.activations), MEET_MIN_READ_SHARE
         if slowdown != 1.0:  # compute's estimates as measured beside this kind of load: its contention priced
-            profile = beside(profile, slowdown)
-            d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto",
-                       margin=MEET_PRICED_MARGIN)
-        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
+            profile, margin = beside(profile, slowdown), MEET_PRICED_MARGIN
+            d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto", margin=margin)
+        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x, margin=margin)
         # each way's forward as the profile estimates it (seconds): the two meeting, the loader alone, SGLang's
         layers, new, after = self.shape.layers, len(req.origin_input_ids) - start - n * ps, start + n * ps
         alone_read_s = alone_page_s(self.shape, alone, ps, d.activations)

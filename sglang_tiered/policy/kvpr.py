@@ -312,10 +312,12 @@ class Slowdown:
         return alone.compute_joins and not slowed.compute_joins
 
 
-def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool) -> bool:
+def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool,
+                  margin: float = MEET_MIN_READ_SHARE) -> bool:
     """Whether a forced load reads its pages as `auto` would (activations or KV): only then is it a sample of our
-    loader as `auto` runs it. A forced load reads activations wherever stored (`decide`), `auto` where they pay."""
-    return not stored_activations or activations_pay(shape, prof, page_size)
+    loader as `auto` runs it. A forced load reads activations wherever stored (`decide`), `auto` where they pay
+    (under `decide`'s `margin`)."""
+    return not stored_activations or activations_pay(shape, prof, page_size, margin)
 
 
 def loaders(d: Decision, forced_pages: Optional[int]) -> int:
