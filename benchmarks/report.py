@@ -946,6 +946,11 @@ MEET_RERUNS = [
      "25 % margin: met at page 4, 3.16 s) and, priced at 1.39x, stayed out of every later one (two loader threads, "
      "3.2-4.0 s, the factor relaxing to 1.13x); at the disk's own speed auto took our loader alone by the measured "
      "choice in 3 of 4 rounds (1.0-1.2 s) and SGLang's load in 1"),
+    ("meet-s60-mha8k-200-amd", "right after this stop's CI run, the code of its last commit: the margin at idle, the "
+     "MHA model's 8064 tokens at 200 MB/s (stop 56: 0.12x) (`--models smollm2-mha --lengths 8064 --slow-mbps 200 "
+     "--skip-native --busy --repeats 4 --max-repeats 4 --name meet-s60-mha8k-200-amd`); every load on two loader "
+     "threads, compute taking a chunk or two at the start in 3 of 4 auto loads (met at page 0-8 of 126, 6.1-6.4 s) "
+     "and measured 1.31-2.71x its profile there"),
 ]
 
 
