@@ -575,7 +575,7 @@ def test_once_compute_is_priced_beside_a_loader_it_joins_activation_loads_it_wou
         assert not Slowdown.kept_out(alone, new) and new.join_share == MEET_MIN_READ_SHARE
         c = chunk_page_s(slowed, 30, 64)
         assert 0.137 < 0.226 * c / (0.226 + c) < 0.155 < 0.170  # together, a page every 0.138-0.154 s
-    # where the measured slowdown says compute would slow the load, it still stays out without the margin: at
+    # where the measured slowdown says compute would slow the load, it stays out under the priced margin too: at
     # 100 MB/s two threads bring a page in every 0.067 s (their recomputes, 35 us a token-layer as measured), compute
     # beside one thread (0.044 s read + 0.056 s recompute a page) every 0.078 s
     at_100 = beside(replace(prof, read_bytes_per_s=100e6), 1.5)
