@@ -8,7 +8,8 @@ Contract of a `RemoteStore` (all calls blocking; call them from background threa
   `get_many(keys)` does the same for several keys in one round trip.
 * `exists(keys)` answers for each key, in order, in one round trip.
 * Any failure to reach the store raises `RemoteError`; a store that raised may work again later (reconnects are the
-  backend's business; `RemoteTier` retries).
+  backend's business; `RemoteTier` retries). A put may also fail while the store answers (no room now, a transfer
+  to another member's segment failed): `RemoteTier` tells the two apart with an `exists`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ class RemoteStore(Protocol):
 
 
 class MemoryStore:
-    """A `RemoteStore` in this process's memory (tests). `down = True` makes every call raise RemoteError."""
+    """A `RemoteStore` in this process's memory (tests). `down = True` makes every call raise RemoteError;
+    `refuse_puts = True` makes puts raise it while lookups answer (a full store)."""
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.down = False
+        self.refuse_puts = False
         self._lock = threading.Lock()
 
     def _check(self) -> None:
@@ -48,6 +51,8 @@ class MemoryStore:
 
     def put(self, key: str, blob: bytes) -> None:
         self._check()
+        if self.refuse_puts:
+            raise RemoteError("memory store refuses puts")
         with self._lock:
             self.objects.setdefault(key, bytes(blob))
 

@@ -15,8 +15,12 @@ Contracts
 * A fetched page is served only if it passes the checks of a local read (`page_file.read_blob`: namespace, key,
   size, every segment's checksum); then the background thread keeps it on the local SSD (a local hit next time) and
   adopts its importance record. Corrupt or foreign objects are counted misses, never served or kept.
-* Down: any failed call marks the store down (counted, logged once); the background thread retries `connect` (if it
-  never connected) or a cheap `exists` every `retry_s` seconds and marks it up again when it answers.
+* Down: a failed lookup, or a failed put after which the store does not answer an `exists` either, marks the store
+  down (counted, logged once); the background thread retries `connect` (if it never connected) or a cheap `exists`
+  every `retry_s` seconds and marks it up again when it answers.
+* Refused: a put that fails while the store answers (no room now, a failed transfer to another member's segment, a
+  restarted master before its members re-mount their segments) is counted as an error and the page waits with the
+  deferred ones, retried every `retry_s` seconds (logged once until a put succeeds); the store stays up.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class RemoteTier:
         waits on the tier's own `before_write`)."""
         self._before_put = before_put
         self._connect_failed = False
+        self._refusing = False  # the last put failed while the store answered: deferred pages are retried
         self._deferred: deque[str] = deque(maxlen=queue_pages)  # pages to publish once the store answers again
         self.tier = tier
         self.stats = tier.stats
@@ -185,10 +190,26 @@ class RemoteTier:
             if record is not None:
                 store.put(self.object_key(key) + ".imp", record)
         except RemoteError as exc:
-            self._mark_down(exc)
             self._defer(key)
+            self._put_failed(store, exc)
             return
+        if self._refusing:
+            self._refusing = False
+            logger.info("tiered remote: the shared store takes pages again")
         self.stats.add(remote_published_pages=1, remote_bytes_written=len(blob))
+
+    def _put_failed(self, store: RemoteStore, exc: RemoteError) -> None:
+        """Down if the store does not answer an `exists` now either; else refused (retried by `_run`)."""
+        try:
+            store.exists([self.object_key(_PROBE)])
+        except RemoteError:
+            self._mark_down(exc)
+            return
+        self.stats.add(remote_errors=1)
+        if not self._refusing:
+            self._refusing = True
+            logger.warning("tiered remote: a put failed while the shared store answers (%s); pages wait and are "
+                           "retried every %.0f s, lookups go on", exc, self.retry_s)
 
     def _defer(self, key: str) -> None:
         """Publish `key` once the store answers again; beyond `queue_pages` deferred pages, the oldest is dropped
@@ -269,9 +290,12 @@ class RemoteTier:
                         self._defer(key)
                     else:
                         self._put(store, key)
-                if not self._up and time.monotonic() >= next_probe:
+                if (self._refusing or not self._up) and time.monotonic() >= next_probe:
                     next_probe = time.monotonic() + self.retry_s
-                    self._probe()
+                    if self._up:  # the last put was refused: try the deferred pages again
+                        self._resume()
+                    else:
+                        self._probe()
             except Exception:  # the remote tier must never take the server down
                 logger.exception("tiered remote: background thread error")
             finally:

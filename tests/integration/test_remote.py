@@ -111,7 +111,8 @@ def test_servers_share_one_store(tmp_path, essays, model_dir):
         assert published(a, 10) >= 10, metrics_of(a)
         shared = b.generate(doc)
         d = cached_details(shared)
-        assert d["storage"] >= 640 and d["device"] == 0, (d, metrics_of(b), b.log_lines("prefetch"))
+        assert d["storage"] >= 640 and d["device"] == 0, (b.log_lines("tiered remote:"), d, metrics_of(b),
+                                                           b.log_lines("prefetch"))
         ref = answers(a, doc, dtype)  # SGLang's own answers to doc, cold and from its device cache (tests/rounding.py)
         ref.check(cold, "cold on A")
         ref.check(shared, "B from the shared tier")
@@ -125,7 +126,8 @@ def test_servers_share_one_store(tmp_path, essays, model_dir):
         stranger = salted(b, doc5, "t2")
         assert sum(cached_details(stranger).values()) == 0 and metric_total(b.get("/metrics"), REMOTE_HITS) == hits
         same = salted(b, doc5, "t1")
-        assert cached_details(same)["storage"] >= 640, (cached_details(same), metrics_of(b), b.log_lines("prefetch"))
+        assert cached_details(same)["storage"] >= 640, (b.log_lines("tiered remote:"), cached_details(same),
+                                                         metrics_of(b), b.log_lines("prefetch"))
         ref5 = answers(a, doc5, dtype)
         ref5.check(tenant, "t1 on A")
         ref5.check(same, "t1 on B")

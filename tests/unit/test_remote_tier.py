@@ -261,6 +261,52 @@ def test_publish_never_blocks_and_drops_beyond_the_queue(tmp_path):
         r.close()
 
 
+def test_a_refused_put_keeps_the_store_up_and_is_retried(tmp_path):
+    """A store that answers but refuses a page (full) is not marked down -- what it holds is still found and served --
+    and the page waits, published by a retry once the store takes it (nothing dropped)."""
+    store = MemoryStore()
+    a, b = (RemoteTier(lambda: store, SSDTier(tmp_path / name, ns(), 1 << 20), retry_s=RETRY) for name in "ab")
+    try:
+        first = stored_on(a, [1])
+        store.refuse_puts = True
+        refused = stored_on(a, [2])
+        time.sleep(3 * RETRY)  # retried, refused again
+        assert a.stats.remote_published_pages == 1 and a.up and a.stats.remote_up == 1 and a.stats.remote_errors >= 2
+        assert b.leading_hits(first + refused) == 1
+        out = empty()
+        assert b.fetch([(first[0], out)]) == [True] and joined(out) == joined(page(1))
+        store.refuse_puts = False
+        assert until(lambda: b.leading_hits(first + refused) == 2), "the refused page was not published"
+        assert a.stats.remote_published_pages == 2 and a.stats.remote_dropped_pages == 0
+    finally:
+        for r in (a, b):
+            r.close()
+            r.tier.close()
+
+
+def test_mooncake_refuses_puts_beyond_its_room_and_still_answers(master):
+    """Puts faster than Mooncake's eviction find no room: the put raises (saying so) while the store answers lookups,
+    and once its eviction has run a put succeeds again -- what `RemoteTier` counts as refused, not down."""
+    address = MooncakeAddress.parse(master.url, master.metadata_url)
+    store = MooncakeStore(address, segment_bytes=16 << 20, object_bytes=1 << 20, local_host="127.0.0.1")
+    try:
+        blob, name = bytes(1 << 20), f"full-{time.monotonic_ns()}"
+        with pytest.raises(RemoteError, match="no room"):
+            for i in range(512):  # 512 MB at once into a pool of 16 MB (and whatever other clients still lend)
+                store.put(f"{name}-{i}", blob)
+        assert store.exists([f"{name}-0"]) in ([True], [False])  # answers (evicted or not), raises nothing
+
+        def put_again() -> bool:
+            try:
+                store.put(f"{name}-later", blob)
+                return True
+            except RemoteError:
+                return False
+        assert until(put_again, timeout=30)
+    finally:
+        store.close()
+
+
 def test_mooncake_batches_larger_than_the_transfer_buffer(master):
     """A batched get whose objects do not fit in the client's transfer buffer at once is split (unsplit, Mooncake
     answers b"" for the objects beyond the buffer)."""
