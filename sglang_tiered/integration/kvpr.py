@@ -111,7 +111,6 @@ from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
     MEET_LOADERS,
     MEET_MIN_READ_SHARE,
-    MEET_PRICED_MARGIN,
     Profile,
     Shape,
     Slowdown,
@@ -283,11 +282,11 @@ class KVPR:
             return None
         stored_x = self.writer is not None
         d = d0 = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
-        slowdown, margin = self.slowdown.factor(d.activations), MEET_MIN_READ_SHARE
+        slowdown = self.slowdown.factor(d.activations)
         if slowdown != 1.0:  # compute's estimates as measured beside this kind of load: its contention priced
-            profile, margin = beside(profile, slowdown), MEET_PRICED_MARGIN
-            d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto", margin=margin)
-        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x, margin=margin)
+            profile = beside(profile, slowdown)
+            d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
+        as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         # each way's forward as the profile estimates it (seconds): the two meeting, the loader alone, SGLang's
         layers, new, after = self.shape.layers, len(req.origin_input_ids) - start - n * ps, start + n * ps
         alone_read_s = alone_page_s(self.shape, alone, ps, d.activations)

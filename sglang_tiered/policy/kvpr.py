@@ -58,6 +58,8 @@ class Profile:
     #                       model's weights read from memory once per chunk), beyond `span_s` per token-layer
     span_s: float = 0.0  # seconds per span token-layer computed in a chunk, beyond `chunk_s`; 0: not measured (a
     #                      page then costs its tokens' `layer_s + stored_s`, and a chunk nothing more)
+    slowdown: Optional[float] = None  # compute's parts priced at this factor beside a loader (`beside`); None:
+    #                                   compute as measured alone
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,18 @@ MEET_MIN_READ_SHARE = 0.25
 MEET_PRICED_MARGIN = 0.1
 
 
-def activations_pay(shape: Shape, prof: Profile, page_size: int, margin: float = MEET_MIN_READ_SHARE) -> bool:
-    """Does the loader bring a page in faster as activations (K, V recomputed) than as KV, under `prof` (`margin`:
-    `activation_read_s`'s)?"""
+def join_margin(prof: Profile) -> float:
+    """The gain compute must promise to join an activation load (`activation_read_s`): MEET_PRICED_MARGIN where
+    `prof` prices compute `beside` a loader as measured, MEET_MIN_READ_SHARE (standing in for that contention)
+    where it does not."""
+    return MEET_MIN_READ_SHARE if prof.slowdown is None else MEET_PRICED_MARGIN
+
+
+def activations_pay(shape: Shape, prof: Profile, page_size: int) -> bool:
+    """Does the loader bring a page in faster as activations (K, V recomputed) than as KV, under `prof`?"""
     if gate(shape) is not None:
         return False
-    return activation_read_s(shape, prof, page_size, margin)[0] < page_read_s(shape, prof, page_size, False)
+    return activation_read_s(shape, prof, page_size)[0] < page_read_s(shape, prof, page_size, False)
 
 
 def page_compute_s(prof: Profile, layers: int, page_size: int) -> float:
@@ -125,8 +133,7 @@ def page_read_s(shape: Shape, prof: Profile, page_size: int, activations: bool) 
     return shape.layers * page_size * shape.kv_bytes / prof.read_bytes_per_s
 
 
-def activation_read_s(shape: Shape, prof: Profile, page_size: int,
-                      margin: float = MEET_MIN_READ_SHARE) -> tuple[float, int]:
+def activation_read_s(shape: Shape, prof: Profile, page_size: int) -> tuple[float, int]:
     """(seconds per page, threads) for the loader bringing pages in as activations: alone on MEET_LOADERS threads,
     or on one thread beside compute, whichever the join rule picks. Alone, one page's read runs beside another's
     recompute, so a page every max(read, recompute) -- the recompute term the activation loads' own measured cost
@@ -134,18 +141,18 @@ def activation_read_s(shape: Shape, prof: Profile, page_size: int,
     model, 2 cores, activation loads measured 9.9-10.1 us per token-layer at the disk's own speed and at 200 MB/s
     against 8.2-8.3 us for one recompute on one thread). Beside compute (`chunk_page_s` a page), one thread reads
     then recomputes, and the two together bring a page in every both = one x c / (one + c). Compute joins where
-    both x (1 + margin) <= alone: with MEET_MIN_READ_SHARE the rule for KV (a read of at least that share of a
-    page's compute), where one thread and two read at the disk's one rate, standing in for the two sides'
-    contention for the CPU until compute's slowdown beside a loader is measured; MEET_PRICED_MARGIN once `prof` is
-    compute `beside` a loader as measured. Measured (MHA model, Intel with AMX, bf16, 200 MB/s,
+    both x (1 + margin) <= alone, the margin `join_margin(prof)`: MEET_MIN_READ_SHARE, the rule for KV (a read of
+    at least that share of a page's compute), where one thread and two read at the disk's one rate, standing in for
+    the two sides' contention for the CPU until compute's slowdown beside a loader is measured; MEET_PRICED_MARGIN
+    once `prof` is compute `beside` a loader as measured. Measured (MHA model, Intel with AMX, bf16, 200 MB/s,
     8064 tokens): reads of 9.4 ms a page alone against 37.4 ms of compute a page put the two-thread rate at the KV
     rule's threshold, compute joined a one-thread loader, both sides ran 2-3.5x slower than their estimates beside
     each other's CPU work (the recompute is CPU work too), and the load took 1.11x SGLang's against the loader
     alone's 0.74x."""
-    return _activation_plan(shape, prof, page_size, margin)[:2]
+    return _activation_plan(shape, prof, page_size)[:2]
 
 
-def _activation_plan(shape: Shape, prof: Profile, page_size: int, margin: float) -> tuple[float, int, float]:
+def _activation_plan(shape: Shape, prof: Profile, page_size: int) -> tuple[float, int, float]:
     """`activation_read_s`'s (seconds per page, threads), and the share of a page's compute (c) that the loader's
     measured pages must reach for compute to join them at run time (`Decision.join_share`). The join rule,
     both x (1 + margin) <= alone with both = one x c / (one + c), rearranged: alone / c >= (1 + margin) x one /
@@ -155,7 +162,7 @@ def _activation_plan(shape: Shape, prof: Profile, page_size: int, margin: float)
     apart = alone_page_s(shape, prof, page_size, True)
     one = tokens * (shape.x_bytes / prof.read_bytes_per_s + prof.recompute_s)
     c = chunk_page_s(prof, shape.layers, page_size)
-    share = (1 + margin) * one / (one + c)
+    share = (1 + join_margin(prof)) * one / (one + c)
     if apart < share * c:
         return apart, MEET_LOADERS, max(MEET_MIN_READ_SHARE, share)
     return one, 1, MEET_MIN_READ_SHARE
@@ -208,17 +215,15 @@ class Decision:
 
 
 def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_activations: bool,
-           forced: bool, margin: float = MEET_MIN_READ_SHARE) -> Decision:
+           forced: bool) -> Decision:
     """The loader's plan for a span of `pages` pages: activations wherever stored when `forced`, else where they pay;
     taken always when `forced`, else where `meet_pays` and either the loader reads activations or compute may join
     (a page read takes MEET_TAKE_READ_SHARE of a page's compute or more; alone on KV the loader only repeats
-    SGLang's load, slower). A page's compute here: its share of a chunk of MEET_CHUNK_PAGES (`chunk_page_s`).
-    `margin`: the activation join rule's (`activation_read_s`): MEET_PRICED_MARGIN where `prof` is compute `beside`
-    a loader as measured."""
-    use_x = stored_activations and (forced or activations_pay(shape, prof, page_size, margin))
+    SGLang's load, slower). A page's compute here: its share of a chunk of MEET_CHUNK_PAGES (`chunk_page_s`)."""
+    use_x = stored_activations and (forced or activations_pay(shape, prof, page_size))
     page_s, full_s = page_compute_s(prof, shape.layers, page_size), chunk_page_s(prof, shape.layers, page_size)
     if use_x:  # (the join rule for activations weighs the loader alone on two threads: activation_read_s)
-        read_s, threads, share = _activation_plan(shape, prof, page_size, margin)
+        read_s, threads, share = _activation_plan(shape, prof, page_size)
         joins = threads == 1
     else:
         read_s, share = page_read_s(shape, prof, page_size, False), MEET_MIN_READ_SHARE
@@ -229,11 +234,13 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
 
 
 def beside(prof: Profile, slowdown: float) -> Profile:
-    """`prof` with compute's parts (a layer, a stored token-layer, a chunk's fixed part, a span token-layer) taking
-    `slowdown` times as long: compute as measured beside a loader (`chunk_slowdown`), where the profile measured it
-    alone. The loader's parts (the read rate, the recompute) are the load's own measurements already."""
+    """`prof` (compute as measured alone) with compute's parts (a layer, a stored token-layer, a chunk's fixed part,
+    a span token-layer) taking `slowdown` times as long: compute as measured beside a loader (`chunk_slowdown`),
+    and the activation join rule's margin with it (`join_margin`). The loader's parts (the read rate, the
+    recompute) are the load's own measurements already."""
+    assert prof.slowdown is None, "a profile is priced once"
     return replace(prof, layer_s=prof.layer_s * slowdown, stored_s=prof.stored_s * slowdown,
-                   chunk_s=prof.chunk_s * slowdown, span_s=prof.span_s * slowdown)
+                   chunk_s=prof.chunk_s * slowdown, span_s=prof.span_s * slowdown, slowdown=slowdown)
 
 
 def chunk_slowdown(chunks: Sequence[tuple[float, int, float]], load_s: float, chunk_s: float,
@@ -312,12 +319,10 @@ class Slowdown:
         return alone.compute_joins and not slowed.compute_joins
 
 
-def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool,
-                  margin: float = MEET_MIN_READ_SHARE) -> bool:
+def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool) -> bool:
     """Whether a forced load reads its pages as `auto` would (activations or KV): only then is it a sample of our
-    loader as `auto` runs it. A forced load reads activations wherever stored (`decide`), `auto` where they pay
-    (under `decide`'s `margin`)."""
-    return not stored_activations or activations_pay(shape, prof, page_size, margin)
+    loader as `auto` runs it. A forced load reads activations wherever stored (`decide`), `auto` where they pay."""
+    return not stored_activations or activations_pay(shape, prof, page_size)
 
 
 def loaders(d: Decision, forced_pages: Optional[int]) -> int:

@@ -35,6 +35,7 @@ from sglang_tiered.policy.kvpr import (
     decide,
     early_as_kv,
     gate,
+    join_margin,
     loaders,
     meet_pays,
     page_compute_s,
@@ -232,15 +233,16 @@ def test_a_forced_load_reads_as_auto_only_where_both_read_the_same_way():
         forced, auto = (decide(mha_shape(), prof, 16, 64, stored_activations=stored, forced=f) for f in (True, False))
         assert reads_as_auto(mha_shape(), prof, 64, stored_activations=stored) == (forced.activations ==
                                                                                    auto.activations)
-    # under `auto`'s margin: 200 MB/s, recompute 9 us, a page's compute 17.47 us per token-layer: two threads bring
-    # a page in every 9 us against 8 us for compute beside one thread -- alone with the 25 % margin (X, faster than
-    # KV's 11.52 us), one thread with the priced margin (read then recompute, 14.76 us: KV pays), so forced loads
-    # reading X are samples of `auto` only under the first
+    # under `auto`'s margin, which the profile carries: 200 MB/s, recompute 9 us, a page's compute 17.47 us per
+    # token-layer: two threads bring a page in every 9 us against 8 us for compute beside one thread -- alone with
+    # the 25 % margin of compute as measured alone (X, faster than KV's 11.52 us), one thread with the priced margin
+    # of compute priced beside a loader (here at a factor of 1: read then recompute, 14.76 us: KV pays), so forced
+    # loads reading X are samples of `auto` only under the first
     near = Profile(200e6, 9e-6, 17e-6, 0.47e-6)
-    for margin, same in ((MEET_MIN_READ_SHARE, True), (MEET_PRICED_MARGIN, False)):
-        auto = decide(mha_shape(), near, 16, 64, stored_activations=True, forced=False, margin=margin)
+    for prof, same in ((near, True), (beside(near, 1.0), False)):
+        auto = decide(mha_shape(), prof, 16, 64, stored_activations=True, forced=False)
         assert auto.activations == same
-        assert reads_as_auto(mha_shape(), near, 64, stored_activations=True, margin=margin) == same
+        assert reads_as_auto(mha_shape(), prof, 64, stored_activations=True) == same
 
 
 def test_auto_lets_the_loader_alone_take_a_fast_span_only_where_it_reads_activations():
@@ -546,13 +548,16 @@ def test_compute_beside_a_loader_is_priced_as_measured_there():
     assert record.observe(True, slow) == pytest.approx(slow) and record.factor(False) == 1.0
     relaxed = 0
     while Slowdown.kept_out(alone, decide(shape, beside(at_110, record.factor(True)), 16, 64,
-                                          stored_activations=True, forced=False, margin=MEET_PRICED_MARGIN)):
+                                          stored_activations=True, forced=False)):
         before = record.factor(True)
         assert record.relax(True) == pytest.approx(0.7 * before + 0.3)
         relaxed += 1
     # 1 + 2.41 x 0.7^3: three loads kept out, then it joins (with MEET_MIN_READ_SHARE as the margin: six)
     assert relaxed == 3 and 1.8 < record.factor(True) < 1.85
-    assert beside(prof, 1.0) == prof
+    assert beside(prof, 1.0) == replace(prof, slowdown=1.0)
+    assert join_margin(prof) == MEET_MIN_READ_SHARE and join_margin(slowed) == MEET_PRICED_MARGIN
+    with pytest.raises(AssertionError):  # priced once: a second factor would compound the first
+        beside(slowed, slow)
 
 
 def test_once_compute_is_priced_beside_a_loader_it_joins_activation_loads_it_would_speed_up():
@@ -568,8 +573,9 @@ def test_once_compute_is_priced_beside_a_loader_it_joins_activation_loads_it_wou
     assert alone.activations and alone.compute_joins  # unmeasured: 0.115 s a page together, x 1.25 < 0.170 alone
     for factor in (1.5, 2.05):
         slowed = beside(prof, factor)
-        old = decide(shape, slowed, 126, 64, stored_activations=True, forced=False)
-        new = decide(shape, slowed, 126, 64, stored_activations=True, forced=False, margin=MEET_PRICED_MARGIN)
+        # (the same times under the 25 % margin: what stop 59's server decided)
+        old = decide(shape, replace(slowed, slowdown=None), 126, 64, stored_activations=True, forced=False)
+        new = decide(shape, slowed, 126, 64, stored_activations=True, forced=False)
         assert old.activations and not old.compute_joins and Slowdown.kept_out(alone, old)
         assert new.activations and new.compute_joins and loaders(new, None) == 1
         assert not Slowdown.kept_out(alone, new) and new.join_share == MEET_MIN_READ_SHARE
@@ -579,7 +585,7 @@ def test_once_compute_is_priced_beside_a_loader_it_joins_activation_loads_it_wou
     # 100 MB/s two threads bring a page in every 0.067 s (their recomputes, 35 us a token-layer as measured), compute
     # beside one thread (0.044 s read + 0.056 s recompute a page) every 0.078 s
     at_100 = beside(replace(prof, read_bytes_per_s=100e6), 1.5)
-    kept = decide(shape, at_100, 126, 64, stored_activations=True, forced=False, margin=MEET_PRICED_MARGIN)
+    kept = decide(shape, at_100, 126, 64, stored_activations=True, forced=False)
     assert kept.activations and not kept.compute_joins and loaders(kept, None) == MEET_LOADERS
     assert kept.read_s == pytest.approx(tl * 35e-6)
 
