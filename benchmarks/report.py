@@ -951,6 +951,24 @@ MEET_RERUNS = [
      "--skip-native --busy --repeats 4 --max-repeats 4 --name meet-s60-mha8k-200-amd`); every load on two loader "
      "threads, compute taking a chunk or two at the start in 3 of 4 auto loads (met at page 0-8 of 126, 6.1-6.4 s) "
      "and measured 1.31-2.71x its profile there"),
+    ("meet-s61-gqa1k-busy100-amd", "stop 61, an AMD EPYC with AVX-512 BF16 again (bfloat16; not drawn since the early "
+     "AMD runs), the code of commit 51d5df3 (the activation margin carried by the profile): the point this machine "
+     "class last missed, SmolLM2's 1024 tokens at 100 MB/s with a busy CPU (meet-busy3-amd, much older code: 0.78x; "
+     "load 3.76 s, recompute 3.79 s, auto 2.92 s) (`--models smollm2 --lengths 1024 --slow-mbps --skip-native --busy "
+     "100 --repeats 4 --max-repeats 4 --name meet-s61-gqa1k-busy100-amd`); auto two-sided 4 of 4 (met at page 0-1 "
+     "of 16, the load 0.20 s on two loader threads); the busy client's request beside each (median): load 3.2 s, "
+     "recompute 3.2 s, loader 3.2 s, auto 3.5 s, race 3.6 s"),
+    ("meet-s61-mha-busy-amd", "right after meet-s61-gqa1k-busy100-amd, the same machine and code: the MHA model's "
+     "1024 and 4096 tokens at 200 and 50 MB/s with a busy CPU (the Intel bf16 table's 1024-token misses, 0.85x and "
+     "0.89x, were crossovers there; here SGLang's load took 1.7x recompute at 1024 tokens, so their target is 1.03x) "
+     "(`--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native --busy 200 50 --repeats 4 --max-repeats 4 "
+     "--name meet-s61-mha-busy-amd`); 1024 tokens: every load on two loader threads of activations (0.24-0.26 s at "
+     "200 MB/s, 0.60-0.64 s at 50), the first token waiting mostly behind the busy client; 4096 at 50 MB/s: compute "
+     "joined a one-thread loader in every auto load (met at page 13-14 of 64, 2.15-2.20 s, compute 1.57-1.75x its "
+     "profile) against 2.63-2.75 s for two loader threads alone; 4096 at 200 MB/s: compute, measured 2.3-2.4x its "
+     "profile beside the loader, stayed out of 2 of 4 auto loads (two threads, 0.98-0.99 s) and rejoined 2 after the "
+     "factor relaxed (met at page 4-8, 1.58-1.62 s: slower than alone, the cost of the relax); the busy client's "
+     "request beside each (median, 200 MB/s): load 3.0 s, recompute 3.1 s, loader 3.1 s, auto 3.1 s, race 3.2 s"),
 ]
 
 
