@@ -960,7 +960,9 @@ MEET_RERUNS = [
      "recompute 3.2 s, loader 3.2 s, auto 3.5 s, race 3.6 s"),
     ("meet-s61-mha-busy-amd", "right after meet-s61-gqa1k-busy100-amd, the same machine and code: the MHA model's "
      "1024 and 4096 tokens at 200 and 50 MB/s with a busy CPU (the Intel bf16 table's 1024-token misses, 0.85x and "
-     "0.89x, were crossovers there; here SGLang's load took 1.7x recompute at 1024 tokens, so their target is 1.03x) "
+     "0.89x, were crossovers there; here SGLang's load took 1.7x recompute at 1024 tokens -- its prefetch deadline "
+     "passed behind the busy client and it computed the span, reading nothing in most rounds -- so their target is "
+     "1.03x) "
      "(`--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native --busy 200 50 --repeats 4 --max-repeats 4 "
      "--name meet-s61-mha-busy-amd`); 1024 tokens: every load on two loader threads of activations (0.24-0.26 s at "
      "200 MB/s, 0.60-0.64 s at 50), the first token waiting mostly behind the busy client; 4096 at 50 MB/s: compute "
