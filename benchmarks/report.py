@@ -971,6 +971,18 @@ MEET_RERUNS = [
      "profile beside the loader, stayed out of 2 of 4 auto loads (two threads, 0.98-0.99 s) and rejoined 2 after the "
      "factor relaxed (met at page 4-8, 1.58-1.62 s: slower than alone, the cost of the relax); the busy client's "
      "request beside each (median, 200 MB/s): load 3.0 s, recompute 3.1 s, loader 3.1 s, auto 3.1 s, race 3.2 s"),
+    ("meet-s61-gqa-100-amd", "right after this stop's second CI run, the same machine and code: SmolLM2 at 100 MB/s "
+     "idle, 1k/4k/8k tokens (this machine's table on older code: 0.98x / 0.90x / 0.94x) (`--models smollm2 --lengths "
+     "1024 4096 8064 --slow-mbps 100 --skip-native --busy --repeats 4 --max-repeats 4 --name meet-s61-gqa-100-amd`); "
+     "1024 tokens: auto took our loader alone by the measured choice in 3 of 4 rounds and two-sided in 1 (every load "
+     "on two loader threads; the interval is wide, [0.47, 1.27]); 4096: two-sided 3 of 4 (met at page 4-5 of 64), "
+     "SGLang's load 1; 8064: two-sided 4 of 4 (met at page 8-13 of 126)"),
+    ("meet-s61-mha-200-amd", "right after meet-s61-gqa-100-amd, the same machine and code: the MHA model at 200 MB/s "
+     "idle, 1k/4k tokens (this machine's table on older code: 0.84x / 0.90x) (`--models smollm2-mha --lengths 1024 "
+     "4096 --slow-mbps 200 --skip-native --busy --repeats 4 --max-repeats 4 --name meet-s61-mha-200-amd`); 1024 "
+     "tokens: our loader alone by the measured choice 3 of 4 (two threads of activations, 0.25-0.28 s), SGLang's load "
+     "1; 4096: taken two-sided 4 of 4 and every load on two loader threads, compute taking no page (1.06-1.12 s; "
+     "compute measured 3.43x its profile beside the loader in a forced load)"),
 ]
 
 
