@@ -983,6 +983,13 @@ MEET_RERUNS = [
      "tokens: our loader alone by the measured choice 3 of 4 (two threads of activations, 0.25-0.28 s), SGLang's load "
      "1; 4096: taken two-sided 4 of 4 and every load on two loader threads, compute taking no page (1.06-1.12 s; "
      "compute measured 3.43x its profile beside the loader in a forced load)"),
+    ("meet-s61-mha8k-busy25-amd", "right after meet-s61-mha-200-amd, the same machine and code: stop 60's point on a "
+     "second machine, the MHA model's 8064 tokens at 25 MB/s with a busy CPU (AVX2 float32, stop 60: 0.39x) "
+     "(`--models smollm2-mha --lengths 8064 --slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4 --name "
+     "meet-s61-mha8k-busy25-amd`); compute joined a one-thread loader in every auto and forced load (met at page "
+     "40-44 of 126, the load 7.15-7.56 s, compute 1.59-1.85x its profile) against 11.04-11.07 s for two loader "
+     "threads alone; the busy client's request beside each (median): load 3.1 s, recompute 3.1 s, loader 3.2 s, auto "
+     "3.2 s, race 3.2 s"),
 ]
 
 
