@@ -99,9 +99,15 @@ class ServerProcess:
     def start(self, attempts: int = 3) -> None:
         """Start and wait for /health. `free_port` can race with other processes (SGLang picks its own internal
         ports too): if the HTTP port turns out to be taken, the server is stopped and started again on a new free
-        port (unless the caller fixed the port)."""
+        port (unless the caller fixed the port). A failed or interrupted start (Ctrl-C, SIGTERM turned into an
+        exception) leaves no server behind."""
         for attempt in range(attempts):
-            if self._start_once():
+            try:
+                healthy = self._start_once()
+            except BaseException:
+                self.stop()
+                raise
+            if healthy:
                 return
             self.stop()
             if self.fixed_port or attempt == attempts - 1:

@@ -3,7 +3,19 @@ themselves `server`, `model` and `slow`. `bash scripts/test.sh --quick` runs `-m
 
 from __future__ import annotations
 
+import signal
+
 import pytest
+
+
+def pytest_configure(config):
+    """A terminated run (SIGTERM: a CI timeout, an operator's kill) stops as Ctrl-C does: pytest tears the fixtures
+    down, so the servers and Mooncake masters the tests started are stopped too (the default action skips that)."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -77,3 +77,24 @@ def test_a_fixed_port_that_is_taken_is_an_error(tmp_path, standin):
         finally:
             s.stop()
     assert s.proc is None
+
+
+def test_an_interrupted_start_leaves_no_server_behind(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM, which tests/conftest.py turns into it) while waiting for /health: the launcher's whole
+    process group is stopped before the interrupt goes on."""
+    silent = tmp_path / "silent.py"
+    silent.write_text("import time\ntime.sleep(600)\n")  # never answers /health
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "silent.log",
+                      wrapper=[sys.executable, str(silent)])
+    real_sleep, started = time.sleep, []
+
+    def interrupt(seconds: float) -> None:
+        if not started:  # the first wait for /health
+            started.append(s.proc.pid)
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(server_process.time, "sleep", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        s.start()
+    assert s.proc is None and started and not server_process.process_alive(started[0])
