@@ -115,7 +115,8 @@ class ServerProcess:
             self._use_port(free_port())
 
     def _start_once(self) -> bool:
-        """True when healthy, False when the HTTP port was taken; raises on any other failure."""
+        """True when healthy, False when the HTTP port was taken; raises on any other failure (`start` stops the
+        launcher then)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log_start = log.tell()
@@ -142,7 +143,6 @@ class ServerProcess:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)
-        self.stop()
         raise TimeoutError(f"server not healthy after {self.startup_timeout} s; log: {self.log_path}")
 
     def stop(self, graceful: float = 0.0) -> None:
