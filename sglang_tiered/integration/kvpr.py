@@ -168,7 +168,9 @@ class Plan:
     way: Optional[str] = None  # the way of policy/compute_choice.py it takes (COMPUTE: SGLang's own forward computes
     #                            the span; MEET, ALONE: its forward is a sample of that way); None: not one of them
     estimate_s: float = 0.0  # the profile's seconds for this load's forward, the way's sample once run (0: none)
-    kept_out: bool = False  # the slowdown kept compute out of a load it would join at the profile's times
+    kept_out: Optional[int] = None  # the slowdown kept compute out of a load it would join at the profile's times:
+    #                                 how many more such loads before it is let in again (policy/kvpr.Slowdown)
+    retry: bool = False  # compute let in at the profile's times to measure its slowdown again (then 1.0 here)
     wait_s: float = 0.0  # seconds of other forwards it was expected to wait for at admission (wait_ahead_s)
     early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
     #                                                                             admission (engine/early_reads.py)
@@ -286,6 +288,13 @@ class KVPR:
         if slowdown != 1.0:  # compute's estimates as measured beside this kind of load: its contention priced
             profile = beside(profile, slowdown)
             d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
+        kept_out, retry = None, False  # (policy/kvpr.Slowdown: the loads its factor keeps compute out of, retries)
+        if not isinstance(mode, int) and Slowdown.kept_out(d0, d):
+            kept_out = self.slowdown.keep_out(d0.activations)
+            if kept_out is None:  # let in at the profile's times, to be measured again
+                profile, d, slowdown, retry = alone, d0, 1.0, True
+        elif not isinstance(mode, int) and d.compute_joins:
+            self.slowdown.joined(d.activations)
         as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         # each way's forward as the profile estimates it (seconds): the two meeting, the loader alone, SGLang's
         layers, new, after = self.shape.layers, len(req.origin_input_ids) - start - n * ps, start + n * ps
@@ -308,7 +317,7 @@ class KVPR:
         plan = Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
-                    kept_out=not isinstance(mode, int) and Slowdown.kept_out(d0, d))
+                    kept_out=kept_out, retry=retry)
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
                               lambda tokens: forward_s(alone, layers, tokens), self.rt.forward.ahead.would_go)
         return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))
@@ -519,14 +528,16 @@ class KVPR:
         estimates, themselves the profile's times `plan.slowdown`) into compute's slowdown beside this kind of
         load; what the log line says of it."""
         sample = chunk_slowdown(chunks, load_s, plan.chunk_s, plan.page_s)
-        if sample is None and plan.kept_out:
-            return (f"no chunk beside the loader, kept out by compute's measured slowdown, now "
-                    f"{self.slowdown.relax(plan.activations):.2f}x")
+        if sample is None and plan.kept_out is not None:
+            return (f"no chunk beside the loader, kept out by compute's measured slowdown "
+                    f"({self.slowdown.factor(plan.activations):.2f}x; let in again after {plan.kept_out} more such "
+                    f"loads)")
         if sample is None:
-            return "no chunk beside the loader"
+            return "no chunk beside the loader" + (" (let in again to be measured)" if plan.retry else "")
         sample *= plan.slowdown
-        new = self.slowdown.observe(plan.activations, sample)
-        return f"compute {sample:.2f}x the profile beside the loader, now {new:.2f}x"
+        new = self.slowdown.observe(plan.activations, sample, retry=plan.retry)
+        again = ", let in again to be measured" if plan.retry else ""
+        return f"compute {sample:.2f}x the profile beside the loader{again}, now {new:.2f}x"
 
     @contextmanager
     def l3_read(self) -> Iterator[None]:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from sglang_tiered.policy.compute_choice import ALONE, COMPUTE, MEET
+from sglang_tiered.policy.load_choice import EXPLORE_MAX
 from sglang_tiered.policy.read_rate import moving_average
 
 
@@ -290,27 +291,49 @@ class Slowdown:
     (`read_rate.moving_average`); 1 until measured. Thread-safe.
 
     A factor that keeps compute out of loads it would join at the profile's times (`kept_out`) is measured again only
-    when compute joins one, so a factor taken under a passing burst of other work would keep it out for good: each
-    such load moves it towards 1 as a sample of 1 would (`relax`), until compute joins a load and is measured."""
+    when compute joins one, so a factor taken under a passing burst of other work would keep it out for good. So such
+    loads are counted (`keep_out`): after 1, then 2, 4, ... of them (at most EXPLORE_MAX) compute is let in once at
+    the profile's times, a retry, and that load's sample replaces the factor (`observe(..., retry=True)`: it is newer
+    than the evidence that kept compute out). Where the slowdown lasts, about log2(n) of n such loads are retries;
+    after a burst that kept compute out of k loads, it is let in again within about k more. Planning a load compute
+    joins by the factor starts the waits again from 1 (`joined`)."""
 
     def __init__(self) -> None:
         self._factor: dict[bool, float] = {}
+        self._wait: dict[bool, int] = {}  # loads kept out between two retries
+        self._since: dict[bool, int] = {}  # loads kept out since the last retry
         self._lock = threading.Lock()
 
     def factor(self, activations: bool) -> float:
         with self._lock:
             return self._factor.get(activations, 1.0)
 
-    def observe(self, activations: bool, sample: float) -> float:
-        """Fold one load's `sample` (times the profile) in; returns the factor after it."""
+    def observe(self, activations: bool, sample: float, *, retry: bool = False) -> float:
+        """Fold one load's `sample` (times the profile) in -- a retry's replaces the factor; returns the factor after
+        it."""
         with self._lock:
             old = self._factor.get(activations)
-            self._factor[activations] = new = sample if old is None else moving_average(old, sample)
+            new = sample if old is None or retry else moving_average(old, sample)
+            self._factor[activations] = new
             return new
 
-    def relax(self, activations: bool) -> float:
-        """A load the factor kept compute out of ended: the factor moved towards 1; returns it."""
-        return self.observe(activations, 1.0) if activations in self._factor else 1.0
+    def keep_out(self, activations: bool) -> Optional[int]:
+        """Planning a load the factor keeps compute out of (`kept_out`): how many more such loads compute stays out of
+        after this one, or None when this one is the retry (compute let in at the profile's times; the wait before
+        the next retry doubles)."""
+        with self._lock:
+            wait, since = self._wait.get(activations, 1), self._since.get(activations, 0)
+            if since >= wait:
+                self._since[activations], self._wait[activations] = 0, min(2 * wait, EXPLORE_MAX)
+                return None
+            self._since[activations] = since + 1
+            return wait - since - 1
+
+    def joined(self, activations: bool) -> None:
+        """Planning a load compute joins by the factor: the waits before retries start again from 1."""
+        with self._lock:
+            self._wait.pop(activations, None)
+            self._since.pop(activations, None)
 
     @staticmethod
     def kept_out(alone: Decision, slowed: Decision) -> bool:
