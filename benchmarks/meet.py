@@ -291,7 +291,7 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                 print(f"[meet] {model} {disk}{' busy ' + busy if busy else ''} {n} tokens: " +
                       ", ".join(f"{c} {point[c]['ttft_s']:.3f}s ({len(rows[c])})" for c in CONFIGS) +
                       f"; auto / min {ratio(rows):.3f} {point['auto_over_min_ci']}"
-                      f"; met at {[x['met'] for x in rows['race']]}"
+                      f"; race met at {[x['met'] for x in rows['race']]}, auto at {[x['met'] for x in rows['auto']]}"
                       f"; auto's ways {dict(Counter(x['way'] for x in rows['auto']))}" +
                       (f"; the busy client beside each {point['busy_client_s']}" if noise is not None else ""),
                       flush=True)

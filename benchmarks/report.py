@@ -996,7 +996,7 @@ MEET_RERUNS = [
      "rounds (`--models smollm2-mha --lengths 4096 --slow-mbps --skip-native --busy 200 --repeats 6 --max-repeats 6 "
      "--name meet-s62-mha4k-busy200-amd`); this server's profile (its probe read 170 MB/s: a page's activations in "
      "13.3 ms against 72.8 ms a page of compute in chunks of 4) never let compute join, so the retries were not "
-     "exercised: every auto, forced and race load on two loader threads of activations, compute taking no page "
+     "exercised: every auto, race (forced) and loader load on two loader threads of activations, compute taking no page "
      "(1.23-1.39 s; stop 61: 0.98-0.99 s alone, 1.58-1.62 s where compute rejoined); the busy client's request "
      "beside each (median): load 3.0 s, recompute 3.0 s, loader 3.2 s, auto 3.1 s, race 3.1 s"),
     ("meet-s62-gqa-grid-amd", "right after meet-s62-mha4k-busy200-amd, the same machine and code: SmolLM2's idle "
@@ -1005,17 +1005,17 @@ MEET_RERUNS = [
      "200 50 25 --busy --repeats 4 --max-repeats 4 --name meet-s62-gqa-grid-amd`); at the disk's own speed and 200 "
      "MB/s auto took our loader alone by the measured choice in most rounds (SGLang's load or two-sided in the "
      "others; at 200 MB/s 1024 tokens, 1.026x, the interval [0.62, 1.55] is four rounds of 0.12-0.21 s requests "
-     "split over three ways); at 50 and 25 MB/s two-sided in every round, meeting at page 3-4 of 16, 15-17 of 64, "
-     "28-30 of 126 (50 MB/s) and 6-7 of 16, 23-24 of 64, 41-44 of 126 (25 MB/s); at 8064 tokens SGLang's load "
+     "split over three ways); at 50 and 25 MB/s two-sided in every round, auto meeting at page 3-4 of 16, 15-17 of "
+     "64, 28-30 of 126 (50 MB/s) and 6-7 of 16, 24-26 of 64, 41-45 of 126 (25 MB/s); at 8064 tokens SGLang's load "
      "(25-26 s) took longer than recompute (23 s): its prefetch deadline passed and it computed the span; no load "
      "kept compute out by its measured slowdown (compute 1.2-2.3x its profile beside KV loads), so no retry"),
     ("meet-s62-mha-grid-amd", "right after meet-s62-gqa-grid-amd, the same machine and code: the MHA model idle at "
      "200, 100, 50 and 25 MB/s, 1k/4k tokens (200 MB/s measured in stop 61; 100/50/25 not measured on this machine "
      "class since much older code) (`--models smollm2-mha --lengths 1024 4096 --slow-mbps 200 100 50 25 --skip-native "
      "--busy --repeats 4 --max-repeats 4 --name meet-s62-mha-grid-amd`); auto two-sided in every round at every "
-     "point; at 200 and 100 MB/s compute took no page (two loader threads of activations; a forced load at 4096 "
-     "tokens, 200 MB/s, met at page 4 with compute 2.88x its profile beside the loader) but one auto round at 100 MB/s "
-     "4096 tokens (page 4); at 50 MB/s met at page 3-4 of 16 and 8-16 of 64, at 25 MB/s 6-7 of 16 and 24 of 64; at "
+     "point; at 200 and 100 MB/s compute took no page in any auto load (two loader threads of activations; one "
+     "forced load at 4096 tokens at each speed met at page 4, at 200 MB/s with compute 2.88x its profile beside the "
+     "loader); auto met at page 1-4 of 16 and 12-14 of 64 at 50 MB/s, 6-7 of 16 and 24-25 of 64 at 25 MB/s; at "
      "100/50/25 MB/s and 4096 tokens SGLang's load (10.0-10.5 s) took longer than recompute (8.0-8.2 s), its "
      "prefetch deadline passing; no load kept compute out by its measured slowdown, so no retry"),
 ]
