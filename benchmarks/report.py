@@ -996,8 +996,8 @@ MEET_RERUNS = [
      "rounds (`--models smollm2-mha --lengths 4096 --slow-mbps --skip-native --busy 200 --repeats 6 --max-repeats 6 "
      "--name meet-s62-mha4k-busy200-amd`); this server's profile (its probe read 170 MB/s: a page's activations in "
      "13.3 ms against 72.8 ms a page of compute in chunks of 4) never let compute join, so the retries were not "
-     "exercised: every auto, race (forced) and loader load on two loader threads of activations, compute taking no page "
-     "(1.23-1.39 s; stop 61: 0.98-0.99 s alone, 1.58-1.62 s where compute rejoined); the busy client's request "
+     "exercised: every auto, race (forced) and loader load on two loader threads of activations, compute taking no "
+     "page (1.23-1.39 s; stop 61: 0.98-0.99 s alone, 1.58-1.62 s where compute rejoined); the busy client's request "
      "beside each (median): load 3.0 s, recompute 3.0 s, loader 3.2 s, auto 3.1 s, race 3.1 s"),
     ("meet-s62-gqa-grid-amd", "right after meet-s62-mha4k-busy200-amd, the same machine and code: SmolLM2's idle "
      "grid but 100 MB/s (measured in stop 61) -- the disk's own speed, 200, 50 and 25 MB/s at 1k/4k/8k tokens, not "
