@@ -53,7 +53,9 @@ class Shared:
             self.master.start()
 
 
-@pytest.fixture(params=["memory", "mooncake"])
+# (each pair of Mooncake clients takes ~3-4 s to close, so the Mooncake runs of these tests are left to the full
+# suite; the Mooncake-only tests below keep a real master in `--quick`)
+@pytest.fixture(params=["memory", pytest.param("mooncake", marks=pytest.mark.slow)])
 def shared(request) -> Shared:
     return Shared(request.param, request.getfixturevalue("master") if request.param == "mooncake" else None)
 
