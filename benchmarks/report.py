@@ -1018,6 +1018,15 @@ MEET_RERUNS = [
      "loader); auto met at page 1-4 of 16 and 12-14 of 64 at 50 MB/s, 6-7 of 16 and 24-25 of 64 at 25 MB/s; at "
      "100/50/25 MB/s and 4096 tokens SGLang's load (10.0-10.5 s) took longer than recompute (8.0-8.2 s), its "
      "prefetch deadline passing; no load kept compute out by its measured slowdown, so no retry"),
+    ("meet-s62-mha-busy100-amd", "after this stop's --quick timing, the same machine and code plus a test marker: "
+     "the MHA model's 4096 and 8064 tokens at 100 MB/s with a busy CPU, not measured on this machine class before "
+     "(`--models smollm2-mha --lengths 4096 8064 --slow-mbps --skip-native --busy 100 --repeats 4 --max-repeats 4 "
+     "--name meet-s62-mha-busy100-amd`); its probe read 110 MB/s (a page's activations in 20.1 ms against 79.4 ms of "
+     "compute): compute not planned to join, every load on two loader threads of activations (4096: 1.54-1.69 s, one "
+     "auto load met at page 2 by the run-time rule, compute 1.69x its profile; 8064: 3.08-3.17 s); no load kept "
+     "compute out by its measured slowdown, so no retry; SGLang's load read nothing in 3 of 4 rounds at 4096 tokens "
+     "and in all 4 at 8064 (its prefetch deadline passed behind the busy client); the busy client's request beside "
+     "each (median, 8064): load 3.1 s, recompute 3.0 s, loader 3.2 s, auto 3.1 s, race 3.1 s"),
 ]
 
 
