@@ -975,8 +975,8 @@ MEET_RERUNS = [
      "idle, 1k/4k/8k tokens (this machine's table on older code: 0.98x / 0.90x / 0.94x) (`--models smollm2 --lengths "
      "1024 4096 8064 --slow-mbps 100 --skip-native --busy --repeats 4 --max-repeats 4 --name meet-s61-gqa-100-amd`); "
      "1024 tokens: auto took our loader alone by the measured choice in 3 of 4 rounds and two-sided in 1 (every load "
-     "on two loader threads; the interval is wide, [0.47, 1.27]); 4096: two-sided 3 of 4 (met at page 4-5 of 64), "
-     "SGLang's load 1; 8064: two-sided 4 of 4 (met at page 8-13 of 126)"),
+     "on two loader threads; the interval is wide, [0.47, 1.27]); 4096: two-sided 3 of 4 (met at page 3-8 of 64), "
+     "SGLang's load 1; 8064: two-sided 4 of 4 (met at page 8-12 of 126)"),
     ("meet-s61-mha-200-amd", "right after meet-s61-gqa-100-amd, the same machine and code: the MHA model at 200 MB/s "
      "idle, 1k/4k tokens (this machine's table on older code: 0.84x / 0.90x) (`--models smollm2-mha --lengths 1024 "
      "4096 --slow-mbps 200 --skip-native --busy --repeats 4 --max-repeats 4 --name meet-s61-mha-200-amd`); 1024 "
