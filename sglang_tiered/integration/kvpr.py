@@ -289,12 +289,13 @@ class KVPR:
             profile = beside(profile, slowdown)
             d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
         kept_out, retry = None, False  # (policy/kvpr.Slowdown: the loads its factor keeps compute out of, retries)
-        if not isinstance(mode, int) and Slowdown.kept_out(d0, d):
-            kept_out = self.slowdown.keep_out(d0.activations)
-            if kept_out is None:  # let in at the profile's times, to be measured again
-                profile, d, slowdown, retry = alone, d0, 1.0, True
-        elif not isinstance(mode, int) and d.compute_joins:
-            self.slowdown.joined(d.activations)
+        if not isinstance(mode, int):  # (a number fixes the meet point: the factor decides nothing there)
+            if Slowdown.kept_out(d0, d):
+                kept_out = self.slowdown.keep_out(d0.activations)
+                if kept_out is None:  # let in at the profile's times, to be measured again
+                    profile, d, slowdown, retry = alone, d0, 1.0, True
+            elif d.compute_joins:
+                self.slowdown.joined(d.activations)
         as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         # each way's forward as the profile estimates it (seconds): the two meeting, the loader alone, SGLang's
         layers, new, after = self.shape.layers, len(req.origin_input_ids) - start - n * ps, start + n * ps
