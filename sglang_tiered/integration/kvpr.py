@@ -111,6 +111,7 @@ from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
     MEET_LOADERS,
     MEET_MIN_READ_SHARE,
+    Decision,
     Profile,
     Shape,
     Slowdown,
@@ -171,6 +172,7 @@ class Plan:
     kept_out: Optional[int] = None  # the slowdown kept compute out of a load it would join at the profile's times:
     #                                 how many more such loads before it is let in again (policy/kvpr.Slowdown)
     retry: bool = False  # compute let in at the profile's times to measure its slowdown again (then 1.0 here)
+    kind: bool = False  # the slowdown's key: whether the profile's own times read the pages as activations
     wait_s: float = 0.0  # seconds of other forwards it was expected to wait for at admission (wait_ahead_s)
     early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
     #                                                                             admission (engine/early_reads.py)
@@ -283,19 +285,17 @@ class KVPR:
                                       "`measuring the compute profile failed` line); SGLang loads the stored prefix")
             return None
         stored_x = self.writer is not None
-        d = d0 = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
-        slowdown = self.slowdown.factor(d.activations)
-        if slowdown != 1.0:  # compute's estimates as measured beside this kind of load: its contention priced
-            profile = beside(profile, slowdown)
-            d = decide(self.shape, profile, n, ps, stored_activations=stored_x, forced=mode != "auto")
-        kept_out, retry = None, False  # (policy/kvpr.Slowdown: the loads its factor keeps compute out of, retries)
-        if not isinstance(mode, int):  # (a number fixes the meet point: the factor decides nothing there)
-            if Slowdown.kept_out(d0, d):
-                kept_out = self.slowdown.keep_out(d0.activations)
-                if kept_out is None:  # let in at the profile's times, to be measured again
-                    profile, d, slowdown, retry = alone, d0, 1.0, True
-            elif d.compute_joins:
-                self.slowdown.joined(d.activations)
+
+        def decided(p: Profile) -> Decision:
+            return decide(self.shape, p, n, ps, stored_activations=stored_x, forced=mode != "auto")
+
+        # compute's estimates as measured beside this kind of load: its contention priced (policy/kvpr.Slowdown;
+        # a number as the mode fixes the meet point: the factor decides nothing there)
+        priced = self.slowdown.price(decided(alone), lambda f: decided(beside(alone, f)),
+                                     book=not isinstance(mode, int))
+        d, slowdown = priced.decision, priced.factor
+        if slowdown != 1.0:
+            profile = beside(alone, slowdown)
         as_auto = mode == "auto" or reads_as_auto(self.shape, profile, ps, stored_activations=stored_x)
         # each way's forward as the profile estimates it (seconds): the two meeting, the loader alone, SGLang's
         layers, new, after = self.shape.layers, len(req.origin_input_ids) - start - n * ps, start + n * ps
@@ -318,7 +318,7 @@ class KVPR:
         plan = Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
-                    kept_out=kept_out, retry=retry)
+                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind)
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
                               lambda tokens: forward_s(alone, layers, tokens), self.rt.forward.ahead.would_go)
         return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))
@@ -531,12 +531,12 @@ class KVPR:
         sample = chunk_slowdown(chunks, load_s, plan.chunk_s, plan.page_s)
         if sample is None and plan.kept_out is not None:
             return (f"no chunk beside the loader, kept out by compute's measured slowdown "
-                    f"({self.slowdown.factor(plan.activations):.2f}x; let in again after {plan.kept_out} more such "
+                    f"({self.slowdown.factor(plan.kind):.2f}x; let in again after {plan.kept_out} more such "
                     f"loads)")
         if sample is None:
             return "no chunk beside the loader" + (" (let in again to be measured)" if plan.retry else "")
         sample *= plan.slowdown
-        new = self.slowdown.observe(plan.activations, sample, retry=plan.retry)
+        new = self.slowdown.observe(plan.kind, sample, retry=plan.retry)
         again = ", let in again to be measured" if plan.retry else ""
         return f"compute {sample:.2f}x the profile beside the loader{again}, now {new:.2f}x"
 

@@ -35,7 +35,7 @@ itself needs no plan; what is decided here, per request, from the measured `Prof
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -340,6 +340,37 @@ class Slowdown:
         """Did the factor keep compute out of a load (decided `slowed`) that it would join at the profile's times
         (decided `alone`)?"""
         return alone.compute_joins and not slowed.compute_joins
+
+    def price(self, alone: Decision, redecide: Callable[[float], Decision], *, book: bool = True) -> Priced:
+        """A load decided `alone` at the profile's own times, decided again by `redecide(factor)` with compute's
+        estimates the profile's times `factor`. The factor, its counts (`keep_out`, `joined`) and the sample the load
+        gives (`observe`) are all keyed by the kind of load the profile's own times decide (`alone.activations`): the
+        factor is what compute measured beside loads planned with it, also where pricing compute changes how their
+        pages are read. `book`: count kept-out and joined loads (False where the meet point is forced: the factor
+        decides nothing there). A retry is decided at the profile's times (factor 1)."""
+        kind = alone.activations
+        factor = self.factor(kind)
+        d = redecide(factor) if factor != 1.0 else alone
+        if not book:
+            return Priced(d, factor, kind)
+        if self.kept_out(alone, d):
+            left = self.keep_out(kind)
+            return Priced(alone, 1.0, kind, retry=True) if left is None else Priced(d, factor, kind, kept_out=left)
+        if d.compute_joins:
+            self.joined(kind)
+        return Priced(d, factor, kind)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A load's decision with compute priced as measured beside its kind of load (`Slowdown.price`)."""
+
+    decision: Decision
+    factor: float  # compute's estimates are the profile's times this (1.0: unmeasured, or a retry)
+    kind: bool  # the factor's key: the profile's own times read the pages as activations
+    kept_out: Optional[int] = None  # the factor kept compute out of a load it would join at the profile's times:
+    #                                 how many more such loads before it is let in again
+    retry: bool = False  # compute let in at the profile's times, to measure its slowdown again
 
 
 def reads_as_auto(shape: Shape, prof: Profile, page_size: int, *, stored_activations: bool) -> bool:

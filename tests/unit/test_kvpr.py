@@ -22,6 +22,7 @@ from sglang_tiered.policy.kvpr import (
     MEET_PRICED_MARGIN,
     MEET_TAKE_READ_SHARE,
     Decision,
+    Priced,
     Profile,
     Route,
     Shape,
@@ -43,6 +44,7 @@ from sglang_tiered.policy.kvpr import (
     reads_as_auto,
     route,
 )
+from sglang_tiered.policy.read_rate import moving_average
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
 
 MHA = LlamaConfig(hidden=96, layers=4, heads=6, kv_heads=6, head_dim=16, intermediate=192, vocab=300)
@@ -573,6 +575,50 @@ def test_compute_beside_a_loader_is_priced_as_measured_there():
     assert join_margin(prof) == MEET_MIN_READ_SHARE and join_margin(slowed) == MEET_PRICED_MARGIN
     with pytest.raises(AssertionError):  # priced once: a second factor would compound the first
         beside(slowed, slow)
+
+
+def test_the_slowdown_is_keyed_by_the_kind_of_load_the_profile_decides():
+    """Pricing compute can change how a load's pages are read. The factor, the loads it keeps compute out of and the
+    samples it is measured by are all keyed by the kind the profile's own times decide (`Priced.kind`), so the
+    factor a load was planned with is the one its sample moves -- not another kind's, never looked up for it."""
+    shape = Shape(layers=24, x_bytes=4096, kv_bytes=16384)  # activations a quarter of the KV
+    prof = Profile(1.06e9, 15.3e-6, 62.4e-6, 0.47e-6, chunk_s=0.0578, span_s=30.7e-6)
+
+    def decided(p: Profile) -> Decision:
+        return decide(shape, p, 64, 64, stored_activations=True, forced=False)
+
+    alone = decided(prof)
+    assert alone.activations and not alone.compute_joins  # two threads of activations, compute out
+    record = Slowdown()
+    assert record.price(alone, lambda f: decided(beside(prof, f))) == Priced(alone, 1.0, True)  # unmeasured
+    record.observe(True, 1.25)
+    priced = record.price(alone, lambda f: decided(beside(prof, f)))
+    # compute 1.25x slower: the pages are read as KV, compute joining -- still the kind "activations"
+    assert priced.kind and priced.factor == 1.25 and not priced.kept_out and not priced.retry
+    assert not priced.decision.activations and priced.decision.compute_joins
+    record.observe(priced.kind, 1.0)  # what that load measured: the factor the next such load is planned with
+    assert record.factor(True) == pytest.approx(moving_average(1.25, 1.0)) and record.factor(False) == 1.0
+
+    # the other way round: KV with compute joining at the profile's times; priced at 2x, two threads of activations
+    # keep compute out -- counted, and retried at the profile's times, under the kind "KV"
+    shape = Shape(layers=24, x_bytes=4096, kv_bytes=8192)
+    prof = Profile(70e6, 80e-6, 128e-6, 1.1e-6, x_load_s=38e-6, chunk_s=0.084, span_s=38.5e-6)
+    alone = decided(prof)
+    assert not alone.activations and alone.compute_joins
+    record.observe(False, 2.0)
+    plans = [record.price(alone, lambda f: decided(beside(prof, f))) for _ in range(4)]
+    assert [(p.kept_out, p.retry) for p in plans] == [(0, False), (None, True), (1, False), (0, False)]
+    assert all(not p.kind for p in plans) and plans[1] == Priced(alone, 1.0, False, retry=True)
+    assert plans[0].decision.activations and not plans[0].decision.compute_joins and plans[0].factor == 2.0
+    fixed = record.price(alone, lambda f: decided(beside(prof, f)), book=False)  # a forced meet point: not counted
+    assert fixed == Priced(plans[0].decision, 2.0, False)
+    assert record.price(alone, lambda f: decided(beside(prof, f))).retry  # (2 more kept out: the wait had doubled to 2)
+    record.observe(False, 1.1, retry=True)  # the retry measured compute near its profile: it joins, waits reset
+    joined = record.price(alone, lambda f: decided(beside(prof, f)))
+    assert joined.decision.compute_joins and joined.factor == pytest.approx(1.1) and joined.kept_out is None
+    record.observe(False, 2.0, retry=True)
+    assert record.price(alone, lambda f: decided(beside(prof, f))).kept_out == 0  # the wait is 1 again
+    assert record.factor(True) == pytest.approx(moving_average(1.25, 1.0))  # the other kind's factor untouched
 
 
 def test_once_compute_is_priced_beside_a_loader_it_joins_activation_loads_it_would_speed_up():
