@@ -1027,6 +1027,17 @@ MEET_RERUNS = [
      "compute out by its measured slowdown, so no retry; SGLang's load read nothing in 3 of 4 rounds at 4096 tokens "
      "and in all 4 at 8064 (its prefetch deadline passed behind the busy client); the busy client's request beside "
      "each (median, 8064): load 3.1 s, recompute 3.0 s, loader 3.2 s, auto 3.1 s, race 3.1 s"),
+    ("meet-s63-mha4k-busy75-amd", "stop 63, the same machine class (AMD EPYC, AVX-512 BF16, bfloat16), the code of "
+     "commit e8fdb9d (compute's slowdown under one key): the MHA model's 4096 tokens with a busy CPU at 75 MB/s, "
+     "between stop 62's 100 MB/s (compute never planned to join) and stop 61's 50 MB/s (it joined every load), to "
+     "reach a load kept out by compute's measured slowdown (`--models smollm2-mha --lengths 4096 --slow-mbps "
+     "--skip-native --busy 75 --repeats 5 --max-repeats 5`); its probe read 68 MB/s. The retries exercised through "
+     "the server for the first time: compute measured 2.16x then 2.13x its profile beside a loader, the 7th load "
+     "(auto) kept out at 2.13x, the 8th (force) let in again to be measured (1.78x, replacing the factor), the 10th "
+     "(force) kept out at 1.78x, and from the 12th on auto joined at 1.79-1.86x (the read rate had moved to 51 MB/s); "
+     "our loader's loads 1.80-2.09 s, joined or not (the loader alone 2.00-2.09 s, auto 1.90-2.03 s, met at page 0-7 "
+     "of 64, two-sided in all 5 rounds): compute's joining gained a few percent at most; the busy client's "
+     "request beside each about 3.0 s"),
 ]
 
 
