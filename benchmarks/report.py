@@ -1038,6 +1038,13 @@ MEET_RERUNS = [
      "our loader's loads 1.80-2.09 s, joined or not (the loader alone 2.00-2.09 s, auto 1.90-2.03 s, met at page 0-7 "
      "of 64, two-sided in all 5 rounds): compute's joining gained a few percent at most; the busy client's "
      "request beside each about 3.0 s"),
+    ("meet-s63-mha-native-amd", "stop 63, the same machine and code: the MHA model idle at the disk's own speed, "
+     "1k / 4k / 8k tokens, and 8064 tokens was not measured idle on this machine class before (`--models smollm2-mha "
+     "--lengths 1024 4096 8064 --slow-mbps --busy --repeats 4 --max-repeats 4`); its probe read 1264 MB/s (a KV page "
+     "in 3.5 ms against 63.2 ms of compute): no compute joined; auto took our loader reading KV on two threads by the "
+     "measured choice in 10 of 12 rounds (0.04-0.05 s for 1024 tokens, 0.16-0.22 s for 4096, 0.25-0.60 s for "
+     "8064), SGLang's load in the other two (the measured choice's first round at 1k and 4k); `loader` reads "
+     "activations wherever stored (`tiered_kvpr` = 0), hence its slower times here"),
 ]
 
 
