@@ -1045,6 +1045,13 @@ MEET_RERUNS = [
      "measured choice in 10 of 12 rounds (0.04-0.05 s for 1024 tokens, 0.16-0.22 s for 4096, 0.25-0.60 s for "
      "8064), SGLang's load in the other two (the measured choice's first round at 1k and 4k); `loader` reads "
      "activations wherever stored (`tiered_kvpr` = 0), hence its slower times here"),
+    ("meet-s63-mha8k-grid-amd", "stop 63, the same machine and code: the MHA model's 8064 tokens idle at 200 / 100 / "
+     "50 / 25 MB/s, not measured on this machine class before (`--models smollm2-mha --lengths 8064 --slow-mbps 200 "
+     "100 50 25 --skip-native --busy --repeats 4 --max-repeats 4`); the probes read 171 / 113 / 48 / 24 MB/s; auto "
+     "two-sided in every round, compute taking no page at 200 and 100 MB/s (two loader threads of activations), "
+     "meeting at page 12-24 of 126 at 50 MB/s and 42-43 at 25 MB/s; no load kept out by compute's measured slowdown; "
+     "SGLang's load read every page at 200 MB/s and nothing at 100-25 MB/s (`cached_tokens_details[\"storage\"]` 0 "
+     "in every round: its prefetch deadline passed), so there the ratio is against recompute"),
 ]
 
 
