@@ -1052,6 +1052,13 @@ MEET_RERUNS = [
      "meeting at page 12-24 of 126 at 50 MB/s and 42-43 at 25 MB/s; no load kept out by compute's measured slowdown; "
      "SGLang's load read every page at 200 MB/s and nothing at 100-25 MB/s (`cached_tokens_details[\"storage\"]` 0 "
      "in every round: its prefetch deadline passed), so there the ratio is against recompute"),
+    ("meet-s63-gqa-busy100-amd", "stop 63, the same machine and code: SmolLM2's 4096 and 8064 tokens at 100 MB/s "
+     "with a busy CPU, not measured on this machine class before (`--models smollm2 --lengths 4096 8064 --slow-mbps "
+     "--skip-native --busy 100 --repeats 4 --max-repeats 4`); its probe read 113 MB/s; SGLang's load read every page "
+     "in every round; auto two-sided in every round, met at page 0-4 of 64 (0.91-1.03 s) and 4-16 of 126 (1.83-2.06 "
+     "s) against the loader alone's 1.01-1.04 s and 2.04-2.08 s; compute measured 1.25-1.73x its profile beside the "
+     "loader; two retries (auto and force loads let in again to be measured: 1.46x, 1.69x) and one force load kept "
+     "out at 1.64x -- the retries' second run through a server; the busy client's request beside each about 2.7 s"),
 ]
 
 
