@@ -1059,6 +1059,14 @@ MEET_RERUNS = [
      "s) against the loader alone's 1.01-1.04 s and 2.04-2.08 s; compute measured 1.25-1.73x its profile beside the "
      "loader; two retries (auto and force loads let in again to be measured: 1.46x, 1.69x) and one force load kept "
      "out at 1.64x -- the retries' second run through a server; the busy client's request beside each about 2.7 s"),
+    ("meet-s63-busy-native-amd", "stop 63, the same machine and code: both models' 4096 tokens at the disk's own speed "
+     "with a busy CPU, not measured on this machine class before (`--models smollm2 smollm2-mha --lengths 4096 "
+     "--slow-mbps --skip-native --busy --busy-native --repeats 4 --max-repeats 4`); the probes read 2468 / 2768 MB/s; "
+     "auto's way in every round: our loader reading KV on two threads from admission while the request waited behind "
+     "the busy client's prefills (`ours, behind prefills`, 2.6-3.1 s of them), its load then 0.23-0.25 s (SmolLM2) "
+     "and 0.34-0.39 s (MHA; `loader`, reading activations, 1.24-1.28 s); SGLang's load read every page in 3 of 4 "
+     "rounds on SmolLM2 and nothing in any on the MHA model (its prefetch deadline passed behind the busy client: "
+     "there the ratio is against recompute)"),
 ]
 
 
