@@ -1067,6 +1067,18 @@ MEET_RERUNS = [
      "and 0.34-0.39 s (MHA; `loader`, reading activations, 1.24-1.28 s); SGLang's load read every page in 3 of 4 "
      "rounds on SmolLM2 and nothing in any on the MHA model (its prefetch deadline passed behind the busy client: "
      "there the ratio is against recompute)"),
+    ("meet-s63-busy25-amd", "stop 63, the same machine and code: both models' 1024 and 4096 tokens at 25 MB/s with "
+     "a busy CPU, not measured with current code on this machine class (`--models smollm2 smollm2-mha --lengths 1024 "
+     "4096 --slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4`); the probes read 26 MB/s; auto "
+     "two-sided in every round (met at page 6-7 of 16, 22-24 of 64); no load kept out by compute's measured slowdown. "
+     "**One miss**: SmolLM2's 1024 tokens, a crossover (load 5.28 s, recompute 3.66 s), auto 0.82x against 0.75x. "
+     "Every configuration there waited about 2.4 s behind the busy client's 2048-token prefill, in one forward "
+     "because this server's chunked-prefill size (4224 tokens, for the 4096-token span) holds it whole: auto's own "
+     "load took 0.55-0.60 s against SGLang's forward's 1.1 s, so with the shared wait the best reachable was about "
+     "0.83x; stop 61's 1024-token busy point ran a server of 1024 tokens alone (chunk 1152: the busy prompt in two "
+     "pieces, the go-ahead between them). SGLang's load read every page in 3 of 4 rounds at SmolLM2's 1024 tokens "
+     "and nothing in any round at the other three points (there the ratio is against recompute); the MHA model's 1024 "
+     "tokens is not a crossover (load 7.29 s against recompute 4.25 s)"),
 ]
 
 
