@@ -1079,6 +1079,12 @@ MEET_RERUNS = [
      "pieces, the go-ahead between them). SGLang's load read every page in 3 of 4 rounds at SmolLM2's 1024 tokens "
      "and nothing in any round at the other three points (there the ratio is against recompute); the MHA model's 1024 "
      "tokens is not a crossover (load 7.29 s against recompute 4.25 s)"),
+    ("meet-s63-gqa1k-busy25-amd", "stop 63, right after: meet-s63-busy25-amd's miss again, SmolLM2's 1024 tokens at "
+     "25 MB/s with a busy CPU, on a server of that length alone as stop 61's 1024-token busy point (`--models smollm2 "
+     "--lengths 1024 --slow-mbps --skip-native --busy 25 --repeats 4 --max-repeats 4`): its chunked-prefill size "
+     "1152 splits the busy client's 2048-token prompt in two, and the measured request goes ahead of the second "
+     "piece; auto two-sided, met at page 6 of 16 in every round; SGLang's load read every page in every round; the "
+     "busy client's request beside auto 3.8 s against 2.8 s beside load (the measured request went first)"),
 ]
 
 
