@@ -1085,6 +1085,13 @@ MEET_RERUNS = [
      "1152 splits the busy client's 2048-token prompt in two, and the measured request goes ahead of the second "
      "piece; auto two-sided, met at page 6 of 16 in every round; SGLang's load read every page in every round; the "
      "busy client's request beside auto 3.8 s against 2.8 s beside load (the measured request went first)"),
+    ("meet-s63-gqa-busy50-amd", "stop 63, last: SmolLM2's 1024 and 4096 tokens at 50 MB/s with a busy CPU, not "
+     "measured with current code on this machine class (`--models smollm2 --lengths 1024 4096 --slow-mbps "
+     "--skip-native --busy 50 --repeats 4 --max-repeats 4`; one server for both lengths, as meet-s63-busy25-amd: "
+     "the busy client's prefill in one forward); its probe read 48 MB/s; auto two-sided in every round, met at page "
+     "3-4 of 16 (0.33-0.35 s) and 15-18 of 64 (1.50-1.59 s); no load kept out by compute's measured slowdown; "
+     "SGLang's load read every page in 1 of 4 rounds at 1024 tokens and 3 of 4 at 4096; neither point a crossover "
+     "(1024: load 6.03 s against recompute 3.52 s), so both are held to 1.03x"),
 ]
 
 
