@@ -1092,6 +1092,12 @@ MEET_RERUNS = [
      "3-4 of 16 (0.33-0.35 s) and 15-18 of 64 (1.50-1.59 s); no load kept out by compute's measured slowdown; "
      "SGLang's load read every page in 1 of 4 rounds at 1024 tokens and 3 of 4 at 4096; neither point a crossover "
      "(1024: load 6.03 s against recompute 3.52 s), so both are held to 1.03x"),
+    ("meet-s63-gqa8k-busy-amd", "stop 63, after the note: SmolLM2's 8064 tokens at 50 and 25 MB/s with a busy CPU, "
+     "not measured with current code on this machine class (`--models smollm2 --lengths 8064 --slow-mbps "
+     "--skip-native --busy 50 25 --repeats 4 --max-repeats 4`); the probes read 47 / 24 MB/s; auto two-sided in every "
+     "round, met at page 26-30 and 40-44 of 126; no load kept out by compute's measured slowdown; both crossovers "
+     "(load 19.8 / 30.5 s, recompute 25.8 / 25.5 s); SGLang's load read every page in 2 of 4 rounds at 50 MB/s (hence "
+     "the wide interval) and nothing in any at 25 MB/s (there the ratio is against recompute)"),
 ]
 
 
