@@ -26,11 +26,13 @@ PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
 KVPR_CHOICE_CHOICES = ("rule", "measured")  # --tiered-kvpr-choice (see policy/load_choice.py)
 AHEAD_CHOICES = ("on", "off")  # --tiered-ahead-of-chunks (see integration/ahead.py)
+ARRIVAL_CHOICES = ("on", "off")  # --tiered-kvpr-arrival-reads (see integration/arrival.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "blend_select": BLEND_SELECT_CHOICES,
            "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
-           "kvpr": KVPR_CHOICES, "kvpr_choice": KVPR_CHOICE_CHOICES, "ahead_of_chunks": AHEAD_CHOICES}
+           "kvpr": KVPR_CHOICES, "kvpr_choice": KVPR_CHOICE_CHOICES, "ahead_of_chunks": AHEAD_CHOICES,
+           "kvpr_arrival_reads": ARRIVAL_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -107,6 +109,7 @@ class TieredConfig:
     kvpr_min_tokens: int = 128  # shortest stored span worth a compute-or-load
     kvpr_choice: str = "measured"  # which load takes a span compute would not join; KVPR_CHOICE_CHOICES
     kvpr_early_memory: str = "256M"  # bytes of stored pages read at admission, before their forward (0 = off)
+    kvpr_arrival_reads: str = "on"  # a span's files read into the page cache from arrival on; ARRIVAL_CHOICES
     ahead_of_chunks: str = "on"  # a request that prefills alone may go before another's next chunked piece
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
     remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
@@ -349,6 +352,11 @@ FLAG_HELP: dict[str, str] = {
     "the request's admission on while it waits for its forward (behind other requests' forwards), the last page "
     "first, shared by every waiting load; a page that does not fit waits for room. 0: pages are read at the forward "
     "only. Default: 256M.",
+    "kvpr_arrival_reads": "Under --tiered-kvpr auto|force, a request sent while the scheduler has another request's "
+    "prefill to run has the SSD files of its stored prefix read into the OS page cache by the launcher from then on, "
+    "the last page first, until its first token ('on'): a scheduler busy in a forward sees a new request, and can "
+    "begin its own reads, only once that forward ends. Not for requests with custom_params.tiered_kvpr 'off' or "
+    "'compute'. 'off': reads begin at admission. Default: on.",
     "ahead_of_chunks": "A request that prefills alone (a stored span our loader takes, a prompt to blend) and is "
     "next in line goes before the next piece of another request's chunked prefill, once per piece, when its whole "
     "prompt fits one chunk ('on'); 'off' keeps SGLang's order: it waits for every piece left (seconds each on a CPU). "

@@ -2,13 +2,14 @@
 (`engine.meet.PageSource`).
 
 Page i of `keys` (layer_first layout) comes as its activations (every layer's attention input X, storage/
-activations.py) when `activations` is on and they are stored -- the loader recomputes K and V from them (KVPR) --
-and as its KV otherwise, or when the activation page turns out missing or corrupt (counted). A KV page that is
-missing or corrupt ends the load (`SpanMiss`): the caller computes the span instead. Every segment is checked
-against its own checksum; the tier counts a miss and removes a corrupt file. Counters: `bytes_x`, `bytes_kv`,
-`act_misses`, `read_s` (wall seconds during which at least one of the tier's reads ran: the read rate without the
-loader's recomputes and copies, reads on several threads at once counted once). `read` may run on several threads at
-once.
+activations.py) when `activations` is on and they are stored -- the loader recomputes K and V from them (KVPR) -- and as
+its KV otherwise, when the activation page turns out missing or corrupt (counted), or -- with `cached_kv` (the span's
+files were read into the page cache from the request's arrival, integration/arrival.py) -- when its KV file is in the
+page cache (placing KV is a copy; activations a read and a recompute). A KV page that is missing or corrupt ends the
+load (`SpanMiss`): the caller computes the span instead. Every segment is checked against its own checksum; the tier
+counts a miss and removes a corrupt file. Counters: `bytes_x`, `bytes_kv`, `act_misses`, `read_s` (wall seconds during
+which at least one of the tier's reads ran: the read rate without the loader's recomputes and copies, reads on several
+threads at once counted once). `read` may run on several threads at once.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from sglang_tiered.storage.ssd_tier import SSDTier
 
 class TierPages:
     def __init__(self, tier: SSDTier, keys: Sequence[str], *, layers: int, page_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, hidden: int = 0, activations: bool = False) -> None:
+                 head_dim: int, dtype: torch.dtype, hidden: int = 0, activations: bool = False,
+                 cached_kv: bool = False) -> None:
         self.tier, self.keys, self.page_size, self.pages = tier, list(keys), page_size, len(keys)
         self.kv_shape, self.dtype = (layers, 2, page_size, kv_heads, head_dim), dtype
         self.x_shape = (layers, page_size, hidden)
         self.activations = activations and hidden > 0
+        self.cached_kv = cached_kv
         self.bytes_x = self.bytes_kv = self.act_misses = 0
         self.read_s = 0.0
         self._reading = 0  # reads running now
@@ -54,7 +57,7 @@ class TierPages:
         """Page `page` (see the module docstring); `kv`: as its KV even where its activations would be read (a page
         read well ahead of its forward: placing KV is a copy, activations a recompute)."""
         key = self.keys[page]
-        if self.activations and not kv:
+        if self.activations and not kv and not (self.cached_kv and self.tier.in_page_cache(key)):
             act = activations.activation_key(key)
             if self.tier.contains(act):
                 x = torch.empty(self.x_shape, dtype=self.dtype)

@@ -23,11 +23,18 @@ def tenant_seed(req) -> Optional[str]:
 
 def page_keys(req, tokens: int, page_size: int) -> list[str]:
     """Storage keys of the first `tokens // page_size` pages of `req`'s prompt (SGLang's hash chain, seeded)."""
+    return prompt_page_keys(req.origin_input_ids, req.extra_key, req.cache_salt, tokens, page_size)
+
+
+def prompt_page_keys(ids, extra_key: Optional[str], cache_salt: Optional[str], tokens: int,
+                     page_size: int) -> list[str]:
+    """`page_keys` of a prompt of token `ids` whose scheduler request will carry `extra_key` (LoRA adapter id
+    appended, as SGLang's `Req` does) and `cache_salt`."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     n = tokens // page_size * page_size
     if n == 0:
         return []
-    key = RadixKey(array("q", req.origin_input_ids[:n]), req.extra_key, cache_salt=req.cache_salt)
+    key = RadixKey(array("q", ids[:n]), extra_key, cache_salt=cache_salt or None)
     return list(get_storage_hash_str(key, None, page_size=page_size))

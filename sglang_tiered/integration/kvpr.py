@@ -29,7 +29,10 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   activations would (`policy/kvpr.early_as_kv`: placing KV is a copy, activations a recompute; what the wait does
   not read in is the forward's), else as the plan reads them. The forward takes them (the page in flight too) and
   reads the rest; a plan not followed (a fallback, a re-admission) drops them, and ones not taken EARLY_HOLD_S after
-  admission are dropped at the next start (counted).
+  admission are dropped at the next start (counted). Earlier still, a request sent while another's prefill was
+  ahead of it may have had its span's files read into the page cache by the launcher (integration/arrival.py,
+  marked `custom_params.tiered_arrival_reads`): its plan reads a page whose KV is in the page cache as KV, and its
+  load is no sample of the read rate, of compute's slowdown beside the loader or of its way's time.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -105,7 +108,7 @@ from sglang_tiered.integration import faults, model_forward
 from sglang_tiered.integration.door import SpanHandler, matched, planned
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.load_timing import LoadTiming
-from sglang_tiered.integration.requests import KVPR_MODES, KVPR_PARAM, request_params
+from sglang_tiered.integration.requests import ARRIVAL_PARAM, KVPR_MODES, KVPR_PARAM, request_params
 from sglang_tiered.policy.compute_choice import ALONE, COMPUTE, LOADS, MEET, Estimates
 from sglang_tiered.policy.kvpr import (
     MEET_CHUNK_PAGES,
@@ -173,6 +176,7 @@ class Plan:
     #                                 how many more such loads before it is let in again (policy/kvpr.Slowdown)
     retry: bool = False  # compute let in at the profile's times to measure its slowdown again (then 1.0 here)
     kind: bool = False  # the slowdown's key: whether the profile's own times read the pages as activations
+    arrival: bool = False  # its files were read into the page cache from its arrival (arrival.py): no sample
     wait_s: float = 0.0  # seconds of other forwards it was expected to wait for at admission (wait_ahead_s)
     early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
     #                                                                             admission (engine/early_reads.py)
@@ -318,7 +322,8 @@ class KVPR:
         plan = Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
-                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind)
+                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind,
+                    arrival=bool(request_params(req).get(ARRIVAL_PARAM)))
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
                               lambda tokens: forward_s(alone, layers, tokens), self.rt.forward.ahead.would_go)
         return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))
@@ -351,7 +356,7 @@ class KVPR:
         c = self.cfg
         return TierPages(self.tier, plan.keys, layers=c.layers, page_size=self.tier.namespace.page_size,
                          kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=dtype, hidden=c.hidden,
-                         activations=plan.activations)
+                         activations=plan.activations, cached_kv=plan.arrival)
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader (alone) takes a span of `pages` stored pages that compute would not gain on (`auto`):
@@ -529,6 +534,8 @@ class KVPR:
         estimates, themselves the profile's times `plan.slowdown`) into compute's slowdown beside this kind of
         load; what the log line says of it."""
         sample = chunk_slowdown(chunks, load_s, plan.chunk_s, plan.page_s)
+        if sample is not None and plan.arrival:
+            return "compute's chunks no sample (the loader read the page cache: read at arrival)"
         if sample is None and plan.kept_out is not None:
             return (f"no chunk beside the loader, kept out by compute's measured slowdown "
                     f"({self.slowdown.factor(plan.kind):.2f}x; let in again after {plan.kept_out} more such "
@@ -571,8 +578,9 @@ class KVPR:
         if ext < ps:
             return
         plan, seconds = planned(req, self.name), self.rt.forward.last_extend_s
-        if by == self.name and plan is not None and plan.way in LOADS and plan.estimate_s > 0 and \
-                not getattr(req, "tiered_early_pages", 0):  # (pages read before it: not the way's time)
+        # pages read before the forward (at admission, or into the page cache at arrival): not the way's time
+        ahead = getattr(req, "tiered_early_pages", 0) or (plan is not None and plan.arrival)
+        if by == self.name and plan is not None and plan.way in LOADS and plan.estimate_s > 0 and not ahead:
             key, estimate = Estimates.key(plan.way, len(plan.keys), plan.activations), plan.estimate_s
         elif by is None and (plan is None or plan.way == COMPUTE) and \
                 self._l3_quiet_since(time.perf_counter() - seconds):
@@ -773,9 +781,14 @@ class KVPRHandler(SpanHandler):
             keys = page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
             rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
             kvpr.writer.submit(keys, res.inputs[:, rows].clone())
-        read = (kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
-                if res.loaded_pages else "nothing read")
-        if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0 and not res.early_pages:
+        if not res.loaded_pages:
+            read = "nothing read"
+        elif plan.arrival:
+            read = "read into the page cache from its arrival: no sample"
+        else:
+            read = kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
+        if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0 and not res.early_pages and \
+                not plan.arrival:
             kvpr.observe_activation_load(res.load_s, source.pages * ps * c.layers)
         beside_note = kvpr.observe_chunks(plan, res.chunks, res.load_s)
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps

@@ -8,6 +8,8 @@ hooks do). Launcher process (where plugins load before the flags are parsed):
 * `TokenizerManager._tokenize_one_request` (BEFORE) and `serving_chat.parallel_prompt_encode` (AROUND): split
   prompts marked with the chunk separator (`blend_prompt.py`).
 * `TokenizerManager._validate_one_request` (BEFORE): bad requests get a 400 (`requests.py`).
+* `TokenizerManager._send_one_request` (BEFORE): a request sent while another's prefill is ahead of it has its
+  stored prefix's SSD files read into the page cache from then on (`arrival.py`, `--tiered-kvpr-arrival-reads`).
 Every process:
 * `register_radix_cache_backend("tiered", ...)`: `radix_cache.TieredRadixCache`.
 * `--hicache-storage-backend dynamic` naming `storage_backend.TieredSSDStorage` (constructed by SGLang).
@@ -87,6 +89,7 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, build_tiered_radix_cache)
     cpu_shims.apply_in_process()
     from sglang_tiered.integration import (
+        arrival,
         blend,
         blend_prompt,
         cpu_attention,
@@ -101,6 +104,7 @@ def register() -> None:
 
     blend_prompt.register_hooks(rt)  # launcher: act per request once the flags are known
     requests.register_hooks(rt)
+    arrival.register_hooks(rt)
     cpu_attention.register_hooks(rt)
     current = rt.settings
     if current is None:  # the launcher (flags not parsed yet) or a server without --kv-backend tiered

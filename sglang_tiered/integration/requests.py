@@ -15,7 +15,8 @@ message. Checked, only for servers started with `--kv-backend tiered`:
 * `custom_params["tiered_importance_gate"]`, if given, is "jaccard" or "mass";
 * `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force", "compute" or a number of tokens >= 0;
 * `custom_params["tiered_retain"]`, if given, is a number of seconds in [0, `--tiered-max-retain`] (retention
-  off -- `--tiered-max-retain 0` -- admits only 0).
+  off -- `--tiered-max-retain 0` -- admits only 0);
+* `custom_params["tiered_arrival_reads"]` is not given (the launcher's own mark, arrival.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ RATIO_PARAM = "tiered_importance_ratio"  # custom_params key of a gated load's r
 KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
 KVPR_MODES = ("off", "auto", "force", "compute")  # or a number of tokens computed from token ids
 RETAIN_PARAM = "tiered_retain"  # custom_params key: seconds to keep the prompt's pages (door.py)
+ARRIVAL_PARAM = "tiered_arrival_reads"  # custom_params key the launcher sets, never a client: the request's stored
+#                                          files were read into the page cache from its arrival (arrival.py)
 
 
 def request_params(req) -> dict:
@@ -128,6 +131,8 @@ class RequestCheck:
             check_kvpr_mode(custom[KVPR_PARAM])
         if isinstance(custom, dict) and custom.get(RETAIN_PARAM) is not None:
             check_retain(custom[RETAIN_PARAM], current.config.max_retain)
+        if isinstance(custom, dict) and ARRIVAL_PARAM in custom:
+            raise ValueError(f"custom_params.{ARRIVAL_PARAM} is set by the server, not by a client")
         return None
 
 

@@ -26,6 +26,14 @@ class DirectoryInUse(Exception):
         self.holder = holder
 
 
+def holder(root: str | os.PathLike) -> str:
+    """The pid written by the process that claimed `root` ("" where none did or it cannot be read)."""
+    try:
+        return (Path(root) / LOCK_FILE).read_text().strip()
+    except OSError:
+        return ""
+
+
 def claim(root: str | os.PathLike) -> int:
     """Claim `root` for this process: the open descriptor that holds the lock (keep it open for as long as the
     server runs; closing it gives the directory up). Raises DirectoryInUse if another process holds it."""
@@ -34,9 +42,8 @@ def claim(root: str | os.PathLike) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise DirectoryInUse(Path(root), holder) from None
+        raise DirectoryInUse(Path(root), holder(root)) from None
     except OSError:
         os.close(fd)
         raise

@@ -3,10 +3,10 @@
 Files (under `<root>/<namespace id>/` unless said otherwise), by the index's kinds:
 * page: `<key[:2]>/<key>.kvp`; activation: `<key[:2]>/<key>.x.kvp` (`activations.py`); chunk: `chunks/<hash>.kvp`
   (one segment per layer, `chunk_store.py`); group: `groups/<gid>.kvg` (`group_file.py`);
-* meta: `NAMESPACE.json`, `importance.log`, and `<root>/stats/<namespace id>.json`, the root's own files
-  (`ROOT_FILES`: the compute-or-load profile, the launcher's `--dtype auto` choice, the server's claim on the
-  directory), probe files (`write_meta`,
-  `reserve_meta`, `scratch`);
+* meta: `NAMESPACE.json`, `SERVER` (the serving launcher's pid), `importance.log`, and
+  `<root>/stats/<namespace id>.json`, the root's own files (`ROOT_FILES`: the compute-or-load profile, the
+  launcher's `--dtype auto` choice, the server's claim on the directory), probe files (`write_meta`, `reserve_meta`,
+  `scratch`);
 * foreign (`scan_foreign=True`, rank 0): any other file under the root that is not another rank's of this server.
 
 Contracts
@@ -77,6 +77,7 @@ GROUP_PREFIX = "g."  # group entries: "g.<gid>"
 META_PREFIX = "m:"  # meta entries: "m:<path relative to the root>"
 FOREIGN_PREFIX = "f:"  # foreign files: "f:<path relative to the root>"
 NAMESPACE_FILE = "NAMESPACE.json"
+SERVER_FILE = "SERVER"  # in a namespace's directory: the pid of the launcher serving it (integration/arrival.py)
 DTYPE_FILE = "cpu-dtype.json"  # the launcher's `--dtype auto` choice, kept for restarts (integration/server_flags.py)
 ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE, LOCK_FILE)  # files of the whole server at the root, counted as meta
 
@@ -572,7 +573,7 @@ class SSDTier:
             return self.dir / "groups" / f"{key[len(GROUP_PREFIX):]}{group_file.GROUP_SUFFIX}"
         if key.startswith(CHUNK_PREFIX):
             return self.dir / "chunks" / f"{key[len(CHUNK_PREFIX):]}{PAGE_SUFFIX}"
-        return self.dir / key[:2] / f"{key}{PAGE_SUFFIX}"
+        return page_path(self.dir, key)
 
     def _delete_locked(self, victims: Sequence[Victim], *, count: bool = True, left: bool = True) -> None:
         """Delete the victims' files (lock held: nobody reserves their room before they are gone). `count`: they
@@ -613,7 +614,8 @@ class SSDTier:
                 continue
             if rel.parts[0] == "groups":
                 continue
-            if len(rel.parts) == 1 and entry.name in (NAMESPACE_FILE, "importance.log", "kvpr-profile.json"):
+            if len(rel.parts) == 1 and entry.name in (NAMESPACE_FILE, SERVER_FILE, "importance.log",
+                                                      "kvpr-profile.json"):
                 own.append((st.st_mtime, META_PREFIX + f"{self.ns_id}/{entry.name}", st.st_size, "meta"))
                 continue
             if entry.name.endswith(PAGE_SUFFIX) and len(rel.parts) == 2:
@@ -701,6 +703,11 @@ class SSDTier:
                 continue
             out.append((entry.stat().st_mtime, FOREIGN_PREFIX + str(rel), entry.stat().st_size, "foreign"))
         return out
+
+
+def page_path(directory: Path, key: str) -> Path:
+    """Where the plain page (or activation page) `key` of the namespace at `directory` is stored."""
+    return directory / key[:2] / f"{key}{PAGE_SUFFIX}"
 
 
 def _walk(top: Path, skip: frozenset | set = frozenset()) -> Iterator[os.DirEntry]:

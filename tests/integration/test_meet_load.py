@@ -16,6 +16,7 @@ same output; among another client's decodes the same, on samples kept apart.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -163,12 +164,13 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     ids = AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]
     pages = (len(ids) - 1) // PAGE
     cold = served_and_stored(s, ids, pages)
-    samples = counter(s, "choice_samples")
+    samples, arrivals = counter(s, "choice_samples"), counter(s, "arrival_reads")
     for mode in ("off", 0, "off", 0):  # SGLang's load and ours (reading everything), each timed twice at idle
         s.flush_cache()
         out = ask(s, ids, mode)
         assert out["output_ids"] == cold["output_ids"] and cached_details(out)["storage"] >= (pages - 1) * PAGE, mode
     assert counter(s, "choice_samples") == samples + 4
+    assert counter(s, "arrival_reads") == arrivals  # at idle a request is admitted at once: no reads at arrival
     span = f"{1 << (pages.bit_length() - 1)}-{(2 << (pages.bit_length() - 1)) - 1} pages"
     rates = [line for line in s.log_lines(f"tiered kvpr: stored spans of {span}:")]
     assert rates, s.log_tail()
@@ -189,9 +191,21 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     assert counter(s, "choice_sglang") == chosen["sglang"] + (not want_ours)
 
 
+def drop_from_page_cache(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_server, essays, model_dir):
     """SGLang's scheduler skips a request whose L3 prefetch still runs, so behind other prefills SGLang's load waits
-    for one more of their forwards: `auto` gives such a span to our loader (`behind_prefills`), same output."""
+    for one more of their forwards: `auto` gives such a span to our loader (`behind_prefills`), same output. Sent
+    while that forward runs, the request has its span's files read into the page cache by the launcher from its
+    arrival (integration/arrival.py): every one of them, logged and counted; its load is no sample of the read rate."""
     import threading
 
     from transformers import AutoTokenizer
@@ -203,7 +217,10 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     pages = (len(ids) - 1) // PAGE
     cold = served_and_stored(s, ids, pages)
     s.flush_cache()
+    files = page_files(s, ids)
+    drop_from_page_cache(files)
     behind, samples = counter(s, "choice_behind_prefills"), counter(s, "choice_samples")
+    arrivals, arrival_bytes = counter(s, "arrival_reads"), counter(s, "arrival_bytes")
     other = threading.Thread(target=s.request, args=("/generate", {
         "input_ids": noise, "sampling_params": {"max_new_tokens": 1, "custom_params": {"tiered_kvpr": "off"}}}))
     other.start()
@@ -219,6 +236,14 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     assert counter(s, "choice_behind_prefills") == behind + 1
     # our loader waited for nothing before its forward: that forward's time is a sample of it (read everything)
     assert counter(s, "choice_samples") == samples + 1
+    # the launcher read every file of the span while the other forward ran; the load read the page cache
+    rid = out["meta_info"]["id"]
+    arrival = [line for line in s.log_lines("tiered kvpr: rid") if f"rid {rid}: " in line]
+    assert len(arrival) == 1 and f": {len(files)} of {len(files)} stored page files" in arrival[0], arrival
+    assert "from its arrival, another request's prefill ahead" in arrival[0], arrival[0]
+    assert counter(s, "arrival_reads") == arrivals + 1
+    assert counter(s, "arrival_bytes") == arrival_bytes + sum(f.stat().st_size for f in files)
+    assert "read path read into the page cache from its arrival: no sample" in line, line
 
 
 def test_a_span_left_to_sglangs_load_is_timed_whole_even_when_it_brings_nothing(fp32_server, essays, model_dir):

@@ -393,11 +393,23 @@ def tier(tmp_path):
     t.close()
 
 
-def tier_pages(tier, keys, activations=True):
+def tier_pages(tier, keys, activations=True, cached_kv=False):
     from sglang_tiered.engine.page_span import TierPages
 
     return TierPages(tier, keys, layers=MHA.layers, page_size=PS, kv_heads=MHA.kv_heads, head_dim=MHA.head_dim,
-                     dtype=torch.float32, hidden=MHA.hidden, activations=activations)
+                     dtype=torch.float32, hidden=MHA.hidden, activations=activations, cached_kv=cached_kv)
+
+
+def drop(tier, key) -> None:
+    """Drop the stored file `key` from the page cache."""
+    import os
+
+    fd = os.open(tier._path(key), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def test_stored_pages_load_exactly_and_read_fewer_bytes(mha, tier):
@@ -496,26 +508,34 @@ def test_a_missing_or_corrupt_kv_page_ends_the_load(mha, tier):
 def test_the_first_read_probe_looks_at_the_file_the_loader_reads_first(mha, tier):
     """`TierPages.first_read_cached`: the last page's activation file where activations are read and stored, its KV
     file otherwise -- each dropped from the page cache apart from the other."""
-    import os
-
     model, ids, logits, kv, xs = mha
     keys = store_span(tier, kv, xs, 80, with_x={4})
 
-    def drop(key):
-        fd = os.open(tier._path(key), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
     from sglang_tiered.storage import activations
 
-    drop(activations.activation_key(keys[-1]))
+    drop(tier, activations.activation_key(keys[-1]))
     assert tier_pages(tier, keys).first_read_cached() is False
     assert tier_pages(tier, keys, activations=False).first_read_cached() is True  # (the KV file is still cached)
-    drop(keys[-1])
+    drop(tier, keys[-1])
     assert tier_pages(tier, keys, activations=False).first_read_cached() is False
+
+
+def test_a_span_read_at_arrival_reads_a_page_whose_kv_is_in_the_page_cache_as_kv(mha, tier):
+    """`cached_kv` (the launcher read the span's KV files into the page cache from the request's arrival): a page
+    whose KV file is in the page cache is read as KV (a copy), one whose KV is not as its activations (fewer bytes
+    from the disk); without `cached_kv` every stored activation page is read. The same KV either way."""
+    model, ids, logits, kv, xs = mha
+    keys = store_span(tier, kv, xs, 80, with_x={0, 1, 2, 3, 4})
+    for key in keys[:2]:  # pages 0 and 1 cold, 2-4 in the page cache (just written)
+        drop(tier, key)
+    source = tier_pages(tier, keys, cached_kv=True)
+    res = meet_prefill(model, ids[:80], ids[80:], prefix_len=0, source=source, split=0)
+    assert res.recomputed_pages == 2 and source.act_misses == 0  # pages 0 and 1 from activations
+    assert source.bytes_kv == 3 * MHA.layers * 2 * PS * MHA.kv_heads * MHA.head_dim * 4
+    torch.testing.assert_close(res.kv, kv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.logits(res.hidden[None])[0], logits, rtol=1e-4, atol=1e-4)
+    plain = tier_pages(tier, keys)
+    assert meet_prefill(model, ids[:80], ids[80:], prefix_len=0, source=plain, split=0).recomputed_pages == 5
 
 
 def test_compute_beside_a_loader_is_priced_as_measured_there():

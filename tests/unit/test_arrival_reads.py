@@ -1,0 +1,106 @@
+"""storage/arrival_reads.py: a request's stored files read into the page cache from its arrival, the last first, until
+told to stop (real files, the kernel's page cache; no SGLang)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import pytest
+
+from sglang_tiered.storage import page_cache
+from sglang_tiered.storage.arrival_reads import ArrivalRead, ArrivalReads
+
+SIZE = 3 * (1 << 20) + 12345  # more than the buffer: a file is read in several pieces
+
+
+def cold_files(directory, n: int) -> list:
+    """`n` files of SIZE bytes under `directory`, written, synced and dropped from the page cache."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = directory / f"{i:02d}.kvp"
+        path.write_bytes(bytes([i]) * SIZE)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        paths.append(path)
+    return paths
+
+
+def resident(path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return page_cache.resident(fd, range(0, SIZE, 4096))
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def done():
+    return queue.Queue()
+
+
+def test_a_job_reads_every_file_into_the_page_cache(tmp_path, done):
+    paths = cold_files(tmp_path, 4)
+    assert not any(resident(p) for p in paths)
+    reads = ArrivalReads(done.put)
+    reads.start("r1", paths, stop=lambda: False)
+    read = done.get(timeout=30)
+    assert read == ArrivalRead("r1", 4, 4 * SIZE, read.seconds, 0, 0) and read.seconds > 0
+    assert all(resident(p) for p in paths)
+
+
+def test_the_last_page_is_read_first_and_a_stop_leaves_the_front_unread(tmp_path, done):
+    """`stop` is asked before every file: once it says so, the job ends and the files nearest the front (those
+    compute reaches first) stay where they were."""
+    paths = cold_files(tmp_path, 5)
+    asked = []
+
+    def stop() -> bool:
+        asked.append(sum(resident(p) for p in paths))
+        return len(asked) > 2  # two files read, then stopped
+
+    reads = ArrivalReads(done.put)
+    reads.start("r2", paths, stop)
+    read = done.get(timeout=30)
+    assert (read.files, read.left, read.nbytes, read.missing) == (2, 3, 2 * SIZE, 0)
+    assert asked == [0, 1, 2]
+    assert [resident(p) for p in paths] == [False, False, False, True, True]
+
+
+def test_a_file_gone_before_its_turn_is_counted_and_skipped(tmp_path, done):
+    paths = cold_files(tmp_path, 3)
+    paths[1].unlink()
+    reads = ArrivalReads(done.put)
+    reads.start("r3", paths, stop=lambda: False)
+    read = done.get(timeout=30)
+    assert (read.files, read.missing, read.left, read.nbytes) == (2, 1, 0, 2 * SIZE)
+
+
+def test_jobs_run_in_the_order_they_arrived_and_a_failing_stop_ends_only_its_job(tmp_path, done):
+    """The scheduler serves requests first come first served: the first job's reads come first. A job whose `stop`
+    raises is logged and dropped; the thread goes on with the next."""
+    first, second, third = cold_files(tmp_path / "a", 2), cold_files(tmp_path / "b", 2), cold_files(tmp_path / "c", 1)
+    gate = threading.Event()
+
+    def held() -> bool:
+        gate.wait(30)  # the first job holds the thread until the others are queued
+        return False
+
+    def broken() -> bool:
+        raise RuntimeError("a stop that fails")
+
+    reads = ArrivalReads(done.put)
+    reads.start("first", first, held)
+    reads.start("broken", second, broken)
+    reads.start("third", third, lambda: False)
+    assert reads.queued() >= 2
+    gate.set()
+    names = [done.get(timeout=30).name for _ in range(2)]
+    assert names == ["first", "third"]
+    assert not any(resident(p) for p in second) and all(resident(p) for p in first + third)
