@@ -16,8 +16,9 @@ the scheduler (those of a batch one by one).
   reads a page whose KV is in the page cache as KV (engine/page_span.py). Pages the scheduler holds on device or in
   host memory are read too (the launcher cannot see its radix tree): disk reads spent while it computes.
 * When: another request of this launcher is dispatched and has no first token yet (the scheduler runs its prefill or
-  has it to run), and the request's `custom_params.tiered_kvpr` is not 'off' or 'compute'. At an idle scheduler a
-  request is admitted at once and its own reads begin there.
+  has it to run), the request's `custom_params.tiered_kvpr` is not 'off' or 'compute', and it is not a prompt to
+  blend (`tiered_chunks`: blend.py serves it, not our loader). At an idle scheduler a request is admitted at once
+  and its own reads begin there.
 * Until: before each file, the request's first token, its end or its abort stops the reads.
 * The request is marked (`custom_params.tiered_arrival_reads`, which clients may not set: requests.py): its load
   reads the page cache, partly or wholly, so it is no sample of the disk's read rate, of compute's slowdown beside
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 from sglang_tiered.integration.keys import prompt_page_keys
-from sglang_tiered.integration.requests import ARRIVAL_PARAM, KVPR_PARAM, request_params
+from sglang_tiered.integration.requests import ARRIVAL_PARAM, CHUNKS_PARAM, KVPR_PARAM, request_params
 from sglang_tiered.integration.runtime import Runtime
 from sglang_tiered.storage.arrival_reads import ArrivalRead, ArrivalReads
 from sglang_tiered.storage.ssd_tier import SERVER_FILE, page_path
@@ -104,7 +105,8 @@ class Arrival:
         ids, rid = getattr(obj, "input_ids", None), getattr(obj, "rid", None)
         if cfg.kvpr == "off" or cfg.kvpr_arrival_reads != "on" or not ids or not isinstance(rid, str):
             return
-        if request_params(obj).get(KVPR_PARAM, cfg.kvpr) in NOT_LOADED or not prefill_ahead(manager, rid):
+        custom = request_params(obj)
+        if custom.get(KVPR_PARAM, cfg.kvpr) in NOT_LOADED or CHUNKS_PARAM in custom or not prefill_ahead(manager, rid):
             return
         dirs = self._served(Path(cfg.ssd_dir))
         if not dirs:

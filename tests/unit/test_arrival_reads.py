@@ -104,3 +104,31 @@ def test_jobs_run_in_the_order_they_arrived_and_a_failing_stop_ends_only_its_job
     names = [done.get(timeout=30).name for _ in range(2)]
     assert names == ["first", "third"]
     assert not any(resident(p) for p in second) and all(resident(p) for p in first + third)
+
+
+def test_the_launcher_finds_its_ranks_directories_and_each_ranks_leading_run(tmp_path):
+    """integration/arrival.py's file side: the namespace directories whose SERVER file holds the launcher's pid (not
+    another server's, not one without the file), and per rank the leading run of stored page files, page by page
+    from the front, as far as each rank stored them."""
+    from sglang_tiered.integration.arrival import served_dirs, stored_run
+    from sglang_tiered.storage.ssd_tier import SERVER_FILE, page_path
+
+    keys = [f"{i:02x}" + "ab" * 31 for i in range(6)]
+    ranks = [tmp_path / "ns-rank0", tmp_path / "ns-rank1"]
+    other = tmp_path / "ns-other"
+    for d, stored in ((ranks[0], range(4)), (ranks[1], (0, 1, 3)), (other, range(6))):
+        for i in stored:
+            path = page_path(d, keys[i])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+    for d in ranks:
+        (d / SERVER_FILE).write_text("4242\n")
+    (other / SERVER_FILE).write_text("999\n")
+    (tmp_path / "ns-unserved").mkdir()
+    assert served_dirs(tmp_path, 4242) == ranks
+    assert served_dirs(tmp_path / "missing", 4242) == []
+    pages, paths = stored_run(ranks, keys)
+    assert pages == 4  # rank 0 holds pages 0-3; rank 1 only 0-1 in a row (page 2 missing)
+    assert paths == [page_path(ranks[0], keys[0]), page_path(ranks[1], keys[0]), page_path(ranks[0], keys[1]),
+                     page_path(ranks[1], keys[1]), page_path(ranks[0], keys[2]), page_path(ranks[0], keys[3])]
+    assert stored_run([], keys) == (0, [])
