@@ -352,11 +352,10 @@ FLAG_HELP: dict[str, str] = {
     "the request's admission on while it waits for its forward (behind other requests' forwards), the last page "
     "first, shared by every waiting load; a page that does not fit waits for room. 0: pages are read at the forward "
     "only. Default: 256M.",
-    "kvpr_arrival_reads": "Under --tiered-kvpr auto|force, a request sent while the scheduler has another request's "
-    "prefill to run has the SSD files of its stored prefix read into the OS page cache by the launcher from then on, "
-    "the last page first, until its first token ('on'): a scheduler busy in a forward sees a new request, and can "
-    "begin its own reads, only once that forward ends. Not for requests with custom_params.tiered_kvpr 'off' or "
-    "'compute'. 'off': reads begin at admission. Default: on.",
+    "kvpr_arrival_reads": "Under --tiered-kvpr auto|force, a request sent while a scheduler runs a prefill forward "
+    "(which it takes new requests in only after) has the SSD files of its stored prefix read into the OS page cache "
+    "by the launcher from then on, the last page first, until that forward ends ('on'). Not for requests with "
+    "custom_params.tiered_kvpr 'off' or 'compute'. 'off': reads begin at admission. Default: on.",
     "ahead_of_chunks": "A request that prefills alone (a stored span our loader takes, a prompt to blend) and is "
     "next in line goes before the next piece of another request's chunked prefill, once per piece, when its whole "
     "prompt fits one chunk ('on'); 'off' keeps SGLang's order: it waits for every piece left (seconds each on a CPU). "

@@ -1,25 +1,26 @@
-"""Reads at arrival (`--tiered-kvpr-arrival-reads on`, under `--tiered-kvpr auto|force`): a request sent while the
-scheduler has another request's prefill to run has its stored prefix's SSD files read into the OS page cache by the
-launcher from then on, the last page first (storage/arrival_reads.py), until its first token.
+"""Reads at arrival (`--tiered-kvpr-arrival-reads on`, under `--tiered-kvpr auto|force`): a request sent while a
+scheduler runs a prefill forward has its stored prefix's SSD files read into the OS page cache by the launcher,
+the last page first (storage/arrival_reads.py), until that forward ends.
 
-Why: SGLang's scheduler takes in new requests between forwards. One sent during another request's prefill forward
-(seconds on a CPU; a whole prompt where it fits one chunk) waits for that forward unseen, and every read of its
-stored span -- our loader's at admission (engine/early_reads.py), SGLang's prefetch -- begins after it. The launcher
-sees the request at once.
+Why: SGLang's scheduler takes in new requests only between forwards. One sent during a prefill forward (seconds on a
+CPU; another request's whole prompt where it fits one chunk) waits for it unseen, and every read of its stored span
+-- our loader's at admission (engine/early_reads.py), SGLang's prefetch -- begins after it. The launcher sees the
+request at once.
 
 Seam (listed in plugin.py): `TokenizerManager._send_one_request` (BEFORE, launcher process): each request sent to
 the scheduler (those of a batch one by one).
+* When: a scheduler rank marks an extend forward running on the server's forward board (storage/forward_board.py,
+  written by model_forward.ForwardHook), the request's `custom_params.tiered_kvpr` is not 'off' or 'compute', and it
+  is not a prompt to blend (`tiered_chunks`: blend.py serves it, not our loader). Between forwards, or during a
+  decode step, the scheduler takes the request in at once (or within one step) and its own reads begin there.
 * Which files: the leading run of the prompt's pages (SGLang's seeded hash chain over its tokens but the last, as the
   door keys them: keys.prompt_page_keys) stored as plain page files in the namespace directory of each scheduler rank
   of this server -- those whose `SERVER` file holds this launcher's pid (written by runtime.open_store) -- if the run
   holds at least --tiered-kvpr-min-tokens. Their KV files: where a model's activations are stored too, the loader
   reads a page whose KV is in the page cache as KV (engine/page_span.py). Pages the scheduler holds on device or in
   host memory are read too (the launcher cannot see its radix tree): disk reads spent while it computes.
-* When: another request of this launcher is dispatched and has no first token yet (the scheduler runs its prefill or
-  has it to run), the request's `custom_params.tiered_kvpr` is not 'off' or 'compute', and it is not a prompt to
-  blend (`tiered_chunks`: blend.py serves it, not our loader). At an idle scheduler a request is admitted at once
-  and its own reads begin there.
-* Until: before each file, the request's first token, its end or its abort stops the reads.
+* Until: before each file, the end of an extend forward on the board (the scheduler takes the request in: its own
+  reads go on from there, the pages read so far in the page cache), or the request's first token, end or abort.
 * The request is marked (`custom_params.tiered_arrival_reads`, which clients may not set: requests.py): its load
   reads the page cache, partly or wholly, so it is no sample of the disk's read rate, of compute's slowdown beside
   a loader or of a way's time (integration/kvpr.py).
@@ -38,6 +39,7 @@ from sglang_tiered.integration.keys import prompt_page_keys
 from sglang_tiered.integration.requests import ARRIVAL_PARAM, CHUNKS_PARAM, KVPR_PARAM, request_params
 from sglang_tiered.integration.runtime import Runtime
 from sglang_tiered.storage.arrival_reads import ArrivalRead, ArrivalReads
+from sglang_tiered.storage.forward_board import ForwardBoard
 from sglang_tiered.storage.ssd_tier import SERVER_FILE, page_path
 
 logger = logging.getLogger("sglang_tiered")
@@ -74,14 +76,6 @@ def stored_run(dirs: list[Path], keys: list[str]) -> tuple[int, list[Path]]:
     return pages, [page_path(d, keys[i]) for i in range(pages) for d, n in zip(dirs, runs) if i < n]
 
 
-def prefill_ahead(manager, rid: str) -> bool:
-    """Whether another request of this launcher is dispatched, unfinished and without its first token."""
-    for other, state in list(manager.rid_to_state.items()):
-        if other != rid and state.dispatched and not state.finished and state.time_stats.first_token_time == 0.0:
-            return True
-    return False
-
-
 class Arrival:
     """The launcher's reads at arrival (one reading thread, started at the first job)."""
 
@@ -89,6 +83,7 @@ class Arrival:
         self.rt = rt
         self.reads = ArrivalReads(self._done)
         self._dirs: list[Path] = []
+        self._board: Optional[ForwardBoard] = None
 
     def before_send(self, manager, obj, *args, **kwargs) -> None:
         try:
@@ -106,29 +101,34 @@ class Arrival:
         if cfg.kvpr == "off" or cfg.kvpr_arrival_reads != "on" or not ids or not isinstance(rid, str):
             return
         custom = request_params(obj)
-        if custom.get(KVPR_PARAM, cfg.kvpr) in NOT_LOADED or CHUNKS_PARAM in custom or not prefill_ahead(manager, rid):
+        if custom.get(KVPR_PARAM, cfg.kvpr) in NOT_LOADED or CHUNKS_PARAM in custom:
             return
-        dirs = self._served(Path(cfg.ssd_dir))
-        if not dirs:
+        board, dirs = self._served(Path(cfg.ssd_dir))
+        if board is None or not dirs or not board.running():
             return
+        ended = board.ended()
         page_size = int(manager.server_args.page_size or 1)
         keys = prompt_page_keys(ids, _extra_key(obj), getattr(obj, "cache_salt", None), len(ids) - 1, page_size)
         pages, paths = stored_run(dirs, keys)
         if pages * page_size < cfg.kvpr_min_tokens:
             return
 
-        def stop() -> bool:
+        def stop() -> bool:  # the forward ended (the scheduler takes the request in), or the request did
             state = manager.rid_to_state.get(rid)
-            return state is None or state.finished or state.time_stats.first_token_time != 0.0
+            return board.ended() != ended or state is None or state.finished or state.time_stats.first_token_time != 0
 
         params = obj.sampling_params  # the mark the scheduler's loader reads (its load is no sample of the disk)
         params.custom_params = {**(params.custom_params or {}), ARRIVAL_PARAM: True}
         self.reads.start(rid, paths, stop)
 
-    def _served(self, ssd_dir: Path) -> list[Path]:
-        if not self._dirs:  # (found once the ranks opened their stores: before the server is ready)
+    def _served(self, ssd_dir: Path) -> tuple[Optional[ForwardBoard], list[Path]]:
+        """The forward board and this server's namespace directories (found once the ranks opened their stores,
+        before the server is ready)."""
+        if self._board is None:
+            self._board = ForwardBoard.open(ssd_dir)
+        if not self._dirs:
             self._dirs = served_dirs(ssd_dir, os.getpid())
-        return self._dirs
+        return self._board, self._dirs
 
     def _done(self, read: ArrivalRead) -> None:
         events = self.rt.events
@@ -137,9 +137,9 @@ class Arrival:
         if read.left:
             events.count("kvpr_arrival_stopped")
         logger.info("tiered kvpr: rid %s: %d of %d stored page files (%.1f MiB) read into the page cache from its "
-                    "arrival, another request's prefill ahead, in %.2fs%s%s", read.name, read.files,
+                    "arrival, during a prefill forward, in %.2fs%s%s", read.name, read.files,
                     read.files + read.left + read.missing, read.nbytes / 2**20, read.seconds,
-                    f"; stopped by its first token or end, {read.left} left" if read.left else "",
+                    f"; stopped at that forward's end, {read.left} left" if read.left else "",
                     f"; {read.missing} gone before their turn" if read.missing else "")
 
 

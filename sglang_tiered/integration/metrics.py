@@ -298,10 +298,10 @@ EVENTS = {
     "kvpr_early_pages": "Stored pages our loader placed that were read between the request's admission and its "
                         "forward (engine/early_reads.py)",
     "kvpr_arrival_reads": "Requests whose stored prefix's SSD files the launcher read into the page cache from their "
-                          "arrival, another request's prefill ahead of them (--tiered-kvpr-arrival-reads)",
+                          "arrival during a prefill forward (--tiered-kvpr-arrival-reads)",
     "kvpr_arrival_bytes": "Bytes those reads read",
-    "kvpr_arrival_stopped": "Of kvpr_arrival_reads, those stopped by the request's first token (or end) before their "
-                            "last file",
+    "kvpr_arrival_stopped": "Of kvpr_arrival_reads, those stopped at that forward's end (or the request's) before "
+                            "their last file",
     "kvpr_early_expired": "Loads whose pages read at admission no forward took within 60 s (an aborted request): "
                           "dropped",
     "kvpr_forward_samples": "Forwards timed for the choice among the two-sided load, the loader alone and SGLang's "

@@ -19,7 +19,8 @@ Fallback reasons shared by every handler (`ForwardHandler.declines`): our engine
 token ids, so a request with a LoRA adapter, multimodal inputs or input embeddings is never computed by it (counted
 as the handler's fallback); each handler adds its own (a batch of several, a chunked piece, input logprobs, ...).
 On CPU-only servers every forward (also SGLang's own) is marked as foreground work, so that the SSD write-through
-yields to it (`gate_background_writes`, storage/foreground.py).
+yields to it (`gate_background_writes`, storage/foreground.py). Every extend forward is also marked on the server's
+forward board (storage/forward_board.py), where the launcher sees whether a prefill runs (arrival.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.integration import faults
 from sglang_tiered.integration.ahead import AheadOfChunks
+from sglang_tiered.storage.forward_board import ForwardBoard
 
 if TYPE_CHECKING:
     from sglang_tiered.integration.runtime import Runtime
@@ -128,6 +130,8 @@ class ForwardHook:
         self._batch = threading.local()
         self._hooked = self._tracking = False
         self.last_extend_s = 0.0  # wall seconds of the last extend forward (any handler's or SGLang's; CPU: its work)
+        self._board: Optional[ForwardBoard] = None  # where this rank tells the launcher of its extend forwards
+        self._board_opened = False
         settings = rt.settings
         self.ahead = AheadOfChunks(rt, self.prefills_alone,  # prefill-alone requests between chunked pieces
                                    on=settings is None or settings.config.ahead_of_chunks == "on")
@@ -230,21 +234,42 @@ class ForwardHook:
                         pp_proxy_tensors=None, **kwargs):
         extend = input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend()
         hidden, by = None, None
+        board, slot = self._forward_board() if extend else (None, 0)
         t0 = time.perf_counter()
-        with self.rt.foreground.busy():
-            if extend:
-                for handler in self.handlers:
-                    hidden = handler(module, input_ids, positions, forward_batch)
-                    if hidden is not None:
-                        by = handler.name
-                        break
-            if hidden is None:
-                hidden = original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors,
-                                  **kwargs)
+        if board is not None:
+            board.begin(slot)
+        try:
+            with self.rt.foreground.busy():
+                if extend:
+                    for handler in self.handlers:
+                        hidden = handler(module, input_ids, positions, forward_batch)
+                        if hidden is not None:
+                            by = handler.name
+                            break
+                if hidden is None:
+                    hidden = original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors,
+                                      **kwargs)
+        finally:
+            if board is not None:
+                board.end(slot)
         if extend:
             self.last_extend_s = time.perf_counter() - t0
             self._ended(forward_batch, by)
         return hidden
+
+    def _forward_board(self) -> tuple[Optional[ForwardBoard], int]:
+        """The server's forward board and this rank's slot (storage/forward_board.py), where the launcher reads at
+        arrival (`--tiered-kvpr-arrival-reads`, arrival.py); None where it does not or there is no board."""
+        store = self.rt.store
+        if not self._board_opened and store is not None:
+            self._board_opened = True
+            cfg = self.rt.settings.config
+            if cfg.kvpr != "off" and cfg.kvpr_arrival_reads == "on":
+                self._board = ForwardBoard.open(cfg.ssd_dir)
+                if self._board is None:
+                    logger.warning("tiered: no forward board under %s: reads at arrival stay off", cfg.ssd_dir)
+        ns = store.namespace if store is not None else None
+        return self._board, (ns.tp_rank + ns.tp_size * ns.pp_rank if ns is not None else 0)
 
     def _ended(self, fb, by: Optional[str]) -> None:
         for observer in self._after:

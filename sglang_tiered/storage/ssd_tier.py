@@ -49,6 +49,7 @@ from sglang_tiered.storage import activations, group_file, page_cache
 from sglang_tiered.storage.directory_lock import LOCK_FILE
 from sglang_tiered.storage.disk_index import DiskIndex, Victim
 from sglang_tiered.storage.files import make_dir, unlink_quiet, write_atomic
+from sglang_tiered.storage.forward_board import BOARD_FILE
 from sglang_tiered.storage.groups import ITEMSIZE, assemble, pages_from_group
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import (
@@ -79,7 +80,7 @@ FOREIGN_PREFIX = "f:"  # foreign files: "f:<path relative to the root>"
 NAMESPACE_FILE = "NAMESPACE.json"
 SERVER_FILE = "SERVER"  # in a namespace's directory: the pid of the launcher serving it (integration/arrival.py)
 DTYPE_FILE = "cpu-dtype.json"  # the launcher's `--dtype auto` choice, kept for restarts (integration/server_flags.py)
-ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE, LOCK_FILE)  # files of the whole server at the root, counted as meta
+ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE, LOCK_FILE, BOARD_FILE)  # the whole server's, counted as meta
 
 
 class SSDTier:

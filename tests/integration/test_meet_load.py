@@ -240,7 +240,7 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     rid = out["meta_info"]["id"]
     arrival = [line for line in s.log_lines("tiered kvpr: rid") if f"rid {rid}: " in line]
     assert len(arrival) == 1 and f": {len(files)} of {len(files)} stored page files" in arrival[0], arrival
-    assert "from its arrival, another request's prefill ahead" in arrival[0], arrival[0]
+    assert "from its arrival, during a prefill forward" in arrival[0], arrival[0]
     assert counter(s, "arrival_reads") == arrivals + 1
     assert counter(s, "arrival_bytes") == arrival_bytes + sum(f.stat().st_size for f in files)
     assert "read path read into the page cache from its arrival: no sample" in line, line

@@ -132,3 +132,36 @@ def test_the_launcher_finds_its_ranks_directories_and_each_ranks_leading_run(tmp
     assert paths == [page_path(ranks[0], keys[0]), page_path(ranks[1], keys[0]), page_path(ranks[0], keys[1]),
                      page_path(ranks[1], keys[1]), page_path(ranks[0], keys[2]), page_path(ranks[0], keys[3])]
     assert stored_run([], keys) == (0, [])
+
+
+def test_the_forward_board_shows_another_process_s_extend_forward(tmp_path):
+    """storage/forward_board.py: what a scheduler process marks on its slot, the launcher's process reads -- running
+    while its forward runs, one more ended after it; none without a board of the right size."""
+    import subprocess
+    import sys
+
+    from sglang_tiered.storage.forward_board import BOARD_FILE, ForwardBoard
+
+    assert ForwardBoard.open(tmp_path) is None
+    (tmp_path / BOARD_FILE).write_bytes(b"\0" * 10)
+    assert ForwardBoard.open(tmp_path) is None
+    ForwardBoard.create(tmp_path)
+    board = ForwardBoard.open(tmp_path)
+    assert board is not None and not board.running() and board.ended() == 0
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom sglang_tiered.storage.forward_board import ForwardBoard\n"
+         f"b = ForwardBoard.open({str(tmp_path)!r})\nb.begin(3)\nprint('began', flush=True)\nsys.stdin.readline()\n"
+         "b.end(3)\nb.begin(65)\nb.end(65)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "began"
+        assert board.running() and board.ended() == 0
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert not board.running() and board.ended() == 2  # slot 65 is slot 1: each slot its own count
+    ForwardBoard.create(tmp_path)  # a new server's launcher: zeroed
+    assert ForwardBoard.open(tmp_path).ended() == 0
