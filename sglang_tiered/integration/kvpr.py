@@ -294,9 +294,11 @@ class KVPR:
             return decide(self.shape, p, n, ps, stored_activations=stored_x, forced=mode != "auto")
 
         # compute's estimates as measured beside this kind of load: its contention priced (policy/kvpr.Slowdown;
-        # a number as the mode fixes the meet point: the factor decides nothing there)
+        # a number as the mode fixes the meet point: the factor decides nothing there; a span read at arrival is
+        # no sample of it: no retry is spent on it, no kept-out load counted)
+        arrival = bool(request_params(req).get(ARRIVAL_PARAM))
         priced = self.slowdown.price(decided(alone), lambda f: decided(beside(alone, f)),
-                                     book=not isinstance(mode, int))
+                                     book=not isinstance(mode, int) and not arrival)
         d, slowdown = priced.decision, priced.factor
         if slowdown != 1.0:
             profile = beside(alone, slowdown)
@@ -322,8 +324,7 @@ class KVPR:
         plan = Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
-                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind,
-                    arrival=bool(request_params(req).get(ARRIVAL_PARAM)))
+                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind, arrival=arrival)
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
                               lambda tokens: forward_s(alone, layers, tokens), self.rt.forward.ahead.would_go)
         return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))

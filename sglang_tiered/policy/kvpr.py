@@ -346,8 +346,9 @@ class Slowdown:
         estimates the profile's times `factor`. The factor, its counts (`keep_out`, `joined`) and the sample the load
         gives (`observe`) are all keyed by the kind of load the profile's own times decide (`alone.activations`): the
         factor is what compute measured beside loads planned with it, also where pricing compute changes how their
-        pages are read. `book`: count kept-out and joined loads (False where the meet point is forced: the factor
-        decides nothing there). A retry is decided at the profile's times (factor 1)."""
+        pages are read. `book`: count kept-out and joined loads (False where the meet point is forced -- the factor
+        decides nothing there -- or the load will be no sample, its pages read ahead). A retry is decided at the
+        profile's times (factor 1)."""
         kind = alone.activations
         factor = self.factor(kind)
         d = redecide(factor) if factor != 1.0 else alone
