@@ -1098,6 +1098,25 @@ MEET_RERUNS = [
      "round, met at page 26-30 and 40-44 of 126; no load kept out by compute's measured slowdown; both crossovers "
      "(load 19.8 / 30.5 s, recompute 25.8 / 25.5 s); SGLang's load read every page in 2 of 4 rounds at 50 MB/s (hence "
      "the wide interval) and nothing in any at 25 MB/s (there the ratio is against recompute)"),
+    ("meet-s64-busy25-firsttoken-amd", "stop 64, reads at arrival, first version (the launcher read a request's span "
+     "files into the page cache while another request had no first token, until its own first token): stop 63's miss "
+     "again, SmolLM2 1024 and 4096 tokens at 25 MB/s with a busy CPU, the same server (chunk 4224: the busy client's "
+     "2048-token prompt one forward; `--models smollm2 --lengths 1024 4096 --slow-mbps --skip-native --busy 25 "
+     "--repeats 4 --max-repeats 4`); at 1024 every file was read before admission (16 of 16 in 0.86-0.95 s) and every "
+     "way of ours met at page 0; at 4096 58-64 of 64 files, the launcher reading on beside the scheduler's loader "
+     "(replaced by the version below)"),
+    ("meet-s64-busy25-amd", "stop 64, reads at arrival as built (the launcher reads while a scheduler marks a prefill "
+     "forward on the forward board, and stops at its end): the same points and command; 1024: 16 of 16 files read in "
+     "0.95 s, every way of ours met at page 0, not a crossover this run (load 6.33 s against recompute 3.79 s); 4096: "
+     "41-46 of 64 files read before the forward ended, the scheduler's early reads then placing 2-48 pages before "
+     "its forward (the warm ones first), auto met at page 6-10; these loads no sample (read path `read into the "
+     "page cache from its arrival`)"),
+    ("meet-s64-mha-busy25-amd", "stop 64, reads at arrival as built: the MHA model's 1024 and 4096 tokens at 25 MB/s "
+     "with a busy CPU (stop 63: 0.88x / 0.58x; `--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native "
+     "--busy 25 --repeats 4 --max-repeats 4`); the launcher reads KV files: 16 of 16 (67.5 MiB) in 2.8 s at 1024, "
+     "17-18 of 64 at 4096 before the forward ended; the loader then read those pages as KV (in the page cache) and "
+     "the rest as activations (1024 KV + 1792 from activations at 4096), auto met at page 18-20; 1024 not a crossover "
+     "this run (load 7.59 s against recompute 4.51 s)"),
 ]
 
 
