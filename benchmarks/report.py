@@ -1115,7 +1115,7 @@ MEET_RERUNS = [
      "with a busy CPU (stop 63: 0.88x / 0.58x; `--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native "
      "--busy 25 --repeats 4 --max-repeats 4`); the launcher reads KV files: 16 of 16 (67.5 MiB) in 2.8 s at 1024, "
      "17-18 of 64 at 4096 before the forward ended; the loader then read those pages as KV (in the page cache) and "
-     "the rest as activations (1024 KV + 1792 from activations at 4096), auto met at page 18-20; 1024 not a crossover "
+     "the rest as activations (e.g. 1024 tokens as KV, 1792 from activations at 4096), auto met at page 18-20; 1024 not a crossover "
      "this run (load 7.59 s against recompute 4.51 s)"),
 ]
 

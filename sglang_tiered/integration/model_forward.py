@@ -263,8 +263,9 @@ class ForwardHook:
         store = self.rt.store
         if not self._board_opened and store is not None:
             self._board_opened = True
-            cfg = self.rt.settings.config
-            if cfg.kvpr != "off" and cfg.kvpr_arrival_reads == "on":
+            settings = self.rt.settings
+            cfg = settings.config
+            if settings.cpu_only and cfg.kvpr != "off" and cfg.kvpr_arrival_reads == "on":  # (as the kvpr loader)
                 self._board = ForwardBoard.open(cfg.ssd_dir)
                 if self._board is None:
                     logger.warning("tiered: no forward board under %s: reads at arrival stay off", cfg.ssd_dir)
