@@ -9,10 +9,11 @@ request at once.
 
 Seam (listed in plugin.py): `TokenizerManager._send_one_request` (BEFORE, launcher process): each request sent to
 the scheduler (those of a batch one by one).
-* When: a scheduler rank marks an extend forward running on the server's forward board (storage/forward_board.py;
-  marked by model_forward.ForwardHook on CPU servers, as the kvpr loader runs only there), the request's `custom_params.tiered_kvpr` is not 'off' or 'compute', and it
-  is not a prompt to blend (`tiered_chunks`: blend.py serves it, not our loader). Between forwards, or during a
-  decode step, the scheduler takes the request in at once (or within one step) and its own reads begin there.
+* When: a scheduler rank marks an extend forward running on the server's forward board (storage/forward_board.py; marked
+  by model_forward.ForwardHook on CPU servers, as the kvpr loader runs only there), the request's
+  `custom_params.tiered_kvpr` is not 'off' or 'compute', and it is not a prompt to blend (`tiered_chunks`: blend.py
+  serves it, not our loader). Between forwards, or during a decode step, the scheduler takes the request in at once (or
+  within one step) and its own reads begin there.
 * Which files: the leading run of the prompt's pages (SGLang's seeded hash chain over its tokens but the last, as the
   door keys them: keys.prompt_page_keys) stored as plain page files in the namespace directory of each scheduler rank
   of this server -- those whose `SERVER` file holds this launcher's pid (written by runtime.open_store) -- if the run
