@@ -1115,8 +1115,15 @@ MEET_RERUNS = [
      "with a busy CPU (stop 63: 0.88x / 0.58x; `--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native "
      "--busy 25 --repeats 4 --max-repeats 4`); the launcher reads KV files: 16 of 16 (67.5 MiB) in 2.8 s at 1024, "
      "17-18 of 64 at 4096 before the forward ended; the loader then read those pages as KV (in the page cache) and "
-     "the rest as activations (e.g. 1024 tokens as KV, 1792 from activations at 4096), auto met at page 18-20; 1024 not a crossover "
-     "this run (load 7.59 s against recompute 4.51 s)"),
+     "the rest as activations (e.g. 1024 tokens as KV, 1792 from activations at 4096), auto met at page 18-20; "
+     "1024 not a crossover this run (load 7.59 s against recompute 4.51 s)"),
+    ("meet-s64-idle25-busy100-amd", "stop 64, reads at arrival as built: both models' 1024 and 4096 tokens at 25 MB/s "
+     "idle and at 100 MB/s with a busy CPU (`--models smollm2 smollm2-mha --lengths 1024 4096 --slow-mbps 25 "
+     "--skip-native --repeats 4 --max-repeats 4`: the busy point at 100 MB/s is the script's default); at idle no "
+     "file was read at arrival (no prefill forward ran when a request came: 0 lines in both idle servers' logs), "
+     "auto two-sided, met at page 6-7 of 16 and 23-26 of 64; beside the busy client 24 requests per model read at "
+     "arrival, auto met at page 0 (SmolLM2) and 0-4 (the MHA model); SmolLM2's busy 1024 and 4096 are not "
+     "crossovers (load 5.62 s against recompute 3.74 s; 5.82 s against 10.12 s)"),
 ]
 
 
