@@ -19,8 +19,9 @@ Fallback reasons shared by every handler (`ForwardHandler.declines`): our engine
 token ids, so a request with a LoRA adapter, multimodal inputs or input embeddings is never computed by it (counted
 as the handler's fallback); each handler adds its own (a batch of several, a chunked piece, input logprobs, ...).
 On CPU-only servers every forward (also SGLang's own) is marked as foreground work, so that the SSD write-through
-yields to it (`gate_background_writes`, storage/foreground.py). Every extend forward is also marked on the server's
-forward board (storage/forward_board.py), where the launcher sees whether a prefill runs (arrival.py).
+yields to it (`gate_background_writes`, storage/foreground.py). There every extend forward is also marked on the
+server's forward board (storage/forward_board.py), where the launcher sees whether a prefill runs, with
+`--tiered-kvpr-arrival-reads on` (arrival.py).
 """
 
 from __future__ import annotations
