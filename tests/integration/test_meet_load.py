@@ -16,7 +16,6 @@ same output; among another client's decodes the same, on samples kept apart.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -27,6 +26,7 @@ from sglang_tiered.policy.kvpr import MEET_LOADERS
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from tests.integration.helpers import chosen_dtype, flip_middle_byte
 from tests.integration.kvpr_helpers import PAGE, ask, assert_as_sglangs_load, counter
+from tests.page_cache import drop_from_page_cache
 from tests.rounding import SMOLLM2, rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -191,16 +191,6 @@ def test_auto_takes_the_load_this_server_measured_faster(fp32_server, essays, mo
     assert counter(s, "choice_sglang") == chosen["sglang"] + (not want_ours)
 
 
-def drop_from_page_cache(paths) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_server, essays, model_dir):
     """SGLang's scheduler skips a request whose L3 prefetch still runs, so behind other prefills SGLang's load waits
     for one more of their forwards: `auto` gives such a span to our loader (`behind_prefills`), same output. Sent
@@ -218,7 +208,7 @@ def test_a_span_admitted_right_after_another_prefill_goes_to_our_loader(fp32_ser
     cold = served_and_stored(s, ids, pages)
     s.flush_cache()
     files = page_files(s, ids)
-    drop_from_page_cache(files)
+    drop_from_page_cache(*files)
     behind, samples = counter(s, "choice_behind_prefills"), counter(s, "choice_samples")
     arrivals, arrival_bytes = counter(s, "arrival_reads"), counter(s, "arrival_bytes")
     other = threading.Thread(target=s.request, args=("/generate", {

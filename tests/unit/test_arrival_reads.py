@@ -11,6 +11,7 @@ import pytest
 
 from sglang_tiered.storage import page_cache
 from sglang_tiered.storage.arrival_reads import ArrivalRead, ArrivalReads
+from tests.page_cache import drop_from_page_cache
 
 SIZE = 3 * (1 << 20) + 12345  # more than the buffer: a file is read in several pieces
 
@@ -22,12 +23,7 @@ def cold_files(directory, n: int) -> list:
     for i in range(n):
         path = directory / f"{i:02d}.kvp"
         path.write_bytes(bytes([i]) * SIZE)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_from_page_cache(path)
         paths.append(path)
     return paths
 

@@ -20,6 +20,7 @@ from sglang_tiered.storage.groups import as_float
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
 from sglang_tiered.storage.ssd_tier import SSDTier
+from tests.page_cache import drop_from_page_cache
 
 LAYERS, HEADS, DIM, PS = 3, 2, 8, 16
 SEG = PS * HEADS * DIM * 2  # bytes of one segment (bf16)
@@ -340,15 +341,6 @@ def _read_bytes() -> int:
         return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
 
 
-def _evict(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_it(tmp_path):
     big = Namespace(model="m:1", dtype="torch.bfloat16", page_size=64, layout="layer_first", layer_num=8,
                     kv_heads=4, head_dim=64)
@@ -361,12 +353,12 @@ def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_i
     assert tier.repack(keys, list(range(1024)), probe_heads=[0])
     meta = tier.group_of(keys[0])
     (path,) = list(tmp_path.glob("*/groups/*.kvg"))
-    _evict(path)
+    drop_from_page_cache(path)
     before = _read_bytes()
     for c in range(10, 18):  # one chunk (16 tokens: 16 KiB of K and V) at a time, as a sparse load reads its picks
         assert tier.read_group_chunks(meta.gid, 3, [c]) is not None
     chunks_read = _read_bytes() - before
-    _evict(path)
+    drop_from_page_cache(path)
     before = _read_bytes()
     assert tier.read_group_chunks(meta.gid, 3, range(meta.chunks)) is not None
     if _read_bytes() - before == 0:

@@ -46,6 +46,7 @@ from sglang_tiered.policy.kvpr import (
 )
 from sglang_tiered.policy.read_rate import moving_average
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
+from tests.page_cache import drop_from_page_cache
 
 MHA = LlamaConfig(hidden=96, layers=4, heads=6, kv_heads=6, head_dim=16, intermediate=192, vocab=300)
 PS = 16
@@ -402,14 +403,7 @@ def tier_pages(tier, keys, activations=True, cached_kv=False):
 
 def drop(tier, key) -> None:
     """Drop the stored file `key` from the page cache."""
-    import os
-
-    fd = os.open(tier._path(key), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_from_page_cache(tier._path(key))
 
 
 def test_stored_pages_load_exactly_and_read_fewer_bytes(mha, tier):

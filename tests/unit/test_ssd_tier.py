@@ -20,6 +20,7 @@ from sglang_tiered.storage.page_file import (
 )
 from sglang_tiered.storage.ssd_tier import NAMESPACE_FILE, ROOT_FILES, SSDTier
 from tests.dirsize import sample_bytes
+from tests.page_cache import drop_from_page_cache
 
 PAGE = 4096  # payload bytes per test page, split in segments like a layer_first host page
 NS_FILE = 1024  # a bound of the namespace description's size (NAMESPACE.json), which counts against the capacity
@@ -450,12 +451,7 @@ def test_the_page_cache_probe_tells_a_cold_file_from_a_warm_one(tmp_path):
     nothing counted."""
     tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
     tier.write_pages([(key(1), page(1))])
-    fd = os.open(page_file(tier, key(1)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_from_page_cache(page_file(tier, key(1)))
     before = tier.stats.snapshot()
     assert [tier.in_page_cache(key(1)) for _ in range(20)] == [False] * 20
     assert tier.read_pages([(key(1), empty())]) == [True]
