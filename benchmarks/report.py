@@ -1124,6 +1124,12 @@ MEET_RERUNS = [
      "auto two-sided, met at page 6-7 of 16 and 23-26 of 64; beside the busy client 24 requests per model read at "
      "arrival, auto met at page 0 (SmolLM2) and 0-4 (the MHA model); SmolLM2's busy 1024 and 4096 are not "
      "crossovers (load 5.62 s against recompute 3.74 s; 5.82 s against 10.12 s)"),
+    ("meet-s64-gqa-busy50-amd", "stop 64, reads at arrival as built: SmolLM2's 1024 and 4096 tokens at 50 MB/s with "
+     "a busy CPU (stop 63: 0.77x / 0.71x; `--models smollm2 --lengths 1024 4096 --slow-mbps --skip-native --busy 50 "
+     "--repeats 4 --max-repeats 4`); the launcher read every file before the busy forward ended (16 of 16 in 0.42 s, "
+     "64 of 64 in 1.8 s), auto met at page 0 in every round; 1024 not a crossover (load 5.83 s against recompute "
+     "3.75 s); at 4096 SGLang's load read nothing in 3 of 4 rounds (its prefetch deadline passed; 5.65 s in the "
+     "round it read every page), which made it a crossover against recompute"),
 ]
 
 
