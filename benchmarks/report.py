@@ -1130,6 +1130,19 @@ MEET_RERUNS = [
      "64 of 64 in 1.8 s), auto met at page 0 in every round; 1024 not a crossover (load 5.83 s against recompute "
      "3.75 s); at 4096 SGLang's load read nothing in 3 of 4 rounds (its prefetch deadline passed; 5.65 s in the "
      "round it read every page), which made it a crossover against recompute"),
+    ("meet-s64-gqa8k-busy-amd", "stop 64, reads at arrival as built: SmolLM2's 8064 tokens with a busy CPU at 200 "
+     "MB/s and at the disk's own speed, not measured before on this machine class (`--models smollm2 --lengths 8064 "
+     "--slow-mbps --skip-native --busy 200 --busy-native --repeats 4 --max-repeats 4`); the launcher read all 126 "
+     "files (177 MiB) before the busy forward ended, in 0.91 s at 200 MB/s and 0.14-0.22 s at the disk's own speed; "
+     "auto two-sided met at page 0 at 200 MB/s, our loader behind prefills at the disk's own speed; neither a "
+     "crossover (SGLang's load read every page but in one round at the disk's own speed, 30.9 s there: hence the wide "
+     "interval)"),
+    ("meet-s64-mha8k-busy50-amd", "stop 64, reads at arrival as built: the MHA model's 8064 tokens at 50 MB/s with a "
+     "busy CPU, not measured before on this machine class (`--models smollm2-mha --lengths 8064 --slow-mbps "
+     "--skip-native --busy 50 --repeats 4 --max-repeats 4`); the launcher read 32-36 of 126 KV files before the busy "
+     "forward ended, the loader read those as KV and the rest as activations (e.g. 2112 tokens as KV, 4672 from "
+     "activations), auto two-sided met at page 16-20; SGLang's load read nothing in any round (its prefetch deadline "
+     "passed), so the ratio is against recompute"),
 ]
 
 
