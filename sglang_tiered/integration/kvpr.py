@@ -29,8 +29,8 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   activations would (`policy/kvpr.early_as_kv`: placing KV is a copy, activations a recompute; what the wait does
   not read in is the forward's), else as the plan reads them. The forward takes them (the page in flight too) and
   reads the rest; a plan not followed (a fallback, a re-admission) drops them, and ones not taken EARLY_HOLD_S after
-  admission are dropped at the next start (counted). Earlier still, a request sent while another's prefill was
-  ahead of it may have had its span's files read into the page cache by the launcher (integration/arrival.py,
+  admission are dropped at the next start (counted). Earlier still, a request sent during a prefill forward may
+  have had its span's files read into the page cache by the launcher (integration/arrival.py,
   marked `custom_params.tiered_arrival_reads`): its plan reads a page whose KV is in the page cache as KV, and its
   load is no sample of the read rate, of compute's slowdown beside the loader or of its way's time.
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
