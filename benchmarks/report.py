@@ -1143,6 +1143,14 @@ MEET_RERUNS = [
      "forward ended, the loader read those as KV and the rest as activations (e.g. 2112 tokens as KV, 4672 from "
      "activations), auto two-sided met at page 16-20; SGLang's load read nothing in any round (its prefetch deadline "
      "passed), so the ratio is against recompute"),
+    ("meet-s64-mha8k-busy-amd", "stop 64, reads at arrival as built: the MHA model's 8064 tokens with a busy CPU at "
+     "200 MB/s and at the disk's own speed, not measured before on this machine class (`--models smollm2-mha "
+     "--lengths 8064 --slow-mbps --skip-native --busy 200 --busy-native --repeats 4 --max-repeats 4`); the launcher "
+     "read all 126 KV files (532 MiB) before the busy forward ended, in 2.7 s at 200 MB/s and 0.37-0.45 s at the "
+     "disk's own speed; auto met at page 0 (two-sided at 200 MB/s; our loader behind prefills in 3 of 4 rounds at "
+     "the disk's own speed); SGLang's load read nothing in 3 of 4 rounds at each (its prefetch deadline passed: "
+     "31 s), 7.5 / 7.1 s in the round it read every page -- so the ratio is against recompute, and the interval "
+     "reaches that round"),
 ]
 
 
