@@ -32,7 +32,10 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   admission are dropped at the next start (counted). Earlier still, a request sent during a prefill forward may
   have had its span's files read into the page cache by the launcher (integration/arrival.py,
   marked `custom_params.tiered_arrival_reads`): its plan reads a page whose KV is in the page cache as KV, and its
-  load is no sample of the read rate, of compute's slowdown beside the loader or of its way's time.
+  load is no sample of the read rate, of compute's slowdown beside the loader or of its way's time. So is a span
+  whose last pages `auto` finds in the page cache at its plan (`_warm`: probed from the back, nothing read); where
+  the cold pages left would read faster than computing MEET_MIN_PAGES pages, the loader takes it alone
+  (policy/kvpr.warm_alone: compute's first chunk would outlast the read).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -130,6 +133,7 @@ from sglang_tiered.policy.kvpr import (
     meet_s,
     reads_as_auto,
     route,
+    warm_alone,
 )
 from sglang_tiered.policy.load_choice import OURS, LoadChoice, behind_prefills, prefetch_gives_up
 from sglang_tiered.policy.read_rate import ReadRate, moving_average
@@ -176,10 +180,18 @@ class Plan:
     #                                 how many more such loads before it is let in again (policy/kvpr.Slowdown)
     retry: bool = False  # compute let in at the profile's times to measure its slowdown again (then 1.0 here)
     kind: bool = False  # the slowdown's key: whether the profile's own times read the pages as activations
-    arrival: bool = False  # its files were read into the page cache from its arrival (arrival.py): no sample
+    arrival: bool = False  # its files were read into the page cache from its arrival (arrival.py)
+    warm: int = 0  # pages at the span's back whose files were in the page cache at its plan (`auto` plans only)
     wait_s: float = 0.0  # seconds of other forwards it was expected to wait for at admission (wait_ahead_s)
     early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
     #                                                                             admission (engine/early_reads.py)
+
+    @property
+    def cached(self) -> bool:
+        """Its pages were read, partly or wholly, from the page cache: no sample of the disk's read rate, of compute
+        beside a loader or of its way's time (policy/compute_choice.py); a page whose KV is cached is read as KV.
+        Still a sample of our loader against SGLang's load (load_timing.py): what ours costs in that situation."""
+        return self.arrival or self.warm > 0
 
 
 def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int], float],
@@ -294,11 +306,12 @@ class KVPR:
             return decide(self.shape, p, n, ps, stored_activations=stored_x, forced=mode != "auto")
 
         # compute's estimates as measured beside this kind of load: its contention priced (policy/kvpr.Slowdown;
-        # a number as the mode fixes the meet point: the factor decides nothing there; a span read at arrival is
-        # no sample of it: no retry is spent on it, no kept-out load counted)
+        # a number as the mode fixes the meet point: the factor decides nothing there; a span read at arrival or
+        # found in the page cache is no sample of it: no retry is spent on it, no kept-out load counted)
         arrival = bool(request_params(req).get(ARRIVAL_PARAM))
+        warm = self._warm(keys[:n]) if mode == "auto" else 0
         priced = self.slowdown.price(decided(alone), lambda f: decided(beside(alone, f)),
-                                     book=not isinstance(mode, int) and not arrival)
+                                     book=not isinstance(mode, int) and not arrival and not warm)
         d, slowdown = priced.decision, priced.factor
         if slowdown != 1.0:
             profile = beside(alone, slowdown)
@@ -311,6 +324,8 @@ class KVPR:
         how, chosen = str(mode), None
         if mode == "auto" and not d.take:  # compute would gain little: our loader only where it is the faster load
             how = self._ours_anyway(scheduler, req, n)
+        elif mode == "auto" and warm_alone(n, warm, d):  # in the page cache: a chunk would outlast the read
+            how, chosen = f"auto: our loader alone ({warm} of {n} pages in the page cache)", ALONE
         elif mode == "auto":  # the three ways, as measured (policy/compute_choice.py)
             c = self.estimates.choose(n, d.activations, meet, forward_s(alone, layers, n * ps + new, start), solo)
             how, chosen = "auto: " + c.describe(), c.how
@@ -324,7 +339,7 @@ class KVPR:
         plan = Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
-                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind, arrival=arrival)
+                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind, arrival=arrival, warm=warm)
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
                               lambda tokens: forward_s(alone, layers, tokens), self.rt.forward.ahead.would_go)
         return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))
@@ -357,7 +372,17 @@ class KVPR:
         c = self.cfg
         return TierPages(self.tier, plan.keys, layers=c.layers, page_size=self.tier.namespace.page_size,
                          kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=dtype, hidden=c.hidden,
-                         activations=plan.activations, cached_kv=plan.arrival)
+                         activations=plan.activations, cached_kv=plan.cached)
+
+    def _warm(self, keys: tuple[str, ...] | list[str]) -> int:
+        """How many of `keys`' pages, from the last, have their files in the OS page cache now (probed from the back,
+        up to the first that has not: SSDTier.in_page_cache; nothing read)."""
+        warm = 0
+        for key in reversed(keys):
+            if not self.tier.in_page_cache(key):
+                break
+            warm += 1
+        return warm
 
     def _ours_anyway(self, scheduler, req, pages: int) -> Optional[str]:
         """Why our loader (alone) takes a span of `pages` stored pages that compute would not gain on (`auto`):
@@ -535,8 +560,8 @@ class KVPR:
         estimates, themselves the profile's times `plan.slowdown`) into compute's slowdown beside this kind of
         load; what the log line says of it."""
         sample = chunk_slowdown(chunks, load_s, plan.chunk_s, plan.page_s)
-        if sample is not None and plan.arrival:
-            return "compute's chunks no sample (the loader read the page cache: read at arrival)"
+        if sample is not None and plan.cached:
+            return "compute's chunks no sample (the loader read the page cache)"
         if sample is None and plan.kept_out is not None:
             return (f"no chunk beside the loader, kept out by compute's measured slowdown "
                     f"({self.slowdown.factor(plan.kind):.2f}x; let in again after {plan.kept_out} more such "
@@ -580,7 +605,7 @@ class KVPR:
             return
         plan, seconds = planned(req, self.name), self.rt.forward.last_extend_s
         # pages read before the forward (at admission, or into the page cache at arrival): not the way's time
-        ahead = getattr(req, "tiered_early_pages", 0) or (plan is not None and plan.arrival)
+        ahead = getattr(req, "tiered_early_pages", 0) or (plan is not None and plan.cached)
         if by == self.name and plan is not None and plan.way in LOADS and plan.estimate_s > 0 and not ahead:
             key, estimate = Estimates.key(plan.way, len(plan.keys), plan.activations), plan.estimate_s
         elif by is None and (plan is None or plan.way == COMPUTE) and \
@@ -786,10 +811,12 @@ class KVPRHandler(SpanHandler):
             read = "nothing read"
         elif plan.arrival:
             read = "read into the page cache from its arrival: no sample"
+        elif plan.warm:
+            read = f"{plan.warm} of its pages in the page cache at its plan: no sample"
         else:
             read = kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
         if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0 and not res.early_pages and \
-                not plan.arrival:
+                not plan.cached:
             kvpr.observe_activation_load(res.load_s, source.pages * ps * c.layers)
         beside_note = kvpr.observe_chunks(plan, res.chunks, res.load_s)
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps

@@ -234,6 +234,15 @@ def decide(shape: Shape, prof: Profile, pages: int, page_size: int, *, stored_ac
     return Decision(take, use_x, read_s, page_s, prof.chunk_s, joins, share)
 
 
+def warm_alone(pages: int, warm: int, d: Decision) -> bool:
+    """`auto`, on a span compute would gain on (`d.take`) whose last `warm` of `pages` pages have their files in the
+    OS page cache (read at memory speed): our loader alone reads it -- the cold pages left read faster than computing
+    MEET_MIN_PAGES pages (`meet_pays` false for them), so compute's first chunk would outlast the whole load (measured
+    in stop 64: the MHA model's 4096 tokens read into the page cache at arrival, two-sided computed 4 pages in
+    0.37-0.51 s beside a 0.08 s read; the loader alone read all 64 in 0.05-0.06 s)."""
+    return warm > 0 and not meet_pays(pages - warm, d.read_s, d.page_s, d.chunk_s)
+
+
 def beside(prof: Profile, slowdown: float) -> Profile:
     """`prof` (compute as measured alone) with compute's parts (a layer, a stored token-layer, a chunk's fixed part,
     a span token-layer) taking `slowdown` times as long: compute as measured beside a loader (`chunk_slowdown`),

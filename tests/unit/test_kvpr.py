@@ -43,6 +43,7 @@ from sglang_tiered.policy.kvpr import (
     page_read_s,
     reads_as_auto,
     route,
+    warm_alone,
 )
 from sglang_tiered.policy.read_rate import moving_average
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
@@ -147,6 +148,22 @@ def test_auto_reads_alone_where_reads_are_fast_next_to_compute():
     assert "too fast" in auto_example(smollm2, fast, 64, tokens=16384)
     assert not meet_pays(1, MEET_MIN_PAGES * page_s, page_s)  # exactly MEET_MIN_PAGES pages of compute: not yet
     assert "as activations" in auto_example(mha_shape(), prof, 64)
+
+
+def test_auto_reads_a_span_alone_where_its_cold_pages_read_faster_than_two_pages_compute():
+    """A span compute would gain on, most of it in the page cache (read at arrival, or still there from its write):
+    only the cold pages at its front count; where they read faster than MEET_MIN_PAGES pages' compute, compute's
+    first chunk would outlast the load, so the loader takes it alone. Not where nothing or too little is warm."""
+    smollm2 = Shape(layers=30, x_bytes=576 * 2, kv_bytes=2 * 3 * 64 * 2)
+    prof = Profile(read_bytes_per_s=25e6, recompute_s=1e-6, layer_s=25e-6, stored_s=1e-6)  # 59 ms a page's read
+    d = decide(smollm2, prof, 64, 64, stored_activations=False, forced=False)
+    assert d.take and d.read_s == pytest.approx(0.0590, abs=1e-4) and d.page_s == pytest.approx(0.0499, abs=1e-4)
+    assert not warm_alone(64, 0, d)  # nothing warm: the two meet as before
+    assert warm_alone(64, 64, d) and warm_alone(64, 63, d)  # all, or one cold page: 59 ms < 2 pages' 100 ms
+    assert not warm_alone(64, 62, d)  # two cold pages: 118 ms, longer than 2 pages' compute
+    assert not warm_alone(64, 10, d)  # most of it cold
+    priced = replace(d, chunk_s=0.05)  # a chunk's fixed part raises the bar to 150 ms: two cold pages under it
+    assert warm_alone(64, 62, priced) and not warm_alone(64, 61, priced)
 
 
 def test_a_measured_chunk_decides_by_a_full_chunks_share_of_each_page():
