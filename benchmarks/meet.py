@@ -138,13 +138,13 @@ class Busy:
 
 
 WAYS = {None: "SGLang's load", ")": "ours, compute not expected", ": behind": "ours, behind prefills",
-        ": measured choice": "ours, measured choice"}
+        ": measured choice": "ours, measured choice", ": our loader alone": "ours, in the page cache"}
 
 
 def way_name(logged: str | None) -> str:
     """The way `auto` took, from its load's log line: `policy/compute_choice.py`'s three where compute would gain; our
-    loader alone behind other prefills or by the measured choice; a bare `mode=auto` (before stop 50: our loader where
-    compute was not expected to join); no line: SGLang's own load."""
+    loader alone behind other prefills, by the measured choice, or with the span in the page cache (stop 65); a bare
+    `mode=auto` (before stop 50: our loader where compute was not expected to join); no line: SGLang's own load."""
     return WAYS.get(logged) or logged.removeprefix(": ")
 
 
@@ -160,7 +160,8 @@ def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt:
     line = (s.log_lines("tiered kvpr: rid", since=mark) or [""])[-1]
     met = re.search(r"met at page (\d+) of (\d+)", line)
     x = re.search(r"\((\d+) from activations", line)
-    way = re.search(r"mode=auto(: two-sided|: the loader alone|: SGLang's forward|\)|: behind|: measured choice)", line)
+    way = re.search(r"mode=auto(: two-sided|: the loader alone|: SGLang's forward|\)|: behind|: measured choice"
+                    r"|: our loader alone)", line)
     top = (body["meta_info"].get("output_top_logprobs") or [[]])[0] or []
     return {"ttft_s": ttft, "output": body["output_ids"], "cached": cached_details(body),
             "top": [[int(tok), float(lp)] for lp, tok, *_ in top],

@@ -1151,6 +1151,21 @@ MEET_RERUNS = [
      "the disk's own speed); SGLang's load read nothing in 3 of 4 rounds at each (its prefetch deadline passed: "
      "31 s), 7.5 / 7.1 s in the round it read every page -- so the ratio is against recompute, and the interval "
      "reaches that round"),
+    ("meet-s65-gqa-busy200-native-amd", "stop 65, stop 64's code (the server started before the page-cache rule): "
+     "SmolLM2's 1024 and 4096 tokens with a busy CPU at 200 MB/s and at the disk's own speed, the 1024-token points "
+     "and the 4096 at 200 MB/s not measured before on this machine class (`--models smollm2 --lengths 1024 4096 "
+     "--slow-mbps --skip-native --busy 200 --busy-native --repeats 4 --max-repeats 4`); the launcher read every file "
+     "before the busy forward ended (16 in 0.11-0.12 s / 64 in 0.42 s at 200 MB/s; 0.02-0.12 s at the disk's own "
+     "speed); auto met at page 0 everywhere (two-sided or our loader behind prefills)"),
+    ("meet-s65-mha-busy100-native-amd", "stop 65, a span in the page cache read by our loader alone (`auto`): the MHA "
+     "model's 1024 and 4096 tokens with a busy CPU at 100 MB/s (stop 64's `meet-s64-idle25-busy100-amd`: 4096 auto "
+     "3.84 s against the loader alone's 3.25 s) and at the disk's own speed, the 1024 there not measured before on "
+     "this machine class (`--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native --busy 100 "
+     "--busy-native --repeats 4 --max-repeats 4`); the launcher read every file before the busy forward ended; auto "
+     "took 14 of 16 loads as `our loader alone (N of N pages in the page cache)` (the benchmark's way names missed "
+     "that line in this run: its JSON's rows were mended from the server logs), one two-sided (its arrival job still "
+     "reading the front pages at its plan) and one behind prefills; 4096 at 100 MB/s: auto 3.39 s, the loader alone "
+     "3.44 s"),
 ]
 
 
