@@ -1166,6 +1166,13 @@ MEET_RERUNS = [
      "that line in this run: its JSON's rows were mended from the server logs), one two-sided (its arrival job still "
      "reading the front pages at its plan) and one behind prefills; 4096 at 100 MB/s: auto 3.39 s, the loader alone "
      "3.44 s"),
+    ("meet-s65-mha-busy200-50-amd", "stop 65, reads at arrival and the page-cache rule: the MHA model's 1024 and "
+     "4096 tokens with a busy CPU at 200 and 50 MB/s (stop 61's `meet-s61-mha-busy-amd`, before both: 0.76 / 0.41x "
+     "and 0.81 / 0.48x) (`--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native --busy 200 50 "
+     "--repeats 4 --max-repeats 4`); at 200 MB/s the launcher read every file before the busy forward ended (16 in "
+     "0.3 s, 64 in 1.4 s) and auto read every span alone from the page cache (4096: auto 3.40 s, the two-sided race "
+     "3.66 s); at 50 MB/s it read all 16 files of the 1024-token span (1.4 s; auto alone from the page cache) and 33-37 "
+     "of the 4096-token span's 64 before the forward ended (auto two-sided, met at page 6-8)"),
 ]
 
 
