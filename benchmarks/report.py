@@ -1171,8 +1171,8 @@ MEET_RERUNS = [
      "and 0.81 / 0.48x) (`--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native --busy 200 50 "
      "--repeats 4 --max-repeats 4`); at 200 MB/s the launcher read every file before the busy forward ended (16 in "
      "0.3 s, 64 in 1.4 s) and auto read every span alone from the page cache (4096: auto 3.40 s, the two-sided race "
-     "3.66 s); at 50 MB/s it read all 16 files of the 1024-token span (1.4 s; auto alone from the page cache) and 33-37 "
-     "of the 4096-token span's 64 before the forward ended (auto two-sided, met at page 6-8)"),
+     "3.66 s); at 50 MB/s it read all 16 files of the 1024-token span (1.4 s; auto alone from the page cache) and "
+     "33-37 of the 4096-token span's 64 before the forward ended (auto two-sided, met at page 6-8)"),
 ]
 
 
