@@ -1173,6 +1173,12 @@ MEET_RERUNS = [
      "0.3 s, 64 in 1.4 s) and auto read every span alone from the page cache (4096: auto 3.40 s, the two-sided race "
      "3.66 s); at 50 MB/s it read all 16 files of the 1024-token span (1.4 s; auto alone from the page cache) and "
      "33-37 of the 4096-token span's 64 before the forward ended (auto two-sided, met at page 6-8)"),
+    ("meet-s65-gqa8k-busy-amd", "stop 65, reads at arrival and the page-cache rule: SmolLM2's 8064 tokens with a "
+     "busy CPU at 100, 50 and 25 MB/s (stop 63's `meet-s63-gqa-busy100-amd` / `meet-s63-gqa8k-busy-amd`, before "
+     "both: 0.78x, 0.29x, 0.29x) (`--models smollm2 --lengths 8064 --slow-mbps --skip-native --busy 100 50 25 "
+     "--repeats 4 --max-repeats 4`); the launcher read all 126 files (1.8 s) at 100 MB/s and auto read the span "
+     "alone from the page cache; 92-95 at 50 MB/s and 43-46 at 25 MB/s before the busy forward ended, auto "
+     "two-sided, met at page 7-8 / 28-29"),
 ]
 
 
