@@ -1178,7 +1178,9 @@ MEET_RERUNS = [
      "both: 0.78x, 0.29x, 0.29x) (`--models smollm2 --lengths 8064 --slow-mbps --skip-native --busy 100 50 25 "
      "--repeats 4 --max-repeats 4`); the launcher read all 126 files (1.8 s) at 100 MB/s and auto read the span "
      "alone from the page cache; 92-95 at 50 MB/s and 43-46 at 25 MB/s before the busy forward ended, auto "
-     "two-sided, met at page 7-8 / 28-29"),
+     "two-sided, met at page 7-8 / 28-29; auto's own times fell at every speed (4.66 / 5.68 / 7.46 s then, 2.94 / "
+     "3.89 / 6.09 s now): the ratio at 50 MB/s rose only because stop 63's SGLang's load gave up in 2 of 4 rounds "
+     "there (median 19.8 s; now 8.9 s, one round in 4)"),
 ]
 
 
