@@ -1181,6 +1181,12 @@ MEET_RERUNS = [
      "two-sided, met at page 7-8 / 28-29; auto's own times fell at every speed (4.66 / 5.68 / 7.46 s then, 2.94 / "
      "3.89 / 6.09 s now): the ratio at 50 MB/s rose only because stop 63's SGLang's load gave up in 2 of 4 rounds "
      "there (median 19.8 s; now 8.9 s, one round in 4)"),
+    ("meet-s65-mha8k-busy-amd", "stop 65, reads at arrival and the page-cache rule: the MHA model's 8064 tokens "
+     "with a busy CPU at 100 and 25 MB/s (stop 62's `meet-s62-mha-busy100-amd` and stop 61's "
+     "`meet-s61-mha8k-busy25-amd`, before both: auto 6.15 s, 0.23x; 10.84 s, 0.39x) (`--models smollm2-mha --lengths "
+     "8064 --slow-mbps --skip-native --busy 100 25 --repeats 4 --max-repeats 4`); the launcher read 66-73 of the 126 "
+     "KV files at 100 MB/s and 17-19 at 25 MB/s before the busy forward ended; auto two-sided, met at page 0-4 / "
+     "35-40; SGLang's load read nothing in any round (its prefetch deadline), so the ratios are against recompute"),
 ]
 
 
