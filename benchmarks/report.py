@@ -1187,6 +1187,11 @@ MEET_RERUNS = [
      "8064 --slow-mbps --skip-native --busy 100 25 --repeats 4 --max-repeats 4`); the launcher read 66-73 of the 126 "
      "KV files at 100 MB/s and 17-19 at 25 MB/s before the busy forward ended; auto two-sided, met at page 0-4 / "
      "35-40; SGLang's load read nothing in any round (its prefetch deadline), so the ratios are against recompute"),
+    ("meet-s65-mha-busy75-amd", "stop 65, reads at arrival and the page-cache rule: the MHA model's 1024 and 4096 "
+     "tokens with a busy CPU at 75 MB/s (stop 63's `meet-s63-mha4k-busy75-amd`, before both: 4096 0.42x) "
+     "(`--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native --busy 75 --repeats 4 --max-repeats 4`); "
+     "the launcher read all 16 files of the 1024-token span (0.9 s; auto alone from the page cache) and 48-55 of the "
+     "4096-token span's 64 before the busy forward ended (auto two-sided, met at page 4)"),
 ]
 
 
