@@ -1192,6 +1192,12 @@ MEET_RERUNS = [
      "(`--models smollm2-mha --lengths 1024 4096 --slow-mbps --skip-native --busy 75 --repeats 4 --max-repeats 4`); "
      "the launcher read all 16 files of the 1024-token span (0.9 s; auto alone from the page cache) and 48-55 of the "
      "4096-token span's 64 before the busy forward ended (auto two-sided, met at page 4)"),
+    ("meet-s65-gqa-busy200-rule-amd", "stop 65, the page-cache rule on SmolLM2: its 1024 and 4096 tokens with a busy "
+     "CPU at 200 MB/s again (`meet-s65-gqa-busy200-native-amd` ran stop 64's code) (`--models smollm2 --lengths 1024 "
+     "4096 --slow-mbps --skip-native --busy 200 --repeats 4 --max-repeats 4`); every file read at arrival; auto took "
+     "7 of 8 spans as our loader behind prefills (compute would not gain at this speed: the rule does not act) and "
+     "one alone from the page cache; SGLang's load at 4096 tokens took 5.8 s here (9.5 s in the run before), so "
+     "4096 is no crossover this run"),
 ]
 
 
