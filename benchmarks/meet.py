@@ -19,7 +19,9 @@ point is undecided -- auto's median within 10 % of the better of load and recomp
 varies by about 10 % here, so a 1.03x target is not decided by 3 rounds) -- more rounds of auto and the baselines
 that matter there, up to `--max-repeats` rounds or `--point-budget` seconds of extra rounds; medians of the
 client-side time to the first token (max_new_tokens = 1), and a bootstrap 95 % interval of auto / min(load,
-recompute). `--busy` adds, at one disk speed, a second client keeping the CPU busy with long prefills during the
+recompute). `--page-cache keep` leaves the SSD tier's files in the page cache (warm since their write or last
+read, a production server's usual case) instead of evicting them. `--busy` adds, at one disk speed, a second client
+keeping the CPU busy with long prefills during the
 measurements (`--busy-native`: at the disk's own speed; `--busy-client decode`: a short prompt's long decode
 instead, so the measured request arrives among decode batches). Targets (issue #26): auto <= 1.03 x min(load, recompute)
 at every point, and <= 0.75 x min(load, recompute) wherever the two are within 1.5x of each other; no answer
@@ -148,11 +150,15 @@ def way_name(logged: str | None) -> str:
     return WAYS.get(logged) or logged.removeprefix(": ")
 
 
-def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt: str, busy: Busy | None) -> dict:
+def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt: str, busy: Busy | None,
+                 evict: bool = True) -> dict:
+    """One request of `config`, after flushing device and host and (`evict`) the SSD tier's files out of the page
+    cache."""
     if busy is not None:
         busy.pause()
     s.flush_cache()
-    evict_from_page_cache(ssd)
+    if evict:
+        evict_from_page_cache(ssd)
     if busy is not None:
         busy.resume((len(ids), config))
     mark = s.log_mark()
@@ -234,9 +240,11 @@ def wait_for_activations(s: ServerProcess, pages: int) -> None:
 
 def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeats: int, max_repeats: int,
              point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: str | None,
-             logs: Path | None = None, kvpr_choice: str = "measured") -> dict:
-    """One server at one disk speed, every length; `busy`: None, or the second client's kind (see Busy)."""
-    tag = model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + (f"-busy-{busy}" if busy else "")
+             logs: Path | None = None, kvpr_choice: str = "measured", evict: bool = True) -> dict:
+    """One server at one disk speed, every length; `busy`: None, or the second client's kind (see Busy); `evict`:
+    False keeps the SSD tier's files in the page cache (written or read before: a production server's usual case)."""
+    tag = (model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + (f"-busy-{busy}" if busy else "")
+           + ("" if evict else "-warm"))
     ssd = tmp / f"ssd-{tag}"
     wrapper = [] if mbps is None else [str(SLOW_DISK), "--dir", str(tmp), str(mbps), "--"]
     longest = max(lengths) + 2 * PAGE
@@ -278,7 +286,7 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                     random.Random(f"{tag}-{n}-{r}").shuffle(order)
                     for c in order:
                         before = written_pages(s)
-                        rows[c].append(measure_once(s, ssd, ids, c, f"fresh-{tag}-{n}-{r}", noise))
+                        rows[c].append(measure_once(s, ssd, ids, c, f"fresh-{tag}-{n}-{r}", noise, evict))
                         if c == "recompute":  # its pages are new (a fresh salt): their write-through ends first
                             wait_for_pages(s, n // PAGE, before)
                 point = {c: {"ttft_s": statistics.median(x["ttft_s"] for x in rs), "rows": rs} for c, rs in
@@ -401,6 +409,9 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--kvpr-choice", default="measured", choices=["rule", "measured"],
                     help="the servers' --tiered-kvpr-choice: which load `auto` gives a span compute would not join")
+    ap.add_argument("--page-cache", choices=["evict", "keep"], default="evict",
+                    help="evict the SSD tier's files from the page cache before every request (the default: every "
+                    "read from the disk), or keep them there (spans warm since their write or last read)")
     ap.add_argument("--name", default="meet", help="results as benchmarks/results/NAME.json and .png (a partial "
                     "re-run under another name keeps the full run's)")
     a = ap.parse_args()
@@ -412,14 +423,15 @@ def main() -> int:
     runs += [(f"{m} MB/s", m, a.busy_client) for m in a.busy]
     runs += [("native", None, a.busy_client)] if a.busy_native else []
     labels = {None: "", "prefill": " + busy CPU", "decode": " + a decoding client"}
+    warm = " + page cache kept" if a.page_cache == "keep" else ""
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meet-bench-") as tmp:
         for model in a.models:
             results[model] = {}
             for disk, mbps, busy in runs:
-                results[model][disk + labels[busy]] = run_disk(
+                results[model][disk + labels[busy] + warm] = run_disk(
                     model, disk, mbps, a.lengths, a.repeats, a.max_repeats, a.point_budget, dtype, src, Path(tmp),
-                    busy, a.logs, a.kvpr_choice)
+                    busy, a.logs, a.kvpr_choice, a.page_cache == "evict")
                 save(a.name, summary(results, a, dtype, partial=True))  # what is measured survives a crash
                 print(f"[meet] {time.monotonic() - t0:.0f} s so far", flush=True)
     data = summary(results, a, dtype)

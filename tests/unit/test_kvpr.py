@@ -549,6 +549,26 @@ def test_a_span_read_at_arrival_reads_a_page_whose_kv_is_in_the_page_cache_as_kv
     assert meet_prefill(model, ids[:80], ids[80:], prefix_len=0, source=plain, split=0).recomputed_pages == 5
 
 
+def test_a_span_evicted_from_the_page_cache_after_its_plan_is_read_from_the_disk_the_same(mha, tier):
+    """A span `auto` found in the page cache at its plan (every KV file warm: our loader alone, `cached_kv`) whose
+    files leave the page cache before the loader reads them: each page is read from the disk as planned for a cold
+    page (its activations, recomputed), nothing missed, the same KV and logits as SGLang's forward."""
+    from sglang_tiered.storage import activations
+
+    model, ids, logits, kv, xs = mha
+    keys = store_span(tier, kv, xs, 80, with_x={0, 1, 2, 3, 4})
+    assert all(tier.in_page_cache(key) for key in keys)  # the plan's probe (KVPR._warm): 5 of 5 warm
+    source = tier_pages(tier, keys, cached_kv=True)
+    for key in keys:  # evicted between the plan and the read
+        drop(tier, key)
+        drop(tier, activations.activation_key(key))
+    res = meet_prefill(model, ids[:80], ids[80:], prefix_len=0, source=source, split=0)
+    assert res.recomputed_pages == 5 and source.act_misses == 0 and source.bytes_kv == 0
+    assert source.bytes_x == 5 * PS * MHA.hidden * 4 * MHA.layers
+    torch.testing.assert_close(res.kv, kv, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.logits(res.hidden[None])[0], logits, rtol=1e-4, atol=1e-4)
+
+
 def test_compute_beside_a_loader_is_priced_as_measured_there():
     """A server's numbers (the MHA model, Intel with AMX, bf16, 200 MB/s, a 1024-token span): the profile, measured
     alone, put a 4-page chunk at 31.1 ms + 4 x 23.0 ms; beside the loader's recomputes it took 0.419 s, and the
