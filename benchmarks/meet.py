@@ -20,7 +20,8 @@ varies by about 10 % here, so a 1.03x target is not decided by 3 rounds) -- more
 that matter there, up to `--max-repeats` rounds or `--point-budget` seconds of extra rounds; medians of the
 client-side time to the first token (max_new_tokens = 1), and a bootstrap 95 % interval of auto / min(load,
 recompute). `--page-cache keep` leaves the SSD tier's files in the page cache (warm since their write or last
-read, a production server's usual case) instead of evicting them. `--busy` adds, at one disk speed, a second client
+read, a production server's usual case) instead of evicting them; `--burst N` sends N prompts at once, each with its
+own stored document (TTFT: their mean). `--busy` adds, at one disk speed, a second client
 keeping the CPU busy with long prefills during the
 measurements (`--busy-native`: at the disk's own speed; `--busy-client decode`: a short prompt's long decode
 instead, so the measured request arrives among decode batches). Targets (issue #26): auto <= 1.03 x min(load, recompute)
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -150,20 +152,38 @@ def way_name(logged: str | None) -> str:
     return WAYS.get(logged) or logged.removeprefix(": ")
 
 
-def measure_once(s: ServerProcess, ssd: Path, ids: list[int], config: str, salt: str, busy: Busy | None,
+def measure_once(s: ServerProcess, ssd: Path, batch: list[list[int]], config: str, salt: str, busy: Busy | None,
                  evict: bool = True) -> dict:
-    """One request of `config`, after flushing device and host and (`evict`) the SSD tier's files out of the page
-    cache."""
+    """One round of `config`: after flushing device and host and (`evict`) the SSD tier's files out of the page
+    cache, the prompts of `batch` sent at once (one request each; `--burst`). One prompt: its row. Several: the mean
+    TTFT as `ttft_s`, each request's row under `requests`, their answers under `answers`."""
     if busy is not None:
         busy.pause()
     s.flush_cache()
     if evict:
         evict_from_page_cache(ssd)
     if busy is not None:
-        busy.resume((len(ids), config))
+        busy.resume((len(batch[0]), config))
     mark = s.log_mark()
-    ttft, body = request(s, ids, MODES[config], salt if config == "recompute" else None)
-    line = (s.log_lines("tiered kvpr: rid", since=mark) or [""])[-1]
+    salts = [f"{salt}-{i}" if config == "recompute" else None for i in range(len(batch))]
+    with ThreadPoolExecutor(len(batch)) as pool:
+        sent = list(pool.map(lambda i: request(s, batch[i], MODES[config], salts[i]), range(len(batch))))
+    lines = s.log_lines("tiered kvpr: rid", since=mark)
+    rows = [answer_row(ttft, body, [line for line in lines if f"rid {body['meta_info']['id']}" in line])
+            for ttft, body in sent]
+    if len(rows) == 1:
+        return rows[0]
+    return {"ttft_s": statistics.mean(r["ttft_s"] for r in rows), "requests": rows,
+            "answers": [[r["output"], r["top"]] for r in rows], "output": [r["output"] for r in rows],
+            "cached": {k: min(r["cached"][k] for r in rows) for k in rows[0]["cached"]}, "top": rows[0]["top"],
+            "met": rows[0]["met"], "from_activations": sum(r["from_activations"] for r in rows),
+            "way": ", ".join(f"{w} x{k}" for w, k in sorted(Counter(r["way"] for r in rows).items()))}
+
+
+def answer_row(ttft: float, body: dict, lines: list[str]) -> dict:
+    """One request's row: its TTFT, answer and top log-probabilities, where its tokens came from, and from its load's
+    log line (`lines`: the server's lines for its rid) the meet point and the way `auto` took."""
+    line = (lines or [""])[-1]
     met = re.search(r"met at page (\d+) of (\d+)", line)
     x = re.search(r"\((\d+) from activations", line)
     way = re.search(r"mode=auto(: two-sided|: the loader alone|: SGLang's forward|\)|: behind|: measured choice"
@@ -204,17 +224,30 @@ def focus(rows: dict) -> list[str]:
 
 def compare(rows: dict, n: int) -> dict:
     """Answers of our loaders against SGLang's load -- or, where SGLang's load read nothing (its prefetch gave up on
-    a slow disk and it computed the span), against that computed answer. A differing answer is counted, and its
-    margin recorded: the reference's log-probability of its own token minus that of the differing token (None when
-    the differing token is not in the reference's top 2): a small margin is a near-tie that rounding can flip."""
+    a slow disk and it computed the span), against that computed answer; request by request in a burst. A differing
+    answer is counted, and its margin recorded: the reference's log-probability of its own token minus that of the
+    differing token (None when the differing token is not in the reference's top 2): a small margin is a near-tie
+    that rounding can flip."""
     loaded = [x for x in rows["load"] if x["cached"]["storage"] >= n]
-    reference = (loaded or rows["recompute"])[0]
-    ref_lp = dict(reference["top"])  # token -> log-probability
-    differing = [x for c in ("loader", "auto", "race") for x in rows[c] if x["output"] != reference["output"]]
-    margins = [round(ref_lp[reference["output"][0]] - ref_lp[x["output"][0]], 4)
-               if x["output"][0] in ref_lp and reference["output"][0] in ref_lp else None for x in differing]
+    reference = answers((loaded or rows["recompute"])[0])
+    margins = []
+    for x in (x for c in ("loader", "auto", "race") for x in rows[c]):
+        for (out, _), (ref_out, ref_top) in zip(answers(x), reference):
+            if out != ref_out:
+                lp = dict(ref_top)  # token -> log-probability
+                margins.append(round(lp[ref_out[0]] - lp[out[0]], 4) if out[0] in lp and ref_out[0] in lp else None)
     return {"reference": "load" if loaded else "recompute (SGLang's load read nothing)",
-            "answers_differing": len(differing), "differing_margins": margins}
+            "answers_differing": len(margins), "differing_margins": margins}
+
+
+def mets(rows: list[dict]) -> list:
+    """The meet points of a configuration's rows (a burst's: a list per row)."""
+    return [[r["met"] for r in x["requests"]] if "requests" in x else x["met"] for x in rows]
+
+
+def answers(row: dict) -> list:
+    """[answer, top log-probabilities] of each request of a measured row (one, or a burst's)."""
+    return row.get("answers") or [[row["output"], row["top"]]]
 
 
 def wait_for_pages(s: ServerProcess, pages: int, since: float) -> None:
@@ -240,25 +273,26 @@ def wait_for_activations(s: ServerProcess, pages: int) -> None:
 
 def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeats: int, max_repeats: int,
              point_budget: float, dtype: str, src: PromptSource, tmp: Path, busy: str | None,
-             logs: Path | None = None, kvpr_choice: str = "measured", evict: bool = True) -> dict:
+             logs: Path | None = None, kvpr_choice: str = "measured", evict: bool = True, burst: int = 1) -> dict:
     """One server at one disk speed, every length; `busy`: None, or the second client's kind (see Busy); `evict`:
-    False keeps the SSD tier's files in the page cache (written or read before: a production server's usual case)."""
+    False keeps the SSD tier's files in the page cache (written or read before: a production server's usual case);
+    `burst`: documents stored per length, sent at once in each measurement."""
     tag = (model + "-" + disk.replace(" MB/s", "mbps").replace(" ", "-") + (f"-busy-{busy}" if busy else "")
-           + ("" if evict else "-warm"))
+           + ("" if evict else "-warm") + (f"-burst{burst}" if burst > 1 else ""))
     ssd = tmp / f"ssd-{tag}"
     wrapper = [] if mbps is None else [str(SLOW_DISK), "--dir", str(tmp), str(mbps), "--"]
     longest = max(lengths) + 2 * PAGE
-    args = ["--kv-backend", "tiered", "--max-total-tokens", str(3 * longest), "--dtype", dtype,
+    args = ["--kv-backend", "tiered", "--max-total-tokens", str((burst + 2) * longest), "--dtype", dtype,
             "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", "--chunked-prefill-size", str(longest),
             "--enable-metrics", "--tiered-kvpr-choice", kvpr_choice]
     mha = model == "smollm2-mha"
     checkpoint = {"model_path": str(random_model_dir(tmp / "mha-model", MHA, seed=1))} if mha else {}
     out: dict = {}
     with ServerProcess(args, log_path=tmp / f"{tag}.log", wrapper=wrapper, **checkpoint) as s:
-        docs = {n: src.tok(src.take(n + 16))["input_ids"][:n] for n in lengths}
+        docs = {n: [src.tok(src.take(n + 16))["input_ids"][:n] for _ in range(burst)] for n in lengths}
         question = src.tok(src.take(QUESTION + 8))["input_ids"][:QUESTION]
-        for n, doc in docs.items():  # store the documents' pages (and, on the MHA model, their activations)
-            before = written_pages(s)
+        for n, doc in ((n, doc) for n, some in docs.items() for doc in some):  # store the documents' pages (and,
+            before = written_pages(s)  # on the MHA model, their activations)
             request(s, doc + question[::-1], "off")
             wait_for_pages(s, n // PAGE, before)
             if mha:
@@ -274,8 +308,8 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
         elif busy == "decode":
             noise = Busy(s, src.tok(src.take(128))["input_ids"][:64], new_tokens=256)
         try:
-            for n, doc in docs.items():
-                ids = doc + question
+            for n, some in docs.items():
+                batch = [doc + question for doc in some]
                 rows: dict = {c: [] for c in CONFIGS}
                 t_extra = None  # when the extra rounds began
                 for r in range(max_repeats):
@@ -286,21 +320,21 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
                     random.Random(f"{tag}-{n}-{r}").shuffle(order)
                     for c in order:
                         before = written_pages(s)
-                        rows[c].append(measure_once(s, ssd, ids, c, f"fresh-{tag}-{n}-{r}", noise, evict))
+                        rows[c].append(measure_once(s, ssd, batch, c, f"fresh-{tag}-{n}-{r}", noise, evict))
                         if c == "recompute":  # its pages are new (a fresh salt): their write-through ends first
-                            wait_for_pages(s, n // PAGE, before)
+                            wait_for_pages(s, burst * n // PAGE, before)
                 point = {c: {"ttft_s": statistics.median(x["ttft_s"] for x in rs), "rows": rs} for c, rs in
                          rows.items()}
                 point.update(compare(rows, n))
                 if noise is not None:  # the second client's request beside each configuration's, median (s)
                     point["busy_client_s"] = {c: statistics.median(v) for c in CONFIGS
-                                              if (v := noise.first_s.get((len(ids), c)))}
+                                              if (v := noise.first_s.get((len(batch[0]), c)))}
                 point["auto_over_min_ci"] = ratio_interval(rows)
                 out[str(n)] = point
                 print(f"[meet] {model} {disk}{' busy ' + busy if busy else ''} {n} tokens: " +
                       ", ".join(f"{c} {point[c]['ttft_s']:.3f}s ({len(rows[c])})" for c in CONFIGS) +
                       f"; auto / min {ratio(rows):.3f} {point['auto_over_min_ci']}"
-                      f"; race met at {[x['met'] for x in rows['race']]}, auto at {[x['met'] for x in rows['auto']]}"
+                      f"; race met at {mets(rows['race'])}, auto at {mets(rows['auto'])}"
                       f"; auto's ways {dict(Counter(x['way'] for x in rows['auto']))}" +
                       (f"; the busy client beside each {point['busy_client_s']}" if noise is not None else ""),
                       flush=True)
@@ -412,6 +446,8 @@ def main() -> int:
     ap.add_argument("--page-cache", choices=["evict", "keep"], default="evict",
                     help="evict the SSD tier's files from the page cache before every request (the default: every "
                     "read from the disk), or keep them there (spans warm since their write or last read)")
+    ap.add_argument("--burst", type=int, default=1, help="prompts sent at once in each measurement, each with its "
+                    "own stored document (several requests arriving during one prefill); TTFT: their mean")
     ap.add_argument("--name", default="meet", help="results as benchmarks/results/NAME.json and .png (a partial "
                     "re-run under another name keeps the full run's)")
     a = ap.parse_args()
@@ -423,7 +459,7 @@ def main() -> int:
     runs += [(f"{m} MB/s", m, a.busy_client) for m in a.busy]
     runs += [("native", None, a.busy_client)] if a.busy_native else []
     labels = {None: "", "prefill": " + busy CPU", "decode": " + a decoding client"}
-    warm = " + page cache kept" if a.page_cache == "keep" else ""
+    warm = (" + page cache kept" if a.page_cache == "keep" else "") + (f" + burst of {a.burst}" if a.burst > 1 else "")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meet-bench-") as tmp:
         for model in a.models:
@@ -431,7 +467,7 @@ def main() -> int:
             for disk, mbps, busy in runs:
                 results[model][disk + labels[busy] + warm] = run_disk(
                     model, disk, mbps, a.lengths, a.repeats, a.max_repeats, a.point_budget, dtype, src, Path(tmp),
-                    busy, a.logs, a.kvpr_choice, a.page_cache == "evict")
+                    busy, a.logs, a.kvpr_choice, a.page_cache == "evict", a.burst)
                 save(a.name, summary(results, a, dtype, partial=True))  # what is measured survives a crash
                 print(f"[meet] {time.monotonic() - t0:.0f} s so far", flush=True)
     data = summary(results, a, dtype)

@@ -779,7 +779,8 @@ class KVPRHandler(SpanHandler):
             early, source = {}, kvpr.span_pages(plan, engine.dtype)
         s = source.pages * ps
         first = source.pages - 1 - len(early)  # the loader's first read (early pages run down from the last)
-        from_disk = plan.pages is None and first >= 0 and source.first_read_cached(first) is False  # (no read)
+        first_cached = source.first_read_cached(first) if first >= 0 else None  # (a probe: nothing read)
+        from_disk = plan.pages is None and first_cached is False
         ids = torch.tensor(req.origin_input_ids[prefix : prefix + ext], dtype=torch.int64)
         kept = kvpr.scratch.nbytes
         out = kvpr.scratch.take(engine, prefix + ext)  # (the cached prefix's KV too: attention reads it in place)
@@ -813,6 +814,8 @@ class KVPRHandler(SpanHandler):
             read = "read into the page cache from its arrival: no sample"
         elif plan.warm:
             read = f"{plan.warm} of its pages in the page cache at its plan: no sample"
+        elif first_cached:  # (a mode other than auto, not probed at the plan)
+            read = "its first read in the page cache: no sample"
         else:
             read = kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)
         if plan.loaders == MEET_LOADERS and res.recomputed_pages == source.pages > 0 and not res.early_pages and \

@@ -64,10 +64,16 @@ class TieredSSDStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         pages = self._page_segments(keys, host_indices)
-        kvpr, t0 = self.rt.kvpr, time.perf_counter()
+        kvpr, tier = self.rt.kvpr, self._tier()
+        # SGLang's own reads tell the compute-or-load decisions the disk's speed -- unless its first or last page is
+        # in the page cache (probed before the read): those bytes did not come from the disk (integration/kvpr.py
+        # takes no sample of a span it found there either)
+        ends = {keys[0], keys[-1]} if keys else set()
+        disk = kvpr is not None and not any(tier.in_page_cache(key) for key in ends)
+        t0 = time.perf_counter()
         with kvpr.l3_read() if kvpr is not None else nullcontext():  # (no forward beside it is timed as alone)
-            found = self._tier().read_pages(pages)
-        if kvpr is not None:  # SGLang's own reads tell the compute-or-load decisions the disk's speed
+            found = tier.read_pages(pages)
+        if disk:
             read = sum(v.nbytes for (_, segs), ok in zip(pages, found) if ok for v in segs)
             kvpr.observe_read(read, time.perf_counter() - t0)
         missing = [i for i, ok in enumerate(found) if not ok]

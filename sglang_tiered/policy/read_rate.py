@@ -17,7 +17,10 @@ throttle -- and a rate kept as a floor at the probe's value had the loader read 
   MB/s, KV loads read back to back 102-113 MB/s). Their rate is only an upper bound on the disk's: it folds in where
   it is below the estimate (the disk slowed down), never up. Spread and back-to-back reads are summed apart.
 
-A load served from the page cache reads faster than the disk, and is counted so: that is how fast those bytes came.
+A load served from the page cache is no sample: its callers leave it out (integration/kvpr.py: a span with pages in
+the page cache at its plan; integration/storage_backend.py: SGLang's reads whose first or last page is there, probed
+before the read). Counted, such loads raised the estimate to memory speed and had later plans of cold spans read a
+slow disk as a fast one (stop 66).
 Not thread-safe: the caller holds its lock (SGLang's prefetch thread and the scheduler both report).
 """
 

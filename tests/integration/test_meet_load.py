@@ -87,6 +87,11 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(fp32_server, essays, 
     s.flush_cache()
     samples = counter(s, "read_samples")
     exact = rows_alone(torch.float32, *SMOLLM2)  # (engine/llama.py rounds as SGLang does: on this CPU, bit for bit?)
+    warm = ask(s, ids, "off")  # the span's files still in the page cache since their write: no sample of the disk
+    assert cached_details(warm)["storage"] >= (pages - 1) * PAGE and warm["output_ids"] == cold["output_ids"]
+    assert counter(s, "read_samples") == samples
+    s.flush_cache()
+    drop_from_page_cache(*page_files(s, ids))
     native = ask(s, ids, "off", logprobs=True)
     assert cached_details(native)["storage"] >= (pages - 1) * PAGE and native["output_ids"] == cold["output_ids"]
     assert counter(s, "read_samples") > samples  # SGLang's own reads (> 8 MiB) tell the read rate the disk's speed
