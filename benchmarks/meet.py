@@ -262,10 +262,14 @@ def written_pages(s: ServerProcess) -> float:
     return metric_total(s.get("/metrics"), "sglang_tiered:ssd_written_pages_total")
 
 
-def wait_for_activations(s: ServerProcess, pages: int) -> None:
-    """Until `pages` more activation pages reached the SSD tier (written asynchronously after the KV); at most 120 s."""
-    name = "sglang_tiered:kvpr_activation_pages_written_total"
-    target = metric_total(s.get("/metrics"), name) + pages
+ACTIVATION_PAGES = "sglang_tiered:kvpr_activation_pages_written_total"
+
+
+def wait_for_activations(s: ServerProcess, pages: int, since: float) -> None:
+    """Until the activation pages written to the SSD tier are `pages` above `since` (written asynchronously after the
+    KV; `since` read before the request: they may all be written by the time its KV is); at most 120 s."""
+    name = ACTIVATION_PAGES
+    target = since + pages
     deadline = time.monotonic() + 120
     while metric_total(s.get("/metrics"), name) < target and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -293,10 +297,11 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
         question = src.tok(src.take(QUESTION + 8))["input_ids"][:QUESTION]
         for n, doc in ((n, doc) for n, some in docs.items() for doc in some):  # store the documents' pages (and,
             before = written_pages(s)  # on the MHA model, their activations)
+            x_before = metric_total(s.get("/metrics"), ACTIVATION_PAGES)
             request(s, doc + question[::-1], "off")
             wait_for_pages(s, n // PAGE, before)
             if mha:
-                wait_for_activations(s, n // PAGE)
+                wait_for_activations(s, n // PAGE, x_before)
         deadline = time.monotonic() + 120  # the profile measured (at the server's first idle moment)
         while not s.log_lines("tiered kvpr: profile") and time.monotonic() < deadline:
             request(s, question, "off")

@@ -1198,6 +1198,21 @@ MEET_RERUNS = [
      "7 of 8 spans as our loader behind prefills (compute would not gain at this speed: the rule does not act) and "
      "one alone from the page cache; SGLang's load at 4096 tokens took 5.8 s here (9.5 s in the run before), so "
      "4096 is no crossover this run"),
+    ("meet-s66-warm100-amd", "stop 66, spans kept in the page cache (`--page-cache keep`: nothing evicted; warm since "
+     "their write or last read, a production server's usual case), both models' 1024 and 4096 tokens at 100 MB/s, "
+     "idle (`--lengths 1024 4096 --slow-mbps 100 --skip-native --busy --page-cache keep --repeats 4 --max-repeats "
+     "4`); stop 65's code: SGLang's and the forced loads' page-cache reads raised the read rate to 2.1-3.5 GB/s, so "
+     "`auto` chose between our loader and SGLang's load as measured in 15 of 16 loads (ours 9, SGLang's 6; the "
+     "page-cache rule once) -- fixed after this run (stop 66: such reads are no sample)"),
+    ("meet-s66-burst4-amd", "stop 66, four requests at once (`--burst 4`: four stored documents per length, sent "
+     "together; TTFT the mean of the four; `answers differing` counts requests): SmolLM2's 1024 and 4096 tokens at "
+     "100 MB/s, idle and beside the busy client (`--models smollm2 --lengths 1024 4096 --slow-mbps 100 --skip-native "
+     "--busy 100 --burst 4 --repeats 4 --max-repeats 4`; the idle server ran stop 65's code, the busy one stop "
+     "66's read-rate change); the MHA model's part of this run was stopped (its documents' stores each waited out "
+     "a 120 s deadline, fixed) and run as meet-s66-burst4-mha-amd"),
+    ("meet-s66-burst4-mha-amd", "stop 66, the same four requests at once on the MHA model (`--models smollm2-mha "
+     "--lengths 1024 4096 --slow-mbps 100 --skip-native --busy 100 --burst 4 --repeats 4 --max-repeats 4`), stop 66's "
+     "code"),
 ]
 
 
