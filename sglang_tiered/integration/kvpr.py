@@ -33,9 +33,9 @@ activations from which K and V are recomputed (KVPR). One scheduler for all of i
   have had its span's files read into the page cache by the launcher (integration/arrival.py,
   marked `custom_params.tiered_arrival_reads`): its plan reads a page whose KV is in the page cache as KV, and its
   load is no sample of the read rate, of compute's slowdown beside the loader or of its way's time. So is a span
-  whose last pages `auto` finds in the page cache at its plan (`_warm`: probed from the back, nothing read); where
-  the cold pages left would read faster than computing MEET_MIN_PAGES pages, the loader takes it alone
-  (policy/kvpr.warm_alone: compute's first chunk would outlast the read).
+  whose last pages the plan finds in the page cache (`_warm`: probed from the back, nothing read; every mode); under
+  `auto` its cached KV is read as KV and, where the cold pages left would read faster than computing MEET_MIN_PAGES
+  pages, the loader takes it alone (policy/kvpr.warm_alone: compute's first chunk would outlast the read).
 * Forward -- `KVPRHandler` on the Llama forward hook: `engine.meet.meet_prefill` over `engine.page_span.TierPages`
   (compute prefills pages from the front while one thread reads whole pages from the back; they meet where the
   disk's and the CPU's speeds at that moment put the point), with the server's own RoPE kernel. Anything unexpected
@@ -181,7 +181,7 @@ class Plan:
     retry: bool = False  # compute let in at the profile's times to measure its slowdown again (then 1.0 here)
     kind: bool = False  # the slowdown's key: whether the profile's own times read the pages as activations
     arrival: bool = False  # its files were read into the page cache from its arrival (arrival.py)
-    warm: int = 0  # pages at the span's back whose files were in the page cache at its plan (`auto` plans only)
+    warm: int = 0  # pages at the span's back whose files were in the page cache at its plan (every mode)
     wait_s: float = 0.0  # seconds of other forwards it was expected to wait for at admission (wait_ahead_s)
     early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
     #                                                                             admission (engine/early_reads.py)
@@ -189,9 +189,16 @@ class Plan:
     @property
     def cached(self) -> bool:
         """Its pages were read, partly or wholly, from the page cache: no sample of the disk's read rate, of compute
-        beside a loader or of its way's time (policy/compute_choice.py); a page whose KV is cached is read as KV.
-        Still a sample of our loader against SGLang's load (load_timing.py): what ours costs in that situation."""
+        beside a loader or of its way's time (policy/compute_choice.py). Still a sample of our loader against
+        SGLang's load (load_timing.py): what ours costs in that situation."""
         return self.arrival or self.warm > 0
+
+    @property
+    def cached_kv(self) -> bool:
+        """A page whose KV file is in the page cache is read as KV, even where its activations are stored (a copy,
+        not a read and a recompute): where the launcher read the span's files, or `auto` found pages there at its
+        plan. A forced mode found there reads as it was asked."""
+        return self.arrival or (self.warm > 0 and self.mode.startswith("auto"))
 
 
 def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int], float],
@@ -309,7 +316,7 @@ class KVPR:
         # a number as the mode fixes the meet point: the factor decides nothing there; a span read at arrival or
         # found in the page cache is no sample of it: no retry is spent on it, no kept-out load counted)
         arrival = bool(request_params(req).get(ARRIVAL_PARAM))
-        warm = self._warm(keys[:n]) if mode == "auto" else 0
+        warm = self._warm(keys[:n])
         priced = self.slowdown.price(decided(alone), lambda f: decided(beside(alone, f)),
                                      book=not isinstance(mode, int) and not arrival and not warm)
         d, slowdown = priced.decision, priced.factor
@@ -372,7 +379,7 @@ class KVPR:
         c = self.cfg
         return TierPages(self.tier, plan.keys, layers=c.layers, page_size=self.tier.namespace.page_size,
                          kv_heads=c.kv_heads, head_dim=c.head_dim, dtype=dtype, hidden=c.hidden,
-                         activations=plan.activations, cached_kv=plan.cached)
+                         activations=plan.activations, cached_kv=plan.cached_kv)
 
     def _warm(self, keys: tuple[str, ...] | list[str]) -> int:
         """How many of `keys`' pages, from the last, have their files in the OS page cache now (probed from the back,
@@ -814,7 +821,7 @@ class KVPRHandler(SpanHandler):
             read = "read into the page cache from its arrival: no sample"
         elif plan.warm:
             read = f"{plan.warm} of its pages in the page cache at its plan: no sample"
-        elif first_cached:  # (a mode other than auto, not probed at the plan)
+        elif first_cached:  # (cold at its plan, in the page cache at its load)
             read = "its first read in the page cache: no sample"
         else:
             read = kvpr.observe_read(source.bytes_read, source.read_s, spread=res.recomputed_pages > 0)

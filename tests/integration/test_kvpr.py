@@ -41,6 +41,7 @@ from tests.integration.kvpr_helpers import (
     greedy,
     wait_for_activations,
 )
+from tests.page_cache import drop_from_page_cache
 from tests.rounding import rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -79,6 +80,7 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(mha_server, essays):
     exact = rows_alone(torch.float32, MHA.hidden, MHA.kv_heads * MHA.head_dim, MHA.intermediate)
     for split in (0, 1, pages // 2, pages - 1, pages):
         s.flush_cache()
+        drop_from_page_cache(*s.ssd.glob("*/*/*.kvp"))  # read from the disk: a sample of compute beside the loader
         mark = s.log_mark()
         out = ask(s, prompt, split * PAGE, logprobs=True)
         assert_as_sglangs_load(out, native, "float32", exact, split)  # bit for bit where rows round alone
@@ -90,6 +92,18 @@ def test_every_meet_point_gives_the_output_of_sglangs_load(mha_server, essays):
     assert counter(s, "tokens_recomputed") - recomputed == sum(pages - k for k in (0, 1, pages // 2, pages - 1,
                                                                                     pages)) * PAGE
     assert counter(s, "bytes_saved") > 0
+
+    # the span's files in the page cache (read here): a forced load reads as asked but is no sample of the disk or
+    # of compute beside the loader
+    s.flush_cache()
+    for path in s.ssd.glob("*/*/*.kvp"):
+        path.read_bytes()
+    mark = s.log_mark()
+    assert ask(s, prompt, pages // 2 * PAGE)["output_ids"] == native["output_ids"]
+    line = load_lines(s, mark)[0]
+    assert f"({(pages - pages // 2) * PAGE} from activations" in line, line
+    assert f"{pages} of its pages in the page cache at its plan: no sample" in line, line
+    assert "compute's chunks no sample (the loader read the page cache)" in line, line
 
     # a device-cached prefix ahead of the span: its first 2 pages on device, the rest from SSD, met in the middle
     s.flush_cache()
