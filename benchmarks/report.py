@@ -1204,6 +1204,10 @@ MEET_RERUNS = [
      "4`); stop 65's code: SGLang's and the forced loads' page-cache reads raised the read rate to 2.1-3.5 GB/s, so "
      "`auto` chose between our loader and SGLang's load as measured in 15 of 16 loads (ours 9, SGLang's 6; the "
      "page-cache rule once) -- fixed after this run (stop 66: such reads are no sample)"),
+    ("meet-s66-warm100-nosample-amd", "stop 66, the same as meet-s66-warm100-amd after SGLang's reads from the page "
+     "cache stopped counting as samples of the disk (the plan's page-cache probe still `auto`'s only: five forced "
+     "loads whose pages were all read at admission raised SmolLM2's read rate to 2.4 GB/s; the MHA model's stayed at "
+     "the probe's); `auto` read 11 of 16 spans alone from the page cache"),
     ("meet-s66-burst4-amd", "stop 66, four requests at once (`--burst 4`: four stored documents per length, sent "
      "together; TTFT the mean of the four; `answers differing` counts requests): SmolLM2's 1024 and 4096 tokens at "
      "100 MB/s, idle and beside the busy client (`--models smollm2 --lengths 1024 4096 --slow-mbps 100 --skip-native "
