@@ -1208,6 +1208,9 @@ MEET_RERUNS = [
      "cache stopped counting as samples of the disk (the plan's page-cache probe still `auto`'s only: five forced "
      "loads whose pages were all read at admission raised SmolLM2's read rate to 2.4 GB/s; the MHA model's stayed at "
      "the probe's); `auto` read 11 of 16 spans alone from the page cache"),
+    ("meet-s66-warm100-allmodes-amd", "stop 66, the same again with every mode's plan probing the page cache (a "
+     "forced load found there is no sample either): neither read rate moved from its probe; `auto` read all 16 spans "
+     "alone from the page cache"),
     ("meet-s66-burst4-amd", "stop 66, four requests at once (`--burst 4`: four stored documents per length, sent "
      "together; TTFT the mean of the four; `answers differing` counts requests): SmolLM2's 1024 and 4096 tokens at "
      "100 MB/s, idle and beside the busy client (`--models smollm2 --lengths 1024 4096 --slow-mbps 100 --skip-native "
