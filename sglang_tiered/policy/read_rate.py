@@ -18,9 +18,10 @@ throttle -- and a rate kept as a floor at the probe's value had the loader read 
   it is below the estimate (the disk slowed down), never up. Spread and back-to-back reads are summed apart.
 
 A load served from the page cache is no sample: its callers leave it out (integration/kvpr.py: a span with pages in
-the page cache at its plan; integration/storage_backend.py: SGLang's reads whose first or last page is there, probed
-before the read). Counted, such loads raised the estimate to memory speed and had later plans of cold spans read a
-slow disk as a fast one (stop 66).
+the page cache at its plan, or its first read there at the load; integration/storage_backend.py: SGLang's reads whose
+first or last page is there, probed
+before the read). Counted, such loads raised the estimate to memory speed (2-3.5 GB/s behind a 100 MB/s throttle), and
+later plans of cold spans would have read a slow disk as a fast one (stop 66).
 Not thread-safe: the caller holds its lock (SGLang's prefetch thread and the scheduler both report).
 """
 
