@@ -19,9 +19,8 @@ throttle -- and a rate kept as a floor at the probe's value had the loader read 
 
 A load served from the page cache is no sample: its callers leave it out (integration/kvpr.py: a span with pages in
 the page cache at its plan, or its first read there at the load; integration/storage_backend.py: SGLang's reads whose
-first or last page is there, probed
-before the read). Counted, such loads raised the estimate to memory speed (2-3.5 GB/s behind a 100 MB/s throttle), and
-later plans of cold spans would have read a slow disk as a fast one (stop 66).
+first or last page is there, probed before the read). Counted, such loads raised the estimate to memory speed (2-3.5
+GB/s behind a 100 MB/s throttle), and later plans of cold spans would have read a slow disk as a fast one (stop 66).
 Not thread-safe: the caller holds its lock (SGLang's prefetch thread and the scheduler both report).
 """
 
