@@ -1220,6 +1220,9 @@ MEET_RERUNS = [
     ("meet-s66-burst4-mha-amd", "stop 66, the same four requests at once on the MHA model (`--models smollm2-mha "
      "--lengths 1024 4096 --slow-mbps 100 --skip-native --busy 100 --burst 4 --repeats 4 --max-repeats 4`), stop 66's "
      "code"),
+    ("meet-s66-burst4-25-amd", "stop 66, four requests at once at 25 MB/s, both models, idle and beside the busy "
+     "client (`--lengths 1024 4096 --slow-mbps 25 --skip-native --busy 25 --burst 4 --repeats 4 --max-repeats 4`), "
+     "stop 66's code"),
 ]
 
 
