@@ -21,12 +21,11 @@ that matter there, up to `--max-repeats` rounds or `--point-budget` seconds of e
 client-side time to the first token (max_new_tokens = 1), and a bootstrap 95 % interval of auto / min(load,
 recompute). `--page-cache keep` leaves the SSD tier's files in the page cache (warm since their write or last
 read, a production server's usual case) instead of evicting them; `--burst N` sends N prompts at once, each with its
-own stored document (TTFT: their mean). `--busy` adds, at one disk speed, a second client
-keeping the CPU busy with long prefills during the
-measurements (`--busy-native`: at the disk's own speed; `--busy-client decode`: a short prompt's long decode
-instead, so the measured request arrives among decode batches). Targets (issue #26): auto <= 1.03 x min(load, recompute)
-at every point, and <= 0.75 x min(load, recompute) wherever the two are within 1.5x of each other; no answer
-differing from `load`'s.
+own stored document (TTFT: their mean). `--busy` adds, at one disk speed, a second client keeping the CPU busy
+with long prefills during the measurements (`--busy-native`: at the disk's own speed; `--busy-client decode`: a
+short prompt's long decode instead, so the measured request arrives among decode batches). Targets (issue #26):
+auto <= 1.03 x min(load, recompute) at every point, and <= 0.75 x min(load, recompute) wherever the two are within
+1.5x of each other; no answer differing from `load`'s.
 
     .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8064]
         [--slow-mbps 200 100 50 25] [--busy 100] [--busy-native] [--busy-client prefill] [--name meet]
@@ -262,16 +261,15 @@ def written_pages(s: ServerProcess) -> float:
     return metric_total(s.get("/metrics"), "sglang_tiered:ssd_written_pages_total")
 
 
-ACTIVATION_PAGES = "sglang_tiered:kvpr_activation_pages_written_total"
+def activation_pages(s: ServerProcess) -> float:
+    return metric_total(s.get("/metrics"), "sglang_tiered:kvpr_activation_pages_written_total")
 
 
 def wait_for_activations(s: ServerProcess, pages: int, since: float) -> None:
     """Until the activation pages written to the SSD tier are `pages` above `since` (written asynchronously after the
     KV; `since` read before the request: they may all be written by the time its KV is); at most 120 s."""
-    name = ACTIVATION_PAGES
-    target = since + pages
     deadline = time.monotonic() + 120
-    while metric_total(s.get("/metrics"), name) < target and time.monotonic() < deadline:
+    while activation_pages(s) < since + pages and time.monotonic() < deadline:
         time.sleep(0.3)
 
 
@@ -295,9 +293,9 @@ def run_disk(model: str, disk: str, mbps: int | None, lengths: list[int], repeat
     with ServerProcess(args, log_path=tmp / f"{tag}.log", wrapper=wrapper, **checkpoint) as s:
         docs = {n: [src.tok(src.take(n + 16))["input_ids"][:n] for _ in range(burst)] for n in lengths}
         question = src.tok(src.take(QUESTION + 8))["input_ids"][:QUESTION]
-        for n, doc in ((n, doc) for n, some in docs.items() for doc in some):  # store the documents' pages (and,
-            before = written_pages(s)  # on the MHA model, their activations)
-            x_before = metric_total(s.get("/metrics"), ACTIVATION_PAGES)
+        # store the documents' pages (and, on the MHA model, their activations)
+        for n, doc in ((n, doc) for n, some in docs.items() for doc in some):
+            before, x_before = written_pages(s), activation_pages(s)
             request(s, doc + question[::-1], "off")
             wait_for_pages(s, n // PAGE, before)
             if mha:
@@ -464,13 +462,14 @@ def main() -> int:
     runs += [(f"{m} MB/s", m, a.busy_client) for m in a.busy]
     runs += [("native", None, a.busy_client)] if a.busy_native else []
     labels = {None: "", "prefill": " + busy CPU", "decode": " + a decoding client"}
-    warm = (" + page cache kept" if a.page_cache == "keep" else "") + (f" + burst of {a.burst}" if a.burst > 1 else "")
+    setting = (" + page cache kept" if a.page_cache == "keep" else "") + (f" + burst of {a.burst}" if a.burst > 1
+                                                                           else "")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meet-bench-") as tmp:
         for model in a.models:
             results[model] = {}
             for disk, mbps, busy in runs:
-                results[model][disk + labels[busy] + warm] = run_disk(
+                results[model][disk + labels[busy] + setting] = run_disk(
                     model, disk, mbps, a.lengths, a.repeats, a.max_repeats, a.point_budget, dtype, src, Path(tmp),
                     busy, a.logs, a.kvpr_choice, a.page_cache == "evict", a.burst)
                 save(a.name, summary(results, a, dtype, partial=True))  # what is measured survives a crash

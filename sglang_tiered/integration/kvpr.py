@@ -182,6 +182,9 @@ class Plan:
     kind: bool = False  # the slowdown's key: whether the profile's own times read the pages as activations
     arrival: bool = False  # its files were read into the page cache from its arrival (arrival.py)
     warm: int = 0  # pages at the span's back whose files were in the page cache at its plan (every mode)
+    cached_kv: bool = False  # a page whose KV file is in the page cache is read as KV, even where its activations
+    #                          are stored (a copy, not a read and a recompute): where the launcher read the span's
+    #                          files, or `auto` found pages there at its plan (a forced mode reads as asked)
     wait_s: float = 0.0  # seconds of other forwards it was expected to wait for at admission (wait_ahead_s)
     early: Optional[EarlyJob] = field(default=None, compare=False, repr=False)  # its pages being read since
     #                                                                             admission (engine/early_reads.py)
@@ -192,13 +195,6 @@ class Plan:
         beside a loader or of its way's time (policy/compute_choice.py). Still a sample of our loader against
         SGLang's load (load_timing.py): what ours costs in that situation."""
         return self.arrival or self.warm > 0
-
-    @property
-    def cached_kv(self) -> bool:
-        """A page whose KV file is in the page cache is read as KV, even where its activations are stored (a copy,
-        not a read and a recompute): where the launcher read the span's files, or `auto` found pages there at its
-        plan. A forced mode found there reads as it was asked."""
-        return self.arrival or (self.warm > 0 and self.mode.startswith("auto"))
 
 
 def wait_ahead_s(scheduler, req, last_extend_s: float, estimate: Callable[[int], float],
@@ -346,7 +342,8 @@ class KVPR:
         plan = Plan(start, tuple(keys[:n]), how, r.pages, d.page_s, alone_read_s if r.way == ALONE else d.read_s,
                     d.activations, d.chunk_s, r.threads, as_auto, d.join_share, slowdown, way=r.way,
                     estimate_s={MEET: meet, ALONE: solo}.get(r.way, 0.0),
-                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind, arrival=arrival, warm=warm)
+                    kept_out=priced.kept_out, retry=priced.retry, kind=priced.kind, arrival=arrival, warm=warm,
+                    cached_kv=arrival or (warm > 0 and mode == "auto"))
         wait_s = wait_ahead_s(scheduler, req, self.rt.forward.last_extend_s,
                               lambda tokens: forward_s(alone, layers, tokens), self.rt.forward.ahead.would_go)
         return replace(plan, wait_s=wait_s, early=self._read_early(plan, wait_s, profile.recompute_s))
