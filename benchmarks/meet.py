@@ -36,6 +36,7 @@ Writes benchmarks/results/meet.json and .png and prints one verdict line.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import shutil
@@ -223,25 +224,40 @@ def focus(rows: dict) -> list[str]:
 
 def compare(rows: dict, n: int) -> dict:
     """Answers of our loaders against SGLang's load -- or, where SGLang's load read nothing (its prefetch gave up on
-    a slow disk and it computed the span), against that computed answer; request by request in a burst. A differing
-    answer is counted, and its margin recorded: the reference's log-probability of its own token minus that of the
-    differing token (None when the differing token is not in the reference's top 2): a small margin is a near-tie
-    that rounding can flip."""
-    loaded = [x for x in rows["load"] if x["cached"]["storage"] >= n]
-    reference = answers((loaded or rows["recompute"])[0])
-    margins = []
+    a slow disk and it computed the span), against that computed answer; request by request in a burst (each
+    request's reference: SGLang's load in a round where it read that request's whole span, else recompute's first
+    round). A differing answer is counted, and its margin recorded: the reference's log-probability of its own token
+    minus that of the differing token (None when the differing token is not in the reference's top 2): a small margin
+    is a near-tie that rounding can flip. `differing_requests`: the requests (by position in the burst) where one
+    differed; `recompute_unsteady`: those whose recomputed answers themselves differ between rounds (in bf16 a
+    near-tie flips with the batch a request is computed in)."""
+    size = len(answers(rows["load"][0]))
+    loads = [next((answers(x)[i] for x in rows["load"] if requests(x)[i]["cached"]["storage"] >= n), None)
+             for i in range(size)]
+    reference = [ref or answers(rows["recompute"][0])[i] for i, ref in enumerate(loads)]
+    margins, differing = [], set()
     for x in (x for c in ("loader", "auto", "race") for x in rows[c]):
-        for (out, _), (ref_out, ref_top) in zip(answers(x), reference):
+        for i, ((out, _), (ref_out, ref_top)) in enumerate(zip(answers(x), reference)):
             if out != ref_out:
                 lp = dict(ref_top)  # token -> log-probability
                 margins.append(round(lp[ref_out[0]] - lp[out[0]], 4) if out[0] in lp and ref_out[0] in lp else None)
-    return {"reference": "load" if loaded else "recompute (SGLang's load read nothing)",
-            "answers_differing": len(margins), "differing_margins": margins}
+                differing.add(i)
+    loaded = sum(ref is not None for ref in loads)
+    unsteady = [i for i in range(size) if len({str(answers(x)[i][0]) for x in rows["recompute"]}) > 1]
+    return {"reference": "load" if loaded == size else "recompute (SGLang's load read nothing)" if not loaded else
+            f"load for {loaded} of {size} requests, recompute for the rest (SGLang's load read nothing for them)",
+            "answers_differing": len(margins), "differing_margins": margins, "differing_requests": sorted(differing),
+            "recompute_unsteady": unsteady}
 
 
 def mets(rows: list[dict]) -> list:
     """The meet points of a configuration's rows (a burst's: a list per row)."""
     return [[r["met"] for r in x["requests"]] if "requests" in x else x["met"] for x in rows]
+
+
+def requests(row: dict) -> list[dict]:
+    """Each request's row of a measured row (one, or a burst's)."""
+    return row.get("requests") or [row]
 
 
 def answers(row: dict) -> list:
@@ -415,7 +431,9 @@ def summary(results: dict, a: argparse.Namespace, dtype: str, partial: bool = Fa
     met = {k: sum(ok for _, ok, _ in v) for k, v in checks.items()}
     data["verdict"] = ("partial: " if partial else "") + "; ".join(f"{k}: {met[k]}/{len(v)}" for k, v in
                                                                   checks.items())
-    ties = [f"{model}/{disk}/{n} vs {p['reference'].split()[0]}: margins {p['differing_margins']}"
+    ties = [f"{model}/{disk}/{n} vs {p['reference'].split(' (')[0]}: margins {p['differing_margins']}" +
+            (f" at requests {p['differing_requests']}, recompute's own answers differing between its rounds at "
+             f"{p['recompute_unsteady']}" if p.get("recompute_unsteady") else "")
             for model, disk, n, p in points(results) if p["answers_differing"]]
     if ties:
         data["verdict"] += " (differing: " + "; ".join(ties) + ")"
@@ -424,6 +442,19 @@ def summary(results: dict, a: argparse.Namespace, dtype: str, partial: bool = Fa
     if misses:
         data["verdict"] += " (1.03x misses, with 95 % intervals: " + "; ".join(misses) + ")"
     return data
+
+
+def recheck(name: str) -> int:
+    """Each point of results file `name` compared again (`compare`: the rows it keeps), its checks and verdict
+    rewritten; its machine, dtype and measurements kept."""
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    for _, _, n, p in points(data["results"]):
+        p.update(compare({c: p[c]["rows"] for c in CONFIGS}, int(n)))
+    a = argparse.Namespace(repeats=data["repeats"], max_repeats=data["max_repeats"],
+                           point_budget=data["point_budget_s"], kvpr_choice=data["kvpr_choice"])
+    save(name, {**summary(data["results"], a, data["dtype"]), "machine": data["machine"]})
+    print("verdict:", json.loads((RESULTS / f"{name}.json").read_text())["verdict"])
+    return 0
 
 
 def main() -> int:
@@ -453,7 +484,11 @@ def main() -> int:
                     "own stored document (several requests arriving during one prefill); TTFT: their mean")
     ap.add_argument("--name", default="meet", help="results as benchmarks/results/NAME.json and .png (a partial "
                     "re-run under another name keeps the full run's)")
+    ap.add_argument("--recheck", action="store_true", help="measure nothing: check the answers kept in "
+                    "benchmarks/results/NAME.json again with this script's comparison, and rewrite its checks")
     a = ap.parse_args()
+    if a.recheck:
+        return recheck(a.name)
     exit_cleanly_on_sigterm()
     dtype = a.dtype or auto_dtype()
     src = PromptSource()

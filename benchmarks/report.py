@@ -488,9 +488,12 @@ def differing(p: dict) -> str:
     and the reference's log-probability margins over the differing tokens (runs that recorded them)."""
     n = str(p["answers_differing"])
     if p.get("reference", "load") != "load":
-        n += " vs recompute (SGLang's load read nothing)"
+        n += " vs " + p["reference"]
     if p.get("differing_margins"):
         n += f", margins {p['differing_margins']}"
+    if p.get("answers_differing") and p.get("recompute_unsteady"):
+        n += (f" at requests {p.get('differing_requests')}; recompute's own answers differ between its rounds at "
+              f"requests {p['recompute_unsteady']}")
     return n
 
 
@@ -1223,6 +1226,14 @@ MEET_RERUNS = [
     ("meet-s66-burst4-25-amd", "stop 66, four requests at once at 25 MB/s, both models, idle and beside the busy "
      "client (`--lengths 1024 4096 --slow-mbps 25 --skip-native --busy 25 --burst 4 --repeats 4 --max-repeats 4`), "
      "stop 66's code"),
+    ("meet-s67-burst16-amd", "stop 67, sixteen requests at once (the concurrency of sglang#26305), 1024 tokens, "
+     "both models at 100 and 25 MB/s idle and at 100 MB/s beside the busy client (`--lengths 1024 --slow-mbps 100 25 "
+     "--skip-native --burst 16 --repeats 4 --max-repeats 4`), stop 66's code; answers compared request by request "
+     "with each request's own reference (`--recheck`: SGLang's load where it read that request's span, else "
+     "recompute's); the differing answers are two requests whose recomputed answers changed between rounds"),
+    ("meet-s67-burst8-long-amd", "stop 67, eight requests at once at 4096 and 8064 tokens (the length of "
+     "sglang#26305), SmolLM2 at 100 MB/s, idle (`--models smollm2 --lengths 4096 8064 --slow-mbps 100 --skip-native "
+     "--busy --burst 8 --repeats 3 --max-repeats 3`), stop 66's code"),
 ]
 
 
