@@ -431,9 +431,9 @@ def summary(results: dict, a: argparse.Namespace, dtype: str, partial: bool = Fa
     met = {k: sum(ok for _, ok, _ in v) for k, v in checks.items()}
     data["verdict"] = ("partial: " if partial else "") + "; ".join(f"{k}: {met[k]}/{len(v)}" for k, v in
                                                                   checks.items())
-    ties = [f"{model}/{disk}/{n} vs {p['reference'].split(' (')[0]}: margins {p['differing_margins']}" +
-            (f" at requests {p['differing_requests']}, recompute's own answers differing between its rounds at "
-             f"{p['recompute_unsteady']}" if p.get("recompute_unsteady") else "")
+    ties = [f"{model}/{disk}/{n} vs {p['reference'].split(' (')[0]}: margins {p['differing_margins']} at requests "
+            f"{p.get('differing_requests')}" + (f", recompute's own answers differing between its rounds at "
+                                                f"{p['recompute_unsteady']}" if p.get("recompute_unsteady") else "")
             for model, disk, n, p in points(results) if p["answers_differing"]]
     if ties:
         data["verdict"] += " (differing: " + "; ".join(ties) + ")"

@@ -491,9 +491,10 @@ def differing(p: dict) -> str:
         n += " vs " + p["reference"]
     if p.get("differing_margins"):
         n += f", margins {p['differing_margins']}"
+    if p.get("answers_differing") and p.get("differing_requests") is not None:
+        n += f" at requests {p['differing_requests']}"
     if p.get("answers_differing") and p.get("recompute_unsteady"):
-        n += (f" at requests {p.get('differing_requests')}; recompute's own answers differ between its rounds at "
-              f"requests {p['recompute_unsteady']}")
+        n += f"; recompute's own answers differ between its rounds at requests {p['recompute_unsteady']}"
     return n
 
 
@@ -1234,6 +1235,9 @@ MEET_RERUNS = [
     ("meet-s67-burst8-long-amd", "stop 67, eight requests at once at 4096 and 8064 tokens (the length of "
      "sglang#26305), SmolLM2 at 100 MB/s, idle (`--models smollm2 --lengths 4096 8064 --slow-mbps 100 --skip-native "
      "--busy --burst 8 --repeats 3 --max-repeats 3`), stop 66's code"),
+    ("meet-s67-burst8-25-amd", "stop 67, eight requests at once at 4096 tokens and 25 MB/s, both models, idle "
+     "(`--lengths 4096 --slow-mbps 25 --skip-native --busy --burst 8 --repeats 3 --max-repeats 3`), stop 66's code; "
+     "the differing answers are one request whose recomputed answer changed between rounds"),
 ]
 
 
