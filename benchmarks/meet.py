@@ -25,7 +25,9 @@ own stored document (TTFT: their mean). `--busy` adds, at one disk speed, a seco
 with long prefills during the measurements (`--busy-native`: at the disk's own speed; `--busy-client decode`: a
 short prompt's long decode instead, so the measured request arrives among decode batches). Targets (issue #26):
 auto <= 1.03 x min(load, recompute) at every point, and <= 0.75 x min(load, recompute) wherever the two are within
-1.5x of each other; no answer differing from `load`'s.
+1.5x of each other; no answer differing from `load`'s (request by request; where SGLang's load read nothing for a
+request, from recompute's, with the requests whose recomputed answers differ between rounds named).
+`--recheck --name NAME` measures nothing: it compares the answers kept in results/NAME.json again.
 
     .venv/bin/python benchmarks/meet.py [--models smollm2 smollm2-mha] [--lengths 1024 4096 8064]
         [--slow-mbps 200 100 50 25] [--busy 100] [--busy-native] [--busy-client prefill] [--name meet]
