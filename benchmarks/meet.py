@@ -454,8 +454,9 @@ def recheck(name: str) -> int:
         p.update(compare({c: p[c]["rows"] for c in CONFIGS}, int(n)))
     a = argparse.Namespace(repeats=data["repeats"], max_repeats=data["max_repeats"],
                            point_budget=data["point_budget_s"], kvpr_choice=data["kvpr_choice"])
-    save(name, {**summary(data["results"], a, data["dtype"]), "machine": data["machine"]})
-    print("verdict:", json.loads((RESULTS / f"{name}.json").read_text())["verdict"])
+    checked = {**summary(data["results"], a, data["dtype"]), "machine": data["machine"]}
+    save(name, checked)
+    print("verdict:", checked["verdict"])
     return 0
 
 
