@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _kvpr_profile(args) -> int:
     from sglang_tiered.engine import kvpr_profile
-    from sglang_tiered.policy.kvpr import Profile, Shape, auto_example, gate
+    from sglang_tiered.policy.kvpr import Shape, decide, gate
 
     if args.model_path:
         import torch
@@ -104,13 +104,11 @@ def _kvpr_profile(args) -> int:
         model = LlamaModel.from_pretrained(path, getattr(torch, args.dtype))
         c, item = model.cfg, model.dtype.itemsize
         Path(args.ssd_dir).mkdir(parents=True, exist_ok=True)
-        recompute_s, layer_s, stored_s = kvpr_profile.measure_compute(model)
-        chunk_s, span_s = kvpr_profile.measure_chunks(model, 64)
-        prof = Profile(kvpr_profile.measure_read(Path(args.ssd_dir) / f".kvpr-read-probe-{os.getpid()}"), recompute_s,
-                       layer_s, stored_s, chunk_s=chunk_s, span_s=span_s)
+        prof = kvpr_profile.measure_profile(model, 64)
+        bps = kvpr_profile.measure_read(Path(args.ssd_dir) / f".kvpr-read-probe-{os.getpid()}")
         shape = Shape(c.layers, c.hidden * item, 2 * c.kv_heads * c.head_dim * item)
         kvpr_profile.save_profile(args.ssd_dir, kvpr_profile.profile_key(model_fingerprint(path), str(model.dtype)),
-                                  prof, shape=shape.__dict__)
+                                  prof, read_bytes_per_s=bps, shape=shape.__dict__)
     entries = kvpr_profile.load_profiles(args.ssd_dir)
     if args.json:
         print(json.dumps(entries, indent=1))
@@ -120,15 +118,20 @@ def _kvpr_profile(args) -> int:
               "--model-path)", file=sys.stderr)
         return 1
     for key, e in sorted(entries.items()):
-        prof = kvpr_profile.profile_of(e)
-        print(f"{key} (measured {e.get('measured_at', '?')}): {kvpr_profile.describe(prof)}")
+        try:
+            prof, bps = kvpr_profile.profile_of(e), float(e["read_bytes_per_s"])
+        except (KeyError, TypeError, ValueError):
+            print(f"{key}: not a profile of this version (measured again at the next server start)")
+            continue
+        print(f"{key} (measured {e.get('measured_at', '?')}): {kvpr_profile.describe(prof, bps)}")
         if "shape" in e:
             shape = Shape(**e["shape"])
             why = gate(shape)
             print(f"  activations {shape.x_bytes} B vs KV {shape.kv_bytes} B per token-layer: "
                   f"{'no activations: ' + why if why else 'gate open'}")
             for tokens in (1024, 4096, 8192):
-                print(f"  {auto_example(shape, prof, 64, tokens)}")
+                d = decide(tokens // 64, 64, shape, bps, prof, stored_activations=why is None)
+                print(f"  auto, {tokens} stored tokens: {d.way}" + (" (activations)" if d.activations else ""))
     return 0
 
 

@@ -24,15 +24,11 @@ IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-ord
 IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
-KVPR_CHOICE_CHOICES = ("rule", "measured")  # --tiered-kvpr-choice (see policy/load_choice.py)
-AHEAD_CHOICES = ("on", "off")  # --tiered-ahead-of-chunks (see integration/ahead.py)
-ARRIVAL_CHOICES = ("on", "off")  # --tiered-kvpr-arrival-reads (see integration/arrival.py)
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "blend_select": BLEND_SELECT_CHOICES,
            "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
-           "kvpr": KVPR_CHOICES, "kvpr_choice": KVPR_CHOICE_CHOICES, "ahead_of_chunks": AHEAD_CHOICES,
-           "kvpr_arrival_reads": ARRIVAL_CHOICES}
+           "kvpr": KVPR_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
@@ -107,10 +103,6 @@ class TieredConfig:
     importance_repack_memory: str = "512M"  # bytes of written pages kept for the repacker (0 = read them back)
     kvpr: str = "auto"  # compute-or-load of SSD prefixes (engine/meet.py); KVPR_CHOICES
     kvpr_min_tokens: int = 128  # shortest stored span worth a compute-or-load
-    kvpr_choice: str = "measured"  # which load takes a span compute would not join; KVPR_CHOICE_CHOICES
-    kvpr_early_memory: str = "256M"  # bytes of stored pages read at admission, before their forward (0 = off)
-    kvpr_arrival_reads: str = "on"  # a span's files read into the page cache from arrival on; ARRIVAL_CHOICES
-    ahead_of_chunks: str = "on"  # a request that prefills alone may go before another's next chunked piece
     remote: str = ""  # shared tier below the SSD: "mooncake://MASTER_HOST:RPC_PORT"; "" = none
     remote_metadata: str = ""  # Mooncake metadata server URL; "" = http://MASTER_HOST:8080/metadata
     remote_segment: str = "256M"  # bytes of this server's memory lent to the shared store
@@ -223,7 +215,6 @@ class TieredConfig:
             raise ConfigError(f"--tiered-retain-share: must be in (0, 1), got {self.retain_share}")
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
-        flag_size("kvpr_early_memory", self.kvpr_early_memory)
         if self.importance_load == "gated" and self.importance_heads == 0:
             raise ConfigError("--tiered-importance-load: 'gated' needs importance capture (--tiered-importance-heads "
                               ">= 1)")
@@ -330,36 +321,13 @@ FLAG_HELP: dict[str, str] = {
     "beyond it are read back. 0: always read back. Default: 512M.",
     "kvpr": "Compute-or-load of stored spans (exact, CPU servers): a prefix that must come back from SSD has its "
     "front prefilled from token ids while its back is read, page by page from the end; the two meet where the disk's "
-    "and the CPU's speeds at that moment put them. On models whose attention input is smaller than their KV (multi-"
-    "head attention) pages written through also store it, and the loader reads those pages as activations and "
-    "recomputes their K, V (KVPR). 'auto' takes a span only where reading it takes longer than computing 2 of its "
-    "pages (from the measured profile: `sglang-tiered kvpr-profile`), else SGLang loads it; 'force' always. Per "
-    "request custom_params.tiered_kvpr = 'off' | 'auto' | 'force' | 'compute' (SGLang's forward computes the "
-    "span) | tokens to compute (the meet point; 0 = read everything). Default: auto.",
+    "and the CPU's speeds put them. On models whose attention input is smaller than their KV (multi-head "
+    "attention) pages written through also store it, and the loader reads those pages as activations and "
+    "recomputes their K, V (KVPR). 'auto' decides per request from the measured read rate and compute profile "
+    "(`sglang-tiered kvpr-profile`): SGLang's load where reads are fast, SGLang's forward where they are very slow, "
+    "else the two-sided load; 'force' always loads two-sided. Per request custom_params.tiered_kvpr = 'off' | "
+    "'auto' | 'force' | tokens to compute (the meet point; 0 = read everything). Default: auto.",
     "kvpr_min_tokens": "Shortest stored span (tokens) loaded by our loader. Default: 128.",
-    "kvpr_choice": "Under --tiered-kvpr auto, which load brings in a stored span that compute would not join (its "
-    "pages read fast next to computing them): 'rule', SGLang's own load (our loader only where it reads "
-    "activations); 'measured', whichever of our loader and SGLang's load this server measured faster on its own "
-    "loads, timed from admission to the end of the prefill for requests admitted while it was idle or only "
-    "decoding (two sets of samples, each deciding under its own condition), per span size; "
-    "each load is tried twice per span size before the averages decide, then the slower one again every 16 x gap^2 "
-    "such decisions (gap: how many times slower it was; at most every 1024th). "
-    "Either way, a request admitted right after another request's prefill forward goes to our loader (SGLang's "
-    "load would wait for the next such forward) unless our loader was measured slower by more than that forward "
-    "took (its loads there are timed too, by their forward's own time, so the server learns it). Both are exact. "
-    "Default: measured.",
-    "kvpr_early_memory": "Host memory (suffixes K/M/G) for the pages of stored spans our loader takes, read from "
-    "the request's admission on while it waits for its forward (behind other requests' forwards), the last page "
-    "first, shared by every waiting load; a page that does not fit waits for room. 0: pages are read at the forward "
-    "only. Default: 256M.",
-    "kvpr_arrival_reads": "Under --tiered-kvpr auto|force, a request sent while a scheduler runs a prefill forward "
-    "(which it takes new requests in only after) has the SSD files of its stored prefix read into the OS page cache "
-    "by the launcher from then on, the last page first, until that forward ends ('on'). Not for requests with "
-    "custom_params.tiered_kvpr 'off' or 'compute'. 'off': reads begin at admission. Default: on.",
-    "ahead_of_chunks": "A request that prefills alone (a stored span our loader takes, a prompt to blend) and is "
-    "next in line goes before the next piece of another request's chunked prefill, once per piece, when its whole "
-    "prompt fits one chunk ('on'); 'off' keeps SGLang's order: it waits for every piece left (seconds each on a CPU). "
-    "Never with --enable-mixed-chunk. Default: on.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
     "the background; a page missing locally is fetched from it, checked and kept on the local SSD, so every server "

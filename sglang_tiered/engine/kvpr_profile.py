@@ -1,18 +1,15 @@
-"""Measuring what the compute-or-load decisions need (`policy.kvpr.Profile`) on this machine, and keeping it.
+"""Measuring the compute-or-load inputs on this machine, and keeping them.
 
-* read bandwidth of the SSD tier's directory: a fresh file (64 MiB, less where the tier's capacity leaves less
-  room: it counts against it) read back with O_DIRECT (the page cache
-  bypassed, so a kernel I/O throttle or a network disk shows; falls back to dropping the file's cached pages where
-  O_DIRECT is refused, e.g. tmpfs);
-* recompute time of K and V per token-layer from activations, one layer's time per new token and the time to move
-  a stored token-layer's KV through the loader, timed on the served model's own weights and dtype (median of a few
-  runs, tens of milliseconds). The server refines the read bandwidth from its loads.
-* a computed chunk's time: one page and MEET_CHUNK_PAGES pages of a span, each prefilled as one chunk, fitted as a
-  fixed part (on a CPU, the model's weights read from memory once per chunk) plus a part per token-layer.
+* `measure_read`: the SSD tier directory's read bandwidth -- a fresh file (64 MiB, less where the tier's capacity
+  leaves less room: it counts against it) read back with O_DIRECT (the page cache bypassed, so a kernel I/O throttle
+  or a network disk shows; dropping the file's cached pages where O_DIRECT is refused, e.g. tmpfs). It only seeds the
+  read rate (policy/read_rate.py).
+* `measure_profile`: the served model's compute (`policy.kvpr.Profile`): a chunk of MEET_CHUNK_PAGES span pages
+  computed from token ids, and K, V recomputed from activations on the loader's one thread; each the best of a few
+  runs, about a second in all.
 
-The server measures from its first request on (read) and at its first stored-span load (compute) and writes the
-result to `<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>"; `sglang-tiered kvpr-profile` prints
-that file (or measures a checkpoint itself with --model-path).
+A server writes the result to `<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>";
+`sglang-tiered kvpr-profile` prints that file (or measures a checkpoint itself with --model-path).
 """
 
 from __future__ import annotations
@@ -30,16 +27,12 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.engine.one_thread import one_thread_pool
-from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.policy.kvpr import MEET_CHUNK_PAGES, Profile
 from sglang_tiered.storage.files import write_atomic
 
 PROFILE_FILE = "kvpr-profile.json"
-_CHUNK = 1 << 20
-
-
 PROBE_BYTES = 64 << 20  # size of the read-bandwidth probe file
-LAYER_TRIES = 3  # measurements of a layer's time at most, while it disagrees with the whole load's (settled_layer_s)
+_CHUNK = 1 << 20
 
 
 def measure_read(path: str | os.PathLike, nbytes: int = PROBE_BYTES) -> float:
@@ -86,10 +79,9 @@ def measure_read(path: str | os.PathLike, nbytes: int = PROBE_BYTES) -> float:
         path.unlink(missing_ok=True)
 
 
-def _best_s(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed runs of `fn` after a warm-up (a run sharing the CPU with other work only ever
-    takes longer)."""
-    fn()  # warm-up
+def _best_s(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed runs of `fn` after a warm-up (a run sharing the CPU only ever takes longer)."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -98,124 +90,23 @@ def _best_s(fn, repeats: int) -> float:
     return best
 
 
-class Unsettled(RuntimeError):
-    """The layer's time still disagreed with the whole load's after LAYER_TRIES measurements; `values`: the profile's
-    compute part as measured anyway (recompute, layer, stored seconds)."""
-
-    def __init__(self, values: tuple[float, float, float], bound: float) -> None:
-        super().__init__(f"a layer {values[1] * 1e6:.1f} us per new token, more than twice the {bound * 1e6:.1f} us "
-                         f"the whole load's time allows")
-        self.values = values
-
-
-class ProfileTries:
-    """When a compute profile that disagrees with itself (`Unsettled`: something else slowed it) is taken again: at
-    most `tries` profiles in all, each `retry_s` seconds after the one dropped (what slowed it has likely ended); the
-    last, or one taken `final` (a forced load is waiting for it), is kept. Times are time.monotonic() seconds."""
-
-    def __init__(self, tries: int, retry_s: float) -> None:
-        self.tries, self.retry_s = tries, retry_s
-        self.dropped = 0  # profiles dropped so far
-        self.not_before = 0.0  # no profile is taken before this
-
-    def due(self, now: float) -> bool:
-        """Whether a profile may be taken at `now`."""
-        return now >= self.not_before
-
-    def drop(self, now: float, final: bool) -> bool:
-        """An unsettled profile taken at `now`: True to drop it and take another `retry_s` later, False to keep it
-        (the `tries`-th, or `final`)."""
-        if final or self.dropped + 1 >= self.tries:
-            return False
-        self.dropped += 1
-        self.not_before = now + self.retry_s
-        return True
-
-
-def settled_layer_s(first: float, again: Callable[[], float], bound: float,
-                    tries: int = LAYER_TRIES) -> tuple[float, bool]:
-    """A layer's time per new token: `first`, measured again (`again()`, the fastest kept) while it is more than
-    twice `bound` -- the whole load's time over its layers x new tokens, which contains that layer work, so a layer
-    timed far slower than that was slowed by something else -- `tries` measurements at most in all. Returns (the
-    fastest, whether it agrees with `bound`). Measured once in a server: a layer 2125 us per new token, 27x its usual
-    41-139 us, beside a whole load that fitted 77 us at most; that profile kept compute out of every load of the
-    process (a page's compute looked 27x dearer than it was)."""
-    best = first
-    for _ in range(tries - 1):
-        if best <= 2 * bound:
-            break
-        best = min(best, again())
-    return best, best <= 2 * bound
-
-
 @torch.inference_mode()
-def measure_compute(model: LlamaModel, tokens: int = 256, new_tokens: int = 32,
-                    repeats: int = 5) -> tuple[float, float, float]:
-    """(seconds to recompute K, V of one token-layer from activations on the loader's one thread, seconds of one layer
-    per new token, seconds per stored token-layer of a whole load from memory (every page loaded) beyond the new
-    tokens' layers: assembling the span's KV, attending over it). Each the best of `repeats` runs; the layer first,
-    before the loader's thread has run anything, and again where it disagrees with the whole load
-    (`settled_layer_s`; `Unsettled` if it still does). Call it on the thread that runs the model's forwards:
-    another thread's OpenMP team would compete with that thread's spinning one (measured in a server: a layer
-    126-206 us per new token from a thread of its own, 54-74 us on its own)."""
-    c = model.cfg
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(new_tokens, c.hidden, generator=g).to(model.dtype)
-    npos = torch.arange(new_tokens)
-
-    def layer():
-        q, k, v = model.qkv(0, x, npos)
-        model.finish_layer(0, x, causal_attention(q, k, v, 0))
-
-    layer_s = _best_s(layer, repeats) / new_tokens
-    h = torch.randn(tokens, c.hidden, generator=g).to(model.dtype)
-    pos = torch.arange(tokens)
-    recompute = _on_loader_thread(lambda: _best_s(lambda: model.kv_from_input(0, h, pos), repeats)) / tokens
+def measure_profile(model: LlamaModel, page_size: int, repeats: int = 2) -> Profile:
+    """The served model's compute (see the module docstring). Call it on the thread that runs the model's forwards:
+    another thread's OpenMP team would compete with that thread's."""
     from sglang_tiered.engine.meet import MemoryPages, meet_prefill
 
-    span = MemoryPages(torch.randn(c.layers, 2 * tokens, 2, c.kv_heads, c.head_dim, generator=g).to(model.dtype), 16)
-    ids = torch.randint(0, c.vocab, (2 * tokens + new_tokens,), generator=g)
-    whole = _best_s(lambda: meet_prefill(model, ids[: 2 * tokens], ids[2 * tokens :], prefix_len=0, source=span,
-                                         split=0), max(1, repeats // 2))
-    bound = whole / (c.layers * new_tokens)
-    layer_s, agrees = settled_layer_s(layer_s, lambda: _best_s(layer, repeats) / new_tokens, bound)
-    stored = max(0.0, whole - c.layers * new_tokens * layer_s) / (c.layers * 2 * tokens)
-    if not agrees:
-        raise Unsettled((recompute, layer_s, stored), bound)
-    return recompute, layer_s, stored
-
-
-@torch.inference_mode()
-def measure_chunks(model: LlamaModel, page_size: int, pages: int = MEET_CHUNK_PAGES,
-                   repeats: int = 2) -> tuple[float, float]:
-    """(seconds a chunk of span pages computed from token ids takes whatever its length, seconds per span token-layer
-    beyond that): a span of one page and one of `pages` pages, each computed as one chunk by the two-sided engine
-    (its meet point forced to the whole span; the best of `repeats` after a warm-up), fitted as chunk + k x page.
-    Where the wider chunk took no longer per page than the fit allows (timing noise): no fixed part, the wider
-    chunk's time per token-layer. Call it on the thread that runs the model's forwards (as `measure_compute`)."""
-    from sglang_tiered.engine.meet import MemoryPages, meet_prefill
-
-    c, g = model.cfg, torch.Generator().manual_seed(1)
-
-    def chunk_s(k: int) -> float:
-        span = MemoryPages(torch.zeros(c.layers, k * page_size, 2, c.kv_heads, c.head_dim, dtype=model.dtype),
-                           page_size)
-        ids = torch.randint(0, c.vocab, (k * page_size + 1,), generator=g)
-        return min([meet_prefill(model, ids[:-1], ids[-1:], prefix_len=0, source=span, split=k, chunk=k).compute_s
-                    for _ in range(repeats + 1)][1:])
-
-    one, wide = chunk_s(1), chunk_s(pages)
-    token_layers = page_size * c.layers
-    span_s = (wide - one) / ((pages - 1) * token_layers)
-    if span_s <= 0:
-        return 0.0, wide / (pages * token_layers)
-    return max(0.0, one - token_layers * span_s), span_s
-
-
-def _on_loader_thread(fn: Callable[[], float]) -> float:
-    """`fn()` on a thread that runs torch the way the two-sided loader does (one OpenMP thread, engine/meet.py)."""
-    with one_thread_pool("kvpr-profile-loader") as pool:
-        return pool.submit(torch.inference_mode()(fn)).result()
+    c, g, k = model.cfg, torch.Generator().manual_seed(1), MEET_CHUNK_PAGES
+    span = MemoryPages(torch.zeros(c.layers, k * page_size, 2, c.kv_heads, c.head_dim, dtype=model.dtype), page_size)
+    ids = torch.randint(0, c.vocab, (k * page_size + 1,), generator=g)
+    chunk_s = min(meet_prefill(model, ids[:-1], ids[-1:], prefix_len=0, source=span, split=k, chunk=k).compute_s
+                  for _ in range(repeats + 1))
+    h = torch.randn(page_size, c.hidden, generator=g).to(model.dtype)
+    pos = torch.arange(page_size)
+    with one_thread_pool("kvpr-profile-loader") as pool:  # torch as the loader runs it: one thread
+        recompute = pool.submit(torch.inference_mode()(
+            lambda: _best_s(lambda: model.kv_from_input(0, h, pos), repeats + 1))).result()
+    return Profile(page_s=chunk_s / k, recompute_s=recompute / page_size)
 
 
 def profile_key(model: str, dtype: str) -> str:
@@ -247,26 +138,20 @@ def save_profile(directory: str | os.PathLike, key: str, profile: Profile, *,
 
 
 def profile_of(entry: dict) -> Profile:
-    """The profile an entry of the profile file holds (fields added since it was written are 0: not measured).
-    Raises KeyError, TypeError or ValueError for an entry that is not one."""
-    return Profile(float(entry["read_bytes_per_s"]), float(entry["recompute_s"]), float(entry["layer_s"]),
-                   float(entry.get("stored_s", 0.0)), chunk_s=float(entry.get("chunk_s", 0.0)),
-                   span_s=float(entry.get("span_s", 0.0)))
+    """The profile an entry of the profile file holds. Raises KeyError, TypeError or ValueError for an entry that is
+    not one."""
+    return Profile(float(entry["page_s"]), float(entry["recompute_s"]))
 
 
-def stored_profile(directory: str | os.PathLike, key: str) -> Optional[Profile]:
+def stored_entry(directory: str | os.PathLike, key: str) -> Optional[tuple[Profile, float]]:
+    """(the profile, the read rate in bytes per second) stored under `key`, or None."""
     entry = load_profiles(directory).get(key)
-    if not entry:
-        return None
     try:
-        return profile_of(entry)
+        return profile_of(entry), float(entry["read_bytes_per_s"])
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def describe(profile: Profile) -> str:
-    return (f"SSD read {profile.read_bytes_per_s / 1e6:.0f} MB/s, K/V recompute {profile.recompute_s * 1e6:.2f} "
-            f"us per token-layer, a layer {profile.layer_s * 1e6:.1f} us per new token, "
-            f"{profile.stored_s * 1e6:.2f} us per stored token-layer" +
-            (f", a computed chunk {profile.chunk_s * 1e3:.1f} ms + {profile.span_s * 1e6:.2f} us per span token-layer"
-             if profile.span_s else ""))
+def describe(profile: Profile, read_bps: float) -> str:
+    return (f"SSD read {read_bps / 1e6:.0f} MB/s, a span page computed in {profile.page_s * 1e3:.1f} ms, K/V "
+            f"recompute {profile.recompute_s * 1e6:.2f} us per token-layer")

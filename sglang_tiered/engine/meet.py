@@ -1,59 +1,24 @@
 """Compute the front of a stored span while loading its back (Cake: "Compute Or Load KV Cache? Why Not Both?",
 arXiv 2410.03065), exact, on the layer-by-layer engine, for any Llama-family model.
 
-A prompt = an exact prefix P (its KV already in memory), a stored span S of whole pages (on a slow tier) and new
-tokens C. Two workers share S's pages:
+A prompt = an exact prefix P (its KV already in memory), a stored span S of whole pages and new tokens C. Two workers
+share S's pages: compute (the caller's thread) prefills chunks of up to `chunk` pages from the front, each attending
+to P and the pages before it; the loader (`loaders` background threads) reads whole pages from the back, the last
+first -- every layer's K and V, or where a page's activations are stored, every layer's attention input X, from which
+it recomputes K and V (KVPR). Every page is claimed by exactly one of them; they meet wherever the storage's and the
+CPU's speeds put the point, and `split` forces it instead. Then C's layers run over [P, S, C] as a full prefill would.
+Exact by construction: every token's KV is either computed from the true prefix or the stored copy of it.
 
-* compute (the caller's thread) prefills pages from the front, a chunk of up to `chunk` pages at a time through
-  every layer, each chunk attending to P and to the pages computed before it (a chunked prefill);
-* load (a background thread, or several: `loaders`) reads whole pages (`PageSource.read`) from the back, the last
-  page first (each thread one page at a time, the next unclaimed one): every
-  layer's K and V, or -- where a page's activations are stored and cheaper to read (MHA models, KVPR) -- every
-  layer's attention input X, from which the loader recomputes K = X W_K (with RoPE at the page's positions) and
-  V = X W_V. Either way a page arrives exact; the loader's rate (reads plus recomputes) is what compute decides by.
-
-Every page is claimed by exactly one of them: compute claims its next chunk only below the lowest page the loader
-has claimed, the loader stops at a page compute claimed. They meet where they meet -- wherever the storage's and
-the CPU's speeds at that moment put the point -- with no plan, no solver and nothing extra stored; `split` forces the
-meet point instead (tests, or a caller that knows better). Then C's layers run over [P, S, C], as a full prefill
-would. Exact by construction: every token's KV is either computed from the true prefix or the stored copy of it.
-
-On a CPU a chunk cannot be abandoned halfway, and one page's prefill (tens of milliseconds) can outlast reading the
-whole span from a fast disk; so with `page_compute_s` (an estimate of one page's compute) compute first waits for the
-loader's first page, at most `min_read_share` of a page's compute (a read quicker than that keeps compute out anyway;
-one page's compute without a share; not where the caller knows the span's reads reach the disk: `from_disk`).
-Then it claims the chunk (at most `chunk` pages) that ends the span soonest: k
-pages such that max(chunk_fixed_s + k x page_compute_s, (unclaimed pages - k) x seconds per read) is smallest -- a
-large chunk prefills faster per page (wider matrix products; on a CPU every chunk also reads the model's weights from
-memory once, `chunk_fixed_s`), so the first claim is the biggest. Seconds per read: the mean of the loader's
-last reads, with the read in flight counted as one of them once it has taken longer (timed from its own start: the
-loader's start-up -- a thread waking, a CUDA stream's first copy -- is no read; a kernel throttle passes reads in bursts
-and stalls about one in ten, measured at 200 MB/s: 2-3 ms reads and 40-70 ms stalls, and that one stall is not the
-disk's rate), and before the first read the caller's `page_read_s` estimate (the profile's). The reads, not the
-estimate, decide once one is in: a span still in the page cache reads fast behind a slow disk, and a chunk claimed on
-the estimate then holds the load up (a chunk cannot be abandoned); the price is that a throttle idle before the load
-lets its first reads through at once (measured at 25 MB/s: 3-9 ms, then 110 ms), and compute looks two to four times
-before it joins. When reads are fast next to compute (below `min_read_share` of a page's compute: computing would gain
-little and, on a CPU, slow the loader's own work) or no page is worth taking, compute looks again after `min_read_share`
-of a page's compute (at once if the loader is done): a kernel I/O throttle lets a first burst through fast, then reads
-slow down, and their new rate may be slow enough to join. Not at every read: on a GPU a read takes a fraction of a
-millisecond, and compute's thread waking at each one takes the GIL from the loader's. Both rates are this load's own
-(the estimates are replaced by each computed chunk's time and each read's), so the rule follows a disk or a CPU that
-slows down under load. Without an estimate the two simply race (Cake's scheme).
+A chunk cannot be abandoned halfway, so with an estimate of a page's compute (`page_compute_s`) compute claims the
+chunk that ends the span soonest (`best_claim`) at the loader's current rate: the mean of its last reads, the read in
+flight counted once it has taken longer, the caller's `page_read_s` before the first read is in. Both rates are this
+load's own, so the rule follows a disk or a CPU that slows down under load. Without an estimate the two simply race.
 
 A page the loader cannot read (`SpanMiss`) abandons the whole load: raised to the caller, who falls back.
 
-Pages read before the call (`early`: a server reads a taken span's back from admission on, while the request waits
-for its forward, engine/early_reads.py) are the loader's from the start: it places them first, without a read, and
-compute's rule decides by the reads still to come.
-
-On a CUDA model (component level: the server runs this on CPUs) the same scheduler runs with the loader's copies of
-pages (from pinned host memory: `PageSource.read` returns host tensors) on a CUDA stream of its own, each page's copy
-waited for on the loader's thread (its read time is the transfer's), and compute's kernels on the caller's current
-stream, each chunk waited for before the next claim (a claim must follow real progress, not queued kernels); the
-new tokens' layers run after the current stream has waited for the loader's. There the first read in flight does
-not count: the estimate stands until it is in (a CUDA loader's first copy takes 2-4x its next ones, measured, and no
-throttle lets a burst through that compute would need to catch early).
+On a CUDA model the loader's copies (from pinned host memory) run on a CUDA stream of its own, each waited for on
+the loader's thread, and each compute chunk is waited for before the next claim; there the first read in flight does
+not count (a CUDA loader's first copy takes 2-4x its next ones, measured).
 """
 
 from __future__ import annotations
@@ -62,8 +27,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -108,58 +72,45 @@ class MeetResult:
     reads: tuple[float, ...] = ()  # seconds of each page the loader placed (read to placed), in its order
     chunks: tuple[tuple[float, int, float], ...] = ()  # compute's claims: (seconds into the load, pages, seconds)
     new_s: float = 0.0  # seconds of the new tokens' layers, after the meet
-    early_pages: int = 0  # of the loaded pages, those read before this call (`early`)
 
 
-def best_claim(free: int, compute_s: float, read_s: float, floor_s: float = 0.0, fixed_s: float = 0.0) -> int:
-    """Pages compute should take of `free` unclaimed ones, a chunk of j pages taking `fixed_s` + j x `compute_s`
-    while the loader reads one page in `read_s`: the k that ends the span soonest, max(chunk(k), (free - k) x
-    read_s) (the smaller k on a tie), and none unless it ends before the loader alone would (free x read_s). A chunk
-    that takes at least `floor_s` however few its pages (a GPU host launching its kernels) takes as many pages as the
-    floor pays for once it binds (the loader's part only shrinks)."""
-    def chunk(j: int) -> float:
-        return fixed_s + j * compute_s if j else 0.0
-
-    k = max(0, int((free * read_s - fixed_s) / (read_s + compute_s)))  # where the two lines cross, rounded down
+def best_claim(free: int, compute_s: float, read_s: float, floor_s: float = 0.0) -> int:
+    """Pages compute should take of `free` unclaimed ones, a page computed in `compute_s` while the loader reads one
+    in `read_s`: the k that ends the span soonest, max(k x compute_s, (free - k) x read_s) (the smaller k on a tie),
+    and none unless it ends before the loader alone would. A chunk that takes at least `floor_s` however few its
+    pages (a GPU host launching its kernels) takes as many pages as the floor pays for once it binds."""
+    k = int(free * read_s / (read_s + compute_s))  # where the two lines cross, rounded down
     if k < free:
-        k = min((k, k + 1), key=lambda j: (max(chunk(j), (free - j) * read_s), j))
-    else:
-        k = free
-    if floor_s and 0 < k < free and max(chunk(k), (free - k) * read_s) < floor_s:  # the floor binds
-        k = min(free, max(k, int((floor_s - fixed_s) / compute_s)))
-    return k if k and max(floor_s, chunk(k), (free - k) * read_s) < free * read_s else 0
+        k = min((k, k + 1), key=lambda j: (max(j * compute_s, (free - j) * read_s), j))
+    if floor_s and 0 < k < free and max(k * compute_s, (free - k) * read_s) < floor_s:  # the floor binds
+        k = min(free, max(k, int(floor_s / compute_s)))
+    return k if k and max(floor_s, k * compute_s, (free - k) * read_s) < free * read_s else 0
 
 
 class _Claims:
     """Which pages compute and the loader hold: [0, front) compute's, [low, pages) the loader's (shared, locked),
-    and the rates compute decides by (see the module docstring). The loader may be `workers` threads, each reading
-    one page at a time: a page then comes in every (seconds per read) / workers."""
+    and the rates compute decides by. The loader may be `workers` threads, each reading one page at a time: a page
+    then comes in every (seconds per read) / workers."""
 
-    def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float],
-                 min_read_share: float = 0.0, page_read_s: float = 0.0, first_in_flight: bool = True,
-                 workers: int = 1, chunk_floor_s: float = 0.0, chunk_fixed_s: float = 0.0) -> None:
+    def __init__(self, pages: int, split: Optional[int], page_compute_s: Optional[float], page_read_s: float = 0.0,
+                 first_in_flight: bool = True, workers: int = 1, chunk_floor_s: float = 0.0) -> None:
         self.front, self.low = 0, pages
         self.split = split  # compute stops here and the loader never goes below it (None: they meet)
         self.page_compute_s = page_compute_s  # compute's seconds per page (None: claim whenever a page is free)
-        self.min_read_share = min_read_share  # compute joins only while a read takes this share of a page's compute
-        self.page_read_s = page_read_s  # the estimate of a read (per page the loader brings in) until one is in
+        self.page_read_s = page_read_s  # the estimate of a read until one is in
         self.first_in_flight = first_in_flight  # whether the first read's time in flight counts before it is in
         self.workers = workers
         self.chunk_floor_s = chunk_floor_s  # the least seconds a chunk takes (a GPU host's kernel launches)
-        self.chunk_fixed_s = chunk_fixed_s  # seconds a chunk takes beyond its pages' (a CPU reading the weights)
         self.reads: list[float] = []  # the loader's seconds per page so far (each on its own thread)
         self.started: deque[float] = deque()  # when the reads in flight began, oldest first
         self.recomputed = 0  # pages the loader recomputed from activations
-        self.early: dict[int, Future] = {}  # pages read before the load, the loader's to place first (no reads)
-        self.placed_early = 0
         self.began = self.ended = 0.0  # the loader's first read and its last page placed (time.perf_counter())
         self.lock = threading.Lock()
         self.read_done = threading.Condition(self.lock)
 
     def next_chunk(self, chunk: int) -> Optional[range]:
         """Compute's next pages (at most `chunk`); an empty range: not now (the loader would be there first at its
-        current rate: wait for its next page and ask again); None: done (it reached the loader or the forced
-        split)."""
+        current rate); None: done (it reached the loader or the forced split)."""
         with self.lock:
             limit = self.low if self.split is None else min(self.low, self.split)
             free = limit - self.front
@@ -167,18 +118,12 @@ class _Claims:
                 return None
             take = min(chunk, free)
             if self.split is None and self.page_compute_s is not None:
-                # the loader's rate now: its last reads (a throttle's first burst is not its rate), and the read in
-                # flight as one of them once it has taken longer (a single stall between fast reads is not the rate
-                # either: a throttle that lets reads through in bursts stalls one read in ten or so)
-                recent = self.reads[-4:]
+                recent = self.reads[-4:]  # (one stall between fast reads is not the rate; a run of slow ones is)
                 per_read = sum(recent) / len(recent) / self.workers if recent else self.page_read_s
                 if self.started and (self.reads or self.first_in_flight):
                     in_flight = time.perf_counter() - self.started[0]
                     per_read = max(per_read, (sum(recent) + in_flight) / (len(recent) + 1) / self.workers)
-                if per_read < self.min_read_share * self.full_page_s(chunk):
-                    return range(0)  # reads are fast next to compute: computing would gain little and slow them
-                take = min(take, best_claim(free, self.page_compute_s, per_read, self.chunk_floor_s,
-                                            self.chunk_fixed_s))
+                take = min(take, best_claim(free, self.page_compute_s, per_read, self.chunk_floor_s))
                 if take < 1:
                     return range(0)
             pages = range(self.front, self.front + take)
@@ -195,31 +140,6 @@ class _Claims:
         """Until the loader has reached compute (or `timeout` seconds)."""
         with self.lock:
             self.read_done.wait_for(lambda: self.low <= self.front, timeout)
-
-    def hand_over(self, early: Mapping[int, Future]) -> None:
-        """Pages read before the load (`meet_prefill`'s `early`): those in one run up to the span's last page and not
-        below the forced split become the loader's at once (compute never claims them)."""
-        with self.lock:
-            while self.low - 1 in early and (self.split is None or self.low - 1 >= self.split):
-                self.low -= 1
-                self.early[self.low] = early[self.low]
-
-    def next_early(self) -> Optional[tuple[int, Future]]:
-        """A page read before the load, to place (highest first), or None."""
-        with self.lock:
-            if not self.early:
-                return None
-            page = max(self.early)
-            self.began = self.began or time.perf_counter()
-            return page, self.early.pop(page)
-
-    def early_placed(self, recomputed: bool) -> None:
-        """A page read before the load is placed: no read of this load (compute's rule decides by those)."""
-        with self.lock:
-            self.placed_early += 1
-            self.recomputed += recomputed
-            self.ended = time.perf_counter()
-            self.read_done.notify_all()
 
     def next_load(self) -> Optional[int]:
         """The loader's next page (from the back), or None once it reached compute (or the forced split)."""
@@ -241,57 +161,31 @@ class _Claims:
             self.ended = time.perf_counter()
             self.read_done.notify_all()
 
-    def full_page_s(self, chunk: int) -> float:
-        """Seconds per page of a chunk of `chunk` pages at compute's current rate."""
-        return self.page_compute_s + self.chunk_fixed_s / chunk
-
     def computed(self, pages: int, seconds: float) -> None:
-        """A chunk of `pages` took `seconds`: compute's rate from now on -- its per-page and fixed parts scaled
-        alike by what the chunk took against what they predicted (a CPU slowed by other work slows both) --
-        unless the chunk took no longer than the floor (its time was the floor's, not its pages')."""
+        """A chunk of `pages` took `seconds`: compute's rate from now on (unless the chunk took no longer than the
+        floor: its time was the floor's, not its pages')."""
         with self.lock:
             if self.page_compute_s is not None and seconds > self.chunk_floor_s:
-                if self.chunk_fixed_s:
-                    scale = seconds / (self.chunk_fixed_s + pages * self.page_compute_s)
-                    self.page_compute_s *= scale
-                    self.chunk_fixed_s *= scale
-                else:
-                    self.page_compute_s = seconds / pages
+                self.page_compute_s = seconds / pages
 
 
 @torch.inference_mode()
 def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tensor, *, prefix_len: int,
                  source: PageSource, prefix_loader: Optional[Callable[[int], torch.Tensor]] = None, chunk: int = 1,
-                 split: Optional[int] = None, page_compute_s: Optional[float] = None, min_read_share: float = 0.0,
-                 page_read_s: float = 0.0, chunk_floor_s: float = 0.0, chunk_fixed_s: float = 0.0,
-                 from_disk: bool = False,
-                 rope: Optional[Rope] = None, inputs: bool = False, loaders: int = 1,
-                 out: Optional[torch.Tensor] = None, early: Optional[Mapping[int, Future]] = None) -> MeetResult:
+                 split: Optional[int] = None, page_compute_s: Optional[float] = None, page_read_s: float = 0.0,
+                 chunk_floor_s: float = 0.0, rope: Optional[Rope] = None, inputs: bool = False, loaders: int = 1,
+                 out: Optional[torch.Tensor] = None) -> MeetResult:
     """Prefill `new_ids` after the prefix (`prefix_loader(layer)` -> [prefix_len, 2, kv_heads, head_dim], called
-    once per layer) and the stored span whose token ids are `span_ids` (see the module docstring). `chunk`: the most
-    pages compute takes at once (a forced split or a plain race takes this many).
-    `split`: compute exactly the first `split` pages and load the rest. `page_compute_s`: an estimate of one page's
-    compute, for the claim rule (None: a plain race); with it, `min_read_share`: compute claims pages only while the
-    loader's reads take at least this share of a page's compute (else the loader takes the span alone), and
-    `page_read_s`: an estimate of one page's read, used until the loader's first read is in; `chunk_floor_s`: the
-    least seconds a chunk takes however few its pages (on a GPU, the host's time to launch a chunk's kernels: a claim
-    of a few pages then costs what many would; 0 on a CPU); `chunk_fixed_s`: seconds every chunk takes beyond its
-    pages' `page_compute_s` each (on a CPU, the model's weights read from memory once per chunk: there a chunk of k
-    pages takes chunk_fixed_s + k x page_compute_s, measured affine, policy/kvpr.py); `from_disk`: the
-    span's files are known to be out of the OS page cache, so its reads reach the storage: compute claims its first
-    chunk at once on the estimates instead of first waiting for the loader's first read (which looks for a span
-    still in the page cache; behind a throttle the first reads come in a fast burst and kept compute out for 0.06-0.17
-    s of 0.4-0.7 s loads). `rope`: the
-    rotation (`LlamaModel.qkv`; a server passes its own kernel, so that computed keys match the ones it stored).
-    `inputs`: also return the new tokens' attention inputs (to store them as activations in turn). `loaders`: threads
-    reading pages at once (`source.read` is then called from several threads; a CPU model only, a CUDA model's loader
-    is one thread): a disk that serves several reads at once brings a span in faster, and the pages' copies spread
-    over the cores (while compute runs they compete with it for them). `out`: where the prefix's KV is gathered (once
-    per layer: attention then reads it in place) and the result's goes, [layers, prefix_len + |S| + |C|, 2, kv_heads,
-    head_dim] on the model's device (a server's reused buffer, `KVScratch`); default a new one. `early`: pages read
-    before this call (engine/early_reads.py), page -> a future of its `StoredPage`: those in one run up to the span's
-    last page (and not below `split`) are the loader's from the start, placed first without a read (their times are
-    no reads: compute's rule decides by the reads still to come); the rest are ignored."""
+    once per layer) and the stored span whose token ids are `span_ids` (see the module docstring).
+
+    `chunk`: the most pages compute takes at once. `split`: compute exactly the first `split` pages and load the
+    rest. `page_compute_s`: an estimate of one page's compute for the claim rule (None: a plain race), with
+    `page_read_s`, one page's read until the first is in; `chunk_floor_s`: the least seconds a chunk takes however
+    few its pages (a GPU host's kernel launches; 0 on a CPU). `rope`: the rotation (a server passes its own kernel,
+    so that computed keys match the ones it stored). `inputs`: also return the new tokens' attention inputs.
+    `loaders`: threads reading pages at once (a CPU model only). `out`: where the prefix's KV is gathered and the
+    result's goes, [layers, prefix_len + |S| + |C|, 2, kv_heads, head_dim] on the model's device (a server's reused
+    buffer); default a new one."""
     ps, pages = source.page_size, source.pages
     s, n, p = pages * ps, new_ids.shape[0], prefix_len
     if span_ids.shape[0] != s or n < 1 or pages < 1:
@@ -309,9 +203,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     out = full[:, p:]  # the span's rows, then the new tokens' (what the loader fills and the result holds)
     copies = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # the loader's stream on a CUDA model
     workers = 1 if copies is not None else max(1, loaders)
-    claims = _Claims(pages, split, page_compute_s, min_read_share, page_read_s, first_in_flight=copies is None,
-                     workers=workers, chunk_floor_s=chunk_floor_s, chunk_fixed_s=chunk_fixed_s)
-    claims.hand_over(early or {})
+    claims = _Claims(pages, split, page_compute_s, page_read_s, first_in_flight=copies is None, workers=workers,
+                     chunk_floor_s=chunk_floor_s)
     errors: list[BaseException] = []
     # (on a CUDA model a page arrives whole in one buffer, then is spread over the layers: no allocation per page)
     stage = torch.empty_like(out[:, :ps]) if copies is not None else None
@@ -319,25 +212,17 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
     @torch.inference_mode()  # (thread-local: the loader writes into the result, an inference tensor)
     def load() -> None:
         with _on_stream(copies):
-            while not errors:
-                got = claims.next_early()
-                page = got[0] if got is not None else claims.next_load()
-                if page is None:
-                    return
+            while not errors and (page := claims.next_load()) is not None:
                 t0 = time.perf_counter()
                 try:
-                    stored = got[1].result() if got is not None else source.read(page)
-                    recomputed = _place(model, stored, out[:, page * ps : (page + 1) * ps],
+                    recomputed = _place(model, source.read(page), out[:, page * ps : (page + 1) * ps],
                                         torch.arange(p + page * ps, p + (page + 1) * ps, device=dev), rope, stage)
                     if copies is not None:
                         copies.synchronize()  # the page is on the device: its read time is the transfer's
                 except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
                     errors.append(exc)
                     return
-                if got is not None:
-                    claims.early_placed(recomputed == 1)
-                else:
-                    claims.loaded(time.perf_counter() - t0, recomputed == 1)
+                claims.loaded(time.perf_counter() - t0, recomputed == 1)
 
     if copies is not None:  # (`out` may reuse memory that kernels queued before this call still touch)
         copies.wait_stream(torch.cuda.current_stream(dev))
@@ -350,8 +235,8 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         if p:  # (while the loader reads its first pages)
             for layer in range(model.cfg.layers):
                 full[layer, :p] = prefix_loader(layer)
-        relook_s = claims.full_page_s(chunk) * (min_read_share or 1.0) if page_compute_s is not None else 0.0
-        if split is None and page_compute_s is not None and not from_disk:
+        relook_s = page_compute_s or 0.0
+        if split is None and page_compute_s is not None:
             claims.wait_read(relook_s)  # the loader's first read, if it is quick (a span in the page cache)
         while not errors and (pages_now := claims.next_chunk(chunk)) is not None:
             if not pages_now:  # the loader would get there first at its current rate: look again a little later
@@ -388,9 +273,9 @@ def meet_prefill(model: LlamaModel, span_ids: torch.Tensor, new_ids: torch.Tenso
         x = model.finish_layer(layer, x, _attend(q, full[layer], p, p + s))
     if copies is not None:
         torch.cuda.current_stream(dev).synchronize()  # (timed as done, not as queued)
-    return MeetResult(out, x[-1], computed, len(claims.reads) + claims.placed_early, claims.recomputed, compute_s,
+    return MeetResult(out, x[-1], computed, len(claims.reads), claims.recomputed, compute_s,
                       claims.ended - claims.began, wait_s, xs, tuple(claims.reads), tuple(chunks),
-                      time.perf_counter() - t_new, claims.placed_early)
+                      time.perf_counter() - t_new)
 
 
 def _on_stream(stream: Optional[torch.cuda.Stream]):

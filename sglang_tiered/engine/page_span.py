@@ -2,14 +2,12 @@
 (`engine.meet.PageSource`).
 
 Page i of `keys` (layer_first layout) comes as its activations (every layer's attention input X, storage/
-activations.py) when `activations` is on and they are stored -- the loader recomputes K and V from them (KVPR) -- and as
-its KV otherwise, when the activation page turns out missing or corrupt (counted), or -- with `cached_kv` (the span's
-files were read into the page cache from the request's arrival, integration/arrival.py) -- when its KV file is in the
-page cache (placing KV is a copy; activations a read and a recompute). A KV page that is missing or corrupt ends the
-load (`SpanMiss`): the caller computes the span instead. Every segment is checked against its own checksum; the tier
-counts a miss and removes a corrupt file. Counters: `bytes_x`, `bytes_kv`, `act_misses`, `read_s` (wall seconds during
-which at least one of the tier's reads ran: the read rate without the loader's recomputes and copies, reads on several
-threads at once counted once). `read` may run on several threads at once.
+activations.py) when `activations` is on and they are stored -- the loader recomputes K and V from them (KVPR) -- and
+as its KV otherwise, or when the activation page turns out missing or corrupt (counted). A KV page that is missing or
+corrupt ends the load (`SpanMiss`): the caller computes the span instead. Every segment is checked against its own
+checksum; the tier counts a miss and removes a corrupt file. Counters: `bytes_x`, `bytes_kv`, `act_misses`, `read_s`
+(wall seconds during which at least one of the tier's reads ran: the read rate without the loader's recomputes and
+copies, reads on several threads at once counted once). `read` may run on several threads at once.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 
@@ -29,35 +26,25 @@ from sglang_tiered.storage.ssd_tier import SSDTier
 
 class TierPages:
     def __init__(self, tier: SSDTier, keys: Sequence[str], *, layers: int, page_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, hidden: int = 0, activations: bool = False,
-                 cached_kv: bool = False) -> None:
+                 head_dim: int, dtype: torch.dtype, hidden: int = 0, activations: bool = False) -> None:
         self.tier, self.keys, self.page_size, self.pages = tier, list(keys), page_size, len(keys)
         self.kv_shape, self.dtype = (layers, 2, page_size, kv_heads, head_dim), dtype
         self.x_shape = (layers, page_size, hidden)
         self.activations = activations and hidden > 0
-        self.cached_kv = cached_kv
         self.bytes_x = self.bytes_kv = self.act_misses = 0
         self.read_s = 0.0
         self._reading = 0  # reads running now
         self._since = 0.0  # when the running ones began to overlap (the first of them started)
         self._lock = threading.Lock()
 
-    def first_read_cached(self, page: int = -1) -> Optional[bool]:
-        """Whether the file the loader reads first (page `page`'s, by default the last: its activations where they
-        would be read, else its KV) is in the OS page cache (`SSDTier.in_page_cache`; None: cannot be told)."""
-        key = self.keys[page]
-        act = activations.activation_key(key)
-        return self.tier.in_page_cache(act if self.activations and self.tier.contains(act) else key)
-
     @property
     def bytes_read(self) -> int:
         return self.bytes_x + self.bytes_kv
 
-    def read(self, page: int, *, kv: bool = False) -> StoredPage:
-        """Page `page` (see the module docstring); `kv`: as its KV even where its activations would be read (a page
-        read well ahead of its forward: placing KV is a copy, activations a recompute)."""
+    def read(self, page: int) -> StoredPage:
+        """Page `page` (see the module docstring)."""
         key = self.keys[page]
-        if self.activations and not kv and not (self.cached_kv and self.tier.in_page_cache(key)):
+        if self.activations:
             act = activations.activation_key(key)
             if self.tier.contains(act):
                 x = torch.empty(self.x_shape, dtype=self.dtype)

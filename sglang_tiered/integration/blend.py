@@ -37,7 +37,7 @@ from sglang_tiered.engine.blend import blend_prefill, observe
 from sglang_tiered.engine.blend_plan import plan_spans
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.keys import tenant_seed
-from sglang_tiered.integration.requests import CHUNKS_PARAM, request_params
+from sglang_tiered.integration.requests import options
 from sglang_tiered.policy.loading import LoadingController
 from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore
 
@@ -48,7 +48,7 @@ logger = logging.getLogger("sglang_tiered")
 
 
 def is_marked(req) -> bool:
-    return CHUNKS_PARAM in request_params(req)
+    return options(req).chunks is not None
 
 
 class _Runtime:
@@ -104,8 +104,6 @@ class BlendHandler(model_forward.ForwardHandler):
             return "input logprobs were requested"
         if not model_forward.whole_model_in_rank(module):
             return "pipeline parallelism"
-        if sum(req.sampling_params.custom_params[CHUNKS_PARAM]) != len(req.origin_input_ids):
-            return "chunk lengths do not match the prompt"
         return None
 
     @torch.inference_mode()
@@ -117,7 +115,7 @@ class BlendHandler(model_forward.ForwardHandler):
 def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     t0 = time.perf_counter()
     eng, store = rt.engine, rt.store
-    lengths = list(req.sampling_params.custom_params[CHUNKS_PARAM])
+    lengths = list(options(req).chunks)
     ids_list = list(req.origin_input_ids)
     prefix = int(fb.extend_prefix_lens_cpu[0])
     end = prefix + int(fb.extend_seq_lens_cpu[0])  # < len(ids_list) for a piece of a chunked prefill

@@ -33,7 +33,7 @@ from sglang_tiered.engine.span_miss import SpanMiss
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.model_forward import ForwardHandler, engine_declines
-from sglang_tiered.integration.requests import CHUNKS_PARAM, RETAIN_PARAM, request_params
+from sglang_tiered.integration.requests import options
 from sglang_tiered.policy.retention import PinRefused
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class Door:
         for loader in self.loaders:
             loader.admit(scheduler, req)
         loader = next((x for x in self.loaders if x.wants(req)), None)
-        if loader is None or CHUNKS_PARAM in request_params(req):
+        if loader is None or options(req).chunks is not None:
             return None
         why = engine_declines(req)
         if why is not None:
@@ -196,7 +196,7 @@ class Door:
     # ------------------------------------------------------------------------------------------- retention
     def _retain(self, scheduler, req, store) -> None:
         retention = store.retention
-        seconds = request_params(req).get(RETAIN_PARAM)
+        seconds = options(req).retain
         if seconds is not None and retention.max_seconds > 0 and float(seconds) > 0:  # (no room at all: refused)
             keys = page_keys(req, len(req.origin_input_ids), store.page_size)
             if keys:

@@ -283,37 +283,7 @@ EVENTS = {
     "kvpr_tokens_loaded": "Tokens of stored spans read from storage by two-sided loads (the back)",
     "kvpr_read_samples": "Loads (ours and SGLang's, summed to 8 MiB or more) folded into the read rate that "
     "compute-or-load decisions use",
-    "kvpr_choice_ours": "Stored spans `auto` gave our loader by the measured choice (where compute would not join)",
-    "kvpr_choice_sglang": "Stored spans `auto` left to SGLang's own load by the measured choice",
-    "kvpr_choice_explorations": "Measured choices that took a load to time it (too few samples, or its periodic "
-    "retry) rather than because it was ahead",
-    "kvpr_choice_behind_prefills": "Stored spans `auto` gave our loader because the request was admitted right after "
-    "another request's prefill forward (SGLang's load would wait for the next one)",
-    "kvpr_choice_sglang_gives_up": "Stored spans `auto` gave our loader, not trying SGLang's load, because SGLang's "
-    "prefetch would give up on them (its timeout shorter than the span's KV read at the measured read rate)",
-    "kvpr_computed_spans": "Stored spans left whole to SGLang's forward (mode `compute`, or `auto` where it was "
-                           "measured faster than the two-sided load: policy/compute_choice.py)",
-    "kvpr_alone_spans": "Stored spans `auto` gave the loader alone (compute taking no page) by the three-way choice, "
-                        "that way measured faster or tried once (policy/compute_choice.py)",
-    "kvpr_early_pages": "Stored pages our loader placed that were read between the request's admission and its "
-                        "forward (engine/early_reads.py)",
-    "kvpr_arrival_reads": "Requests whose stored prefix's SSD files the launcher read into the page cache from their "
-                          "arrival during a prefill forward (--tiered-kvpr-arrival-reads)",
-    "kvpr_arrival_bytes": "Bytes those reads read",
-    "kvpr_arrival_stopped": "Of kvpr_arrival_reads, those stopped at that forward's end (or the request's) before "
-                            "their last file",
-    "kvpr_early_expired": "Loads whose pages read at admission no forward took within 60 s (an aborted request): "
-                          "dropped",
-    "kvpr_forward_samples": "Forwards timed for the choice among the two-sided load, the loader alone and SGLang's "
-                            "forward",
-    "kvpr_choice_samples": "Loads of stored spans timed for the measured choice (prefilled whole and alone, admitted "
-    "at idle or among decodes; our loader's also behind other prefills, by its forward's own time)",
-    "kvpr_profile_retries": "Compute profiles dropped because a layer timed far slower than the whole load allows "
-    "(something else slowed the measurement); taken again at a later idle moment",
-    "kvpr_choice_samples_decoding": "Of kvpr_choice_samples, those admitted while other requests were decoding (kept "
-    "apart: the choice among decodes follows them)",
-    "prefill_ahead_of_chunks": "Requests that prefill alone (a taken stored span, a blend) run before the next piece "
-    "of another request's chunked prefill instead of after its last (integration/ahead.py)",
+    "kvpr_computed_spans": "Stored spans `auto` left whole to SGLang's forward (reads too slow to help)",
     "retain_pins": "Requests whose prompt pages were pinned (custom_params.tiered_retain)",
     "retain_released": "Pins released before their expiry to keep pinned pages within --tiered-retain-share",
     "retain_refused": "Pins refused: the prompt alone has more pages than retention may hold",

@@ -19,16 +19,13 @@ Fallback reasons shared by every handler (`ForwardHandler.declines`): our engine
 token ids, so a request with a LoRA adapter, multimodal inputs or input embeddings is never computed by it (counted
 as the handler's fallback); each handler adds its own (a batch of several, a chunked piece, input logprobs, ...).
 On CPU-only servers every forward (also SGLang's own) is marked as foreground work, so that the SSD write-through
-yields to it (`gate_background_writes`, storage/foreground.py). There every extend forward is also marked on the
-server's forward board (storage/forward_board.py), where the launcher sees whether a prefill runs, with
-`--tiered-kvpr-arrival-reads on` (arrival.py).
+yields to it (`gate_background_writes`, storage/foreground.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -36,8 +33,6 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.integration import faults
-from sglang_tiered.integration.ahead import AheadOfChunks
-from sglang_tiered.storage.forward_board import ForwardBoard
 
 if TYPE_CHECKING:
     from sglang_tiered.integration.runtime import Runtime
@@ -124,18 +119,10 @@ class ForwardHook:
         self.rt = rt
         self.handlers: list[ForwardHandler] = []
         self._alone: list[Callable[[Any], bool]] = []
-        self._after: list[Callable[[Any, Optional[str]], None]] = []
-        self._after_errors = 0
         self._admission_errors = 0
         self._engines: dict[int, LlamaModel] = {}
         self._batch = threading.local()
         self._hooked = self._tracking = False
-        self.last_extend_s = 0.0  # wall seconds of the last extend forward (any handler's or SGLang's; CPU: its work)
-        self._board: Optional[ForwardBoard] = None  # where this rank tells the launcher of its extend forwards
-        self._board_opened = False
-        settings = rt.settings
-        self.ahead = AheadOfChunks(rt, self.prefills_alone,  # prefill-alone requests between chunked pieces
-                                   on=settings is None or settings.config.ahead_of_chunks == "on")
 
     def _ensure_hook(self) -> None:
         if not self._hooked:
@@ -160,25 +147,16 @@ class ForwardHook:
         if all(h.name != handler.name for h in self.handlers):
             self.handlers.append(handler)
 
-    def after_extend(self, observer: Callable[[Any, Optional[str]], None]) -> None:
-        """Call `observer(forward_batch, by)` when an extend forward has ended (on a CPU server: its work is done),
-        `by` the name of the handler that computed it or None for SGLang's own forward. An observer that raises is
-        logged and counted; the forward's result stands."""
-        self._ensure_hook()
-        self._after.append(observer)
-
     def prefill_alone(self, predicate: Callable[[Any], bool]) -> None:
         """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
         request): such a request joins no prefill batch that already has a request, and nothing joins its batch;
         the refused request waits for the next round, as when the token budget runs out. Seam (plugin.py):
-        `PrefillAdder.add_one_req` (AROUND), registered with the first predicate. Such a request next in line goes
-        before the next piece of another request's chunked prefill, once per piece (`ahead.py`)."""
+        `PrefillAdder.add_one_req` (AROUND), registered with the first predicate."""
         if not self._alone:
             from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
             HookRegistry.register("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
                                   self._around_add_one_req, HookType.AROUND)
-            self.ahead.register()
         self._alone.append(predicate)
 
     def prefills_alone(self, req) -> bool:
@@ -222,66 +200,20 @@ class ForwardHook:
         by_rid = getattr(self._batch, "by_rid", {})
         return [r for r in (by_rid.get(rid) for rid in fb.rids or []) if r is not None]
 
-    def whole_alone(self, fb) -> Optional[Any]:
-        """The request of an extend batch of one that computed its whole remaining prompt (not a chunked piece), or
-        None: the batches whose forward time is one request's prefill (the observers' samples)."""
-        reqs = self.batch_requests(fb)
-        if len(reqs) != 1:
-            return None
-        prefix, ext = int(fb.extend_prefix_lens_cpu[0]), int(fb.extend_seq_lens_cpu[0])
-        return reqs[0] if prefix + ext >= len(reqs[0].origin_input_ids) else None
-
     def _around_forward(self, original, module, input_ids, positions, forward_batch, input_embeds=None,
                         pp_proxy_tensors=None, **kwargs):
         extend = input_embeds is None and pp_proxy_tensors is None and forward_batch.forward_mode.is_extend()
-        hidden, by = None, None
-        board, slot = self._forward_board() if extend else (None, 0)
-        t0 = time.perf_counter()
-        if board is not None:
-            board.begin(slot)
-        try:
-            with self.rt.foreground.busy():
-                if extend:
-                    for handler in self.handlers:
-                        hidden = handler(module, input_ids, positions, forward_batch)
-                        if hidden is not None:
-                            by = handler.name
-                            break
-                if hidden is None:
-                    hidden = original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors,
-                                      **kwargs)
-        finally:
-            if board is not None:
-                board.end(slot)
-        if extend:
-            self.last_extend_s = time.perf_counter() - t0
-            self._ended(forward_batch, by)
+        hidden = None
+        with self.rt.foreground.busy():
+            if extend:
+                for handler in self.handlers:
+                    hidden = handler(module, input_ids, positions, forward_batch)
+                    if hidden is not None:
+                        break
+            if hidden is None:
+                hidden = original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors,
+                                  **kwargs)
         return hidden
-
-    def _forward_board(self) -> tuple[Optional[ForwardBoard], int]:
-        """The server's forward board and this rank's slot (storage/forward_board.py), where the launcher reads at
-        arrival (`--tiered-kvpr-arrival-reads`, arrival.py); None where it does not or there is no board."""
-        store = self.rt.store
-        if not self._board_opened and store is not None:
-            self._board_opened = True
-            settings = self.rt.settings
-            cfg = settings.config
-            if settings.cpu_only and cfg.kvpr != "off" and cfg.kvpr_arrival_reads == "on":  # (as the kvpr loader)
-                self._board = ForwardBoard.open(cfg.ssd_dir)
-                if self._board is None:
-                    logger.warning("tiered: no forward board under %s: reads at arrival stay off", cfg.ssd_dir)
-        ns = store.namespace if store is not None else None
-        return self._board, (ns.tp_rank + ns.tp_size * ns.pp_rank if ns is not None else 0)
-
-    def _ended(self, fb, by: Optional[str]) -> None:
-        for observer in self._after:
-            try:
-                observer(fb, by)
-            except Exception:  # noqa: BLE001 -- an observer's failure is never the forward's
-                self._after_errors += 1
-                self.rt.events.count("hook_errors")
-                if self._after_errors == 1:
-                    logger.exception("tiered: an observer of the forward failed")
 
     def engine(self, module) -> LlamaModel:
         """Our layer-by-layer engine over the weights of SGLang's `LlamaModel` (views of the fused projections, no

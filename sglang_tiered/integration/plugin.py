@@ -8,8 +8,6 @@ hooks do). Launcher process (where plugins load before the flags are parsed):
 * `TokenizerManager._tokenize_one_request` (BEFORE) and `serving_chat.parallel_prompt_encode` (AROUND): split
   prompts marked with the chunk separator (`blend_prompt.py`).
 * `TokenizerManager._validate_one_request` (BEFORE): bad requests get a 400 (`requests.py`).
-* `TokenizerManager._send_one_request` (BEFORE): a request sent while another's prefill is ahead of it has its
-  stored prefix's SSD files read into the page cache from then on (`arrival.py`, `--tiered-kvpr-arrival-reads`).
 Every process:
 * `register_radix_cache_backend("tiered", ...)`: `radix_cache.TieredRadixCache`.
 * `--hicache-storage-backend dynamic` naming `storage_backend.TieredSSDStorage` (constructed by SGLang).
@@ -26,8 +24,6 @@ the process's `runtime.Runtime`):
   that the SSD write-through waits for).
 * `PrefillAdder.add_one_req` (AROUND, `model_forward.py`): a request marked for blending, or whose stored span a
   loader took at the door, prefills alone.
-* `Scheduler.get_new_batch_prefill` (AROUND, `ahead.py`): such a request, next in line, goes before the next piece
-  of another request's chunked prefill (once per piece).
 * `Scheduler._prefetch_kvcache` (AROUND, `door.py`): the one door for stored spans -- which loader (SGLang's L3
   prefetch, sparse, kvpr) serves a request's stored span, decided once per admission into `req.tiered_load` -- and
   retention pins (`custom_params.tiered_retain`).
@@ -89,7 +85,6 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, build_tiered_radix_cache)
     cpu_shims.apply_in_process()
     from sglang_tiered.integration import (
-        arrival,
         blend,
         blend_prompt,
         cpu_attention,
@@ -104,7 +99,6 @@ def register() -> None:
 
     blend_prompt.register_hooks(rt)  # launcher: act per request once the flags are known
     requests.register_hooks(rt)
-    arrival.register_hooks(rt)
     cpu_attention.register_hooks(rt)
     current = rt.settings
     if current is None:  # the launcher (flags not parsed yet) or a server without --kv-backend tiered

@@ -13,15 +13,18 @@ message. Checked, only for servers started with `--kv-backend tiered`:
   `MAX_PARTS` of them;
 * `custom_params["tiered_importance"]`, if given, is one of "gated", "off", "full";
 * `custom_params["tiered_importance_gate"]`, if given, is "jaccard" or "mass";
-* `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force", "compute" or a number of tokens >= 0;
+* `custom_params["tiered_kvpr"]`, if given, is "off", "auto", "force" or a number of tokens >= 0 (the meet point);
 * `custom_params["tiered_retain"]`, if given, is a number of seconds in [0, `--tiered-max-retain`] (retention
-  off -- `--tiered-max-retain 0` -- admits only 0);
-* `custom_params["tiered_arrival_reads"]` is not given (the launcher's own mark, arrival.py).
+  off -- `--tiered-max-retain 0` -- admits only 0).
+
+The same parse gives the scheduler side its `RequestOptions`: `options(req)` parses a request's custom_params once
+and keeps the frozen result beside it (`req.tiered_options`); every handler reads that.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 from sglang_tiered.engine.blend_plan import MAX_PARTS, PromptError, check_parts
 from sglang_tiered.policy.importance import GATES
@@ -33,10 +36,56 @@ GATE_PARAM = "tiered_importance_gate"  # custom_params key of a request's gate, 
 RATIO_PARAM = "tiered_importance_ratio"  # custom_params key of a gated load's ratio, overriding
 #                                          --tiered-importance-ratio
 KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
-KVPR_MODES = ("off", "auto", "force", "compute")  # or a number of tokens computed from token ids
+KVPR_MODES = ("off", "auto", "force")  # or a number of tokens computed from token ids
 RETAIN_PARAM = "tiered_retain"  # custom_params key: seconds to keep the prompt's pages (door.py)
-ARRIVAL_PARAM = "tiered_arrival_reads"  # custom_params key the launcher sets, never a client: the request's stored
-#                                          files were read into the page cache from its arrival (arrival.py)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's `custom_params`, parsed and checked once. None: not given (the server's flag decides)."""
+
+    chunks: Optional[tuple[int, ...]] = None  # a marked prompt's part lengths (blending)
+    sparse: Optional[str] = None  # SPARSE_MODES
+    gate: Optional[str] = None  # policy/importance.GATES
+    ratio: Optional[float] = None  # gated load's ratio in (0, 1]
+    kvpr: Optional[Union[str, int]] = None  # KVPR_MODES or a meet point in tokens
+    retain: Optional[float] = None  # seconds to keep the prompt's pages
+
+
+def parse_options(custom: Any, tokens: int, max_retain: float) -> RequestOptions:
+    """`custom` (a request's custom_params) as RequestOptions for a prompt of `tokens` tokens. Raises ValueError
+    with the message a client gets as a 400."""
+    if not isinstance(custom, dict):
+        return RequestOptions()
+    check_choice(custom, SPARSE_PARAM, SPARSE_MODES)
+    check_choice(custom, GATE_PARAM, GATES)
+    chunks = custom.get(CHUNKS_PARAM)
+    if chunks is not None:
+        check_chunk_lengths(chunks, tokens)
+    ratio = custom.get(RATIO_PARAM)
+    if ratio is not None:
+        check_ratio(ratio)
+    if KVPR_PARAM in custom:
+        check_kvpr_mode(custom[KVPR_PARAM])
+    retain = custom.get(RETAIN_PARAM)
+    if retain is not None:
+        check_retain(retain, max_retain)
+    return RequestOptions(tuple(chunks) if chunks is not None else None, custom.get(SPARSE_PARAM),
+                          custom.get(GATE_PARAM), ratio, custom.get(KVPR_PARAM),
+                          float(retain) if retain is not None else None)
+
+
+def options(req) -> RequestOptions:
+    """A scheduler request's RequestOptions, parsed at the first call and kept on it (the launcher checked them:
+    a value it would refuse reads as not given)."""
+    opts = getattr(req, "tiered_options", None)
+    if opts is None:
+        try:
+            opts = parse_options(request_params(req), len(req.origin_input_ids), float("inf"))
+        except ValueError:
+            opts = RequestOptions()
+        req.tiered_options = opts
+    return opts
 
 
 def request_params(req) -> dict:
@@ -100,13 +149,6 @@ def check_chunk_lengths(lengths: Any, tokens: int) -> None:
         raise ValueError(f"custom_params.{CHUNKS_PARAM} adds up to {sum(lengths)} tokens; the prompt has {tokens}")
 
 
-def chunk_lengths(obj) -> Any:
-    """The request's `custom_params["tiered_chunks"]`, or None."""
-    params = getattr(obj, "sampling_params", None)
-    custom = params.get("custom_params") if isinstance(params, dict) else None
-    return custom.get(CHUNKS_PARAM) if isinstance(custom, dict) else None
-
-
 class RequestCheck:
     """The validation hook of one launcher process (its settings from the `Runtime`)."""
 
@@ -118,21 +160,9 @@ class RequestCheck:
         if current is None or getattr(obj, "input_embeds", None) is not None:
             return None
         check_input_ids(input_ids, current.vocab_size)
-        lengths = chunk_lengths(obj)
-        if lengths is not None:
-            check_chunk_lengths(lengths, len(input_ids))
         params = getattr(obj, "sampling_params", None)
         custom = params.get("custom_params") if isinstance(params, dict) else None
-        check_choice(custom, SPARSE_PARAM, SPARSE_MODES)
-        check_choice(custom, GATE_PARAM, GATES)
-        if isinstance(custom, dict) and custom.get(RATIO_PARAM) is not None:
-            check_ratio(custom[RATIO_PARAM])
-        if isinstance(custom, dict) and KVPR_PARAM in custom:
-            check_kvpr_mode(custom[KVPR_PARAM])
-        if isinstance(custom, dict) and custom.get(RETAIN_PARAM) is not None:
-            check_retain(custom[RETAIN_PARAM], current.config.max_retain)
-        if isinstance(custom, dict) and ARRIVAL_PARAM in custom:
-            raise ValueError(f"custom_params.{ARRIVAL_PARAM} is set by the server, not by a client")
+        parse_options(custom, len(input_ids), current.config.max_retain)
         return None
 
 

@@ -25,7 +25,6 @@ from sglang_tiered.integration import settings as settings_mod
 from sglang_tiered.integration.metrics import Events, StatsReporter, prometheus_enabled
 from sglang_tiered.kernels.importance import probed_kv_heads
 from sglang_tiered.policy.retention import Retention
-from sglang_tiered.storage import directory_lock
 from sglang_tiered.storage.chunk_store import ChunkStore
 from sglang_tiered.storage.foreground import ForegroundGate
 from sglang_tiered.storage.groups import ITEMSIZE
@@ -34,11 +33,10 @@ from sglang_tiered.storage.mooncake_store import MooncakeStore
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.remote_tier import RemoteTier
 from sglang_tiered.storage.repacker import Repacker
-from sglang_tiered.storage.ssd_tier import SERVER_FILE, SSDTier
+from sglang_tiered.storage.ssd_tier import SSDTier
 from sglang_tiered.storage.stash import PayloadStash
 
 if TYPE_CHECKING:
-    from sglang_tiered.integration.arrival import Arrival
     from sglang_tiered.integration.blend_prompt import ChatChunks
     from sglang_tiered.integration.cpu_attention import CPUAttention
     from sglang_tiered.integration.door import Door
@@ -101,7 +99,6 @@ class Runtime:
         self.kvpr: Optional[KVPR] = None  # partial-recompute loading
         self.cpu_attention: Optional[CPUAttention] = None
         self.chat: Optional[ChatChunks] = None  # launcher: chunk lengths of rendered chat prompts
-        self.arrival: Optional[Arrival] = None  # launcher: reads of stored spans from a request's arrival
         self.directory_claims: dict[str, int] = {}  # launcher: SSD directory -> the descriptor holding its claim
 
     @property
@@ -198,9 +195,6 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         extras=lambda: _extras(tier, importance, retention, rt))
     store = Store(namespace, tier, chunks, retention, importance, stash, repacker, remote, reporter)
     rt.store = store
-    launcher = directory_lock.holder(cfg.ssd_dir)  # which launcher serves this namespace's pages (arrival.py)
-    if launcher:
-        tier.write_meta(f"{namespace.id}/{SERVER_FILE}", f"{launcher}\n".encode())
     if rt.kvpr is not None:
         rt.kvpr.attach(tier, itemsize, layout)
     logger.info("tiered ssd: rank %d namespace %s (%s, page %d tokens = %d bytes, layout %s), capacity %d bytes; "

@@ -30,7 +30,6 @@ from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve
 from sglang_tiered.policy import cpu_dtype
 from sglang_tiered.storage import directory_lock
 from sglang_tiered.storage.files import write_atomic
-from sglang_tiered.storage.forward_board import ForwardBoard
 from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.ssd_tier import DTYPE_FILE
 
@@ -247,7 +246,6 @@ def _claim_directory(ssd_dir: str) -> None:
         return
     try:
         claims[ssd_dir] = directory_lock.claim(ssd_dir)
-        ForwardBoard.create(ssd_dir)  # zeroed for this server's schedulers (storage/forward_board.py)
     except directory_lock.DirectoryInUse as exc:
         raise ConfigError(f"--tiered-ssd-dir: {exc}; give each server its own directory (its capacity and "
                           "eviction cover every file under it)") from None

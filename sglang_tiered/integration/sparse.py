@@ -44,8 +44,8 @@ from sglang_tiered.engine.sparse import sparse_prefill
 from sglang_tiered.integration import model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
-from sglang_tiered.integration.requests import GATE_PARAM, RATIO_PARAM, SPARSE_MODES, SPARSE_PARAM, request_params
-from sglang_tiered.policy.importance import GATES, GateHistory
+from sglang_tiered.integration.requests import options
+from sglang_tiered.policy.importance import GateHistory
 from sglang_tiered.storage.group_file import GroupMeta
 
 if TYPE_CHECKING:
@@ -113,20 +113,20 @@ class Sparse:
         return plan
 
     def mode(self, req) -> str:
-        mode = request_params(req).get(SPARSE_PARAM)
-        if mode in SPARSE_MODES:
+        mode = options(req).sparse
+        if mode is not None:
             return mode
         return "gated" if self.rt.settings.config.importance_load == "gated" else "off"
 
     def gate(self, req) -> str:
         """The request's gate: custom_params.tiered_importance_gate, else `--tiered-importance-gate`."""
-        gate = request_params(req).get(GATE_PARAM)
-        return gate if gate in GATES else self.rt.settings.config.importance_gate
+        gate = options(req).gate
+        return gate if gate is not None else self.rt.settings.config.importance_gate
 
     def ratio(self, req) -> float:
         """The request's ratio: custom_params.tiered_importance_ratio (checked at the door), else
         `--tiered-importance-ratio`."""
-        ratio = request_params(req).get(RATIO_PARAM)
+        ratio = options(req).ratio
         return float(ratio) if ratio is not None else self.rt.settings.config.importance_ratio
 
     def history(self, gate: str, ratio: float) -> GateHistory:

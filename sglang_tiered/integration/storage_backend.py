@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -64,16 +63,10 @@ class TieredSSDStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         pages = self._page_segments(keys, host_indices)
-        kvpr, tier = self.rt.kvpr, self._tier()
-        # SGLang's own reads tell the compute-or-load decisions the disk's speed -- unless its first or last page is
-        # in the page cache (probed before the read): those bytes did not come from the disk (integration/kvpr.py
-        # takes no sample of a span it found there either)
-        ends = {keys[0], keys[-1]} if keys else set()
-        disk = kvpr is not None and not any(tier.in_page_cache(key) for key in ends)
+        kvpr = self.rt.kvpr
         t0 = time.perf_counter()
-        with kvpr.l3_read() if kvpr is not None else nullcontext():  # (no forward beside it is timed as alone)
-            found = tier.read_pages(pages)
-        if disk:
+        found = self._tier().read_pages(pages)
+        if kvpr is not None:  # SGLang's own reads tell compute-or-load the disk's speed
             read = sum(v.nbytes for (_, segs), ok in zip(pages, found) if ok for v in segs)
             kvpr.observe_read(read, time.perf_counter() - t0)
         missing = [i for i, ok in enumerate(found) if not ok]

@@ -45,11 +45,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, TypeVar
 
-from sglang_tiered.storage import activations, group_file, page_cache
+from sglang_tiered.storage import activations, group_file
 from sglang_tiered.storage.directory_lock import LOCK_FILE
 from sglang_tiered.storage.disk_index import DiskIndex, Victim
 from sglang_tiered.storage.files import make_dir, unlink_quiet, write_atomic
-from sglang_tiered.storage.forward_board import BOARD_FILE
 from sglang_tiered.storage.groups import ITEMSIZE, assemble, pages_from_group
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import (
@@ -78,9 +77,8 @@ GROUP_PREFIX = "g."  # group entries: "g.<gid>"
 META_PREFIX = "m:"  # meta entries: "m:<path relative to the root>"
 FOREIGN_PREFIX = "f:"  # foreign files: "f:<path relative to the root>"
 NAMESPACE_FILE = "NAMESPACE.json"
-SERVER_FILE = "SERVER"  # in a namespace's directory: the pid of the launcher serving it (integration/arrival.py)
 DTYPE_FILE = "cpu-dtype.json"  # the launcher's `--dtype auto` choice, kept for restarts (integration/server_flags.py)
-ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE, LOCK_FILE, BOARD_FILE)  # the whole server's, counted as meta
+ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE, LOCK_FILE)  # the whole server's, counted as meta
 
 
 class SSDTier:
@@ -133,24 +131,6 @@ class SSDTier:
         with self._lock:
             entry = self._index.group_of(key)
             return self._groups.get(entry[len(GROUP_PREFIX):]) if entry is not None else None
-
-    def in_page_cache(self, key: str) -> Optional[bool]:
-        """Whether the stored plain page `key`'s file is in the OS page cache (its first and last bytes; a read of
-        it would not reach the disk): True, False, or None where that cannot be told (not stored, inside a group,
-        no mincore here: `page_cache.resident`). A probe: nothing is read, counted or touched."""
-        with self._lock:
-            if self._index.kind(key) is None or self._index.group_of(key) is not None:
-                return None
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            return page_cache.resident(fd, (0, os.fstat(fd).st_size - 1))
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
 
     @property
     def used_bytes(self) -> int:
@@ -615,7 +595,7 @@ class SSDTier:
                 continue
             if rel.parts[0] == "groups":
                 continue
-            if len(rel.parts) == 1 and entry.name in (NAMESPACE_FILE, SERVER_FILE, "importance.log",
+            if len(rel.parts) == 1 and entry.name in (NAMESPACE_FILE, "importance.log",
                                                       "kvpr-profile.json"):
                 own.append((st.st_mtime, META_PREFIX + f"{self.ns_id}/{entry.name}", st.st_size, "meta"))
                 continue

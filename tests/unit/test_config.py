@@ -51,10 +51,8 @@ def test_validate_names_the_flag(tmp_path):
         "--tiered-cpu-attention": TieredConfig(ssd_dir=str(tmp_path), cpu_attention="fast"),
         "--tiered-importance-probe-bits": TieredConfig(ssd_dir=str(tmp_path), importance_probe_bits=5),
         "--tiered-importance-repack-memory": TieredConfig(ssd_dir=str(tmp_path), importance_repack_memory="lots"),
-        "--tiered-kvpr-early-memory": TieredConfig(ssd_dir=str(tmp_path), kvpr_early_memory="-1G"),
         "--tiered-importance-gate": TieredConfig(ssd_dir=str(tmp_path), importance_gate="vote"),
         "--tiered-importance-max-drop": TieredConfig(ssd_dir=str(tmp_path), importance_max_drop=1.5),
-        "--tiered-ahead-of-chunks": TieredConfig(ssd_dir=str(tmp_path), ahead_of_chunks="sometimes"),
     }
     for flag, cfg in cases.items():
         with pytest.raises(ConfigError, match=f"^{flag}"):

@@ -144,13 +144,12 @@ def test_smollm2_in_fp32_gives_the_same_greedy_tokens_at_every_meet_point():
 
 
 def test_compute_stays_out_while_reads_are_fast_next_to_it(model):
-    """min_read_share: with reads far quicker than a page's compute the loader takes the whole span; with slow reads
-    compute joins (the same span, the same answer)."""
+    """With reads far quicker than a page's compute the loader takes the whole span; with slow reads compute joins
+    (the same span, the same answer)."""
     ids, ref, span = case(model, 0, 6, 3)
-    fast, logits = run(model, ids, ref, span, 0, page_compute_s=1.0, min_read_share=0.25)
+    fast, logits = run(model, ids, ref, span, 0, page_compute_s=1.0)
     assert fast.computed_pages == 0 and fast.loaded_pages == 6
-    slow, slow_logits = run(model, ids, ref, MemoryPages(span.kv, PS, delay_s=0.2), 0, page_compute_s=0.05,
-                            min_read_share=0.25)
+    slow, slow_logits = run(model, ids, ref, MemoryPages(span.kv, PS, delay_s=0.2), 0, page_compute_s=0.05)
     assert slow.computed_pages > 0
     assert torch.allclose(logits, slow_logits, atol=1e-4, rtol=1e-4)
 
@@ -182,75 +181,20 @@ def test_a_chunk_floor_claims_what_it_pays_for_or_nothing(free, compute_s, read_
     assert best_claim(free, compute_s, read_s, floor_s) == want
 
 
-@pytest.mark.parametrize("free, compute_s, read_s, fixed_s, want", [
-    (16, 0.028, 0.029, 0.0, 8),  # no fixed part: as above
-    # SmolLM2 bf16 on an Intel Xeon with AMX, 64-token pages, 50 MB/s: a chunk 57 ms + 32 ms a page, a read 22 ms.
-    # 5 pages end at 0.242 s (the loader's 11), 6 at 0.249 s (the chunk); taken one page at 89 ms: 3 (0.286 s)
-    (16, 0.032, 0.022, 0.057, 5),
-    (16, 0.089, 0.022, 0.0, 3),
-    (3, 0.032, 0.022, 0.057, 0),  # a 3-page tail: one page's chunk (0.089 s) outlasts the loader's 0.066 s
-    (5, 0.032, 0.022, 0.057, 1),  # 5: one page's chunk (0.089 s) beside the loader's 4 (0.088 s), not its 0.110 s
-    (2, 0.032, 0.5, 0.057, 2),  # slow reads: both pages in one chunk (0.121 s) against 0.5 s for one read
-])
-def test_a_chunks_fixed_part_is_paid_once_per_claim(free, compute_s, read_s, fixed_s, want):
-    """On a CPU a chunk reads the model's weights from memory once, whatever its length: a chunk of k pages takes
-    fixed_s + k x compute_s, and the claim is the k that ends the span soonest under that."""
-    assert best_claim(free, compute_s, read_s, fixed_s=fixed_s) == want
-
-
-def test_a_chunks_time_scales_both_parts_and_a_full_chunk_decides_whether_compute_joins():
-    claims = _Claims(16, None, page_compute_s=0.032, min_read_share=0.25, page_read_s=0.022, chunk_fixed_s=0.057)
-    # a page's share of a 4-page chunk: 46 ms, against which a 22 ms read (0.48) is slow enough for compute to join;
-    # a page computed alone (89 ms) would have kept it out (0.25 x 89 ms = 22.3 ms)
-    assert claims.full_page_s(4) == pytest.approx(0.04625)
-    assert claims.next_chunk(4) == range(0, 4)
-    claims.computed(4, 0.37)  # twice the 0.185 s predicted: the CPU is shared, both parts slow down alike
-    assert claims.page_compute_s == pytest.approx(0.064) and claims.chunk_fixed_s == pytest.approx(0.114)
-
-
 def test_a_chunk_no_longer_than_the_floor_leaves_the_compute_rate_as_it_was():
-    claims = _Claims(16, None, page_compute_s=0.002, min_read_share=0.25, page_read_s=0.03, chunk_floor_s=0.05)
+    claims = _Claims(16, None, page_compute_s=0.002, page_read_s=0.03, chunk_floor_s=0.05)
     claims.computed(2, 0.05)  # the floor's time, not its pages'
     assert claims.page_compute_s == 0.002
     claims.computed(32, 0.096)
     assert claims.page_compute_s == 0.003
 
 
-class _SlowFirstRead(MemoryPages):
-    """A span whose first read takes `first_s` (a disk's first seek, or a throttle's queue)."""
-
-    def __init__(self, kv: torch.Tensor, page_size: int, first_s: float) -> None:
-        super().__init__(kv, page_size)
-        self.first_s = first_s
-
-    def read(self, page: int):
-        if not self.reads:
-            time.sleep(self.first_s)
-        return super().read(page)
-
-
-@pytest.mark.parametrize("from_disk", [False, True])
-def test_a_span_known_to_be_on_disk_is_claimed_at_once(from_disk):
-    """Without the hint compute first waits for the loader's first read (up to a quarter of a page's compute: 0.1 s
-    here), which tells a span still in the page cache; with `from_disk` it claims on the estimates at once. Either
-    way the result is a full prefill's."""
-    model = LlamaModel.random(SHAPES["gqa"], seed=3)
-    ids, ref, span = case(model, 0, 8, 5)
-    slow = _SlowFirstRead(span.kv, PS, first_s=0.3)
-    res, logits = run(model, ids, ref, slow, 0, chunk=2, page_compute_s=0.4, page_read_s=0.3, min_read_share=0.25,
-                      from_disk=from_disk)
-    first_claim = res.chunks[0][0]
-    assert (first_claim < 0.05) if from_disk else (first_claim >= 0.09)
-    assert torch.allclose(logits, ref.logits, atol=1e-4, rtol=1e-4)
-    assert torch.allclose(res.kv, ref.kv, atol=1e-5, rtol=1e-5)
-
-
 def test_before_the_first_read_compute_claims_by_the_read_estimate():
     """With the profile's estimate of a read, compute starts on the span at once (no wait for a first read that
     takes 29 ms); without one, a read in flight for next to no time counts as fast and compute stays out."""
-    estimated = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.029)
+    estimated = _Claims(16, None, page_compute_s=0.028, page_read_s=0.029)
     assert estimated.next_chunk(4) == range(0, 4)
-    blind = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25)
+    blind = _Claims(16, None, page_compute_s=0.028)
     assert blind.next_chunk(4) == range(0)
 
 
@@ -258,7 +202,7 @@ def test_once_a_read_is_in_the_reads_decide_not_the_estimate():
     """A span still in the page cache reads fast behind a disk the profile knows as slow: one 1 ms read keeps compute
     out although the estimate says 59 ms a read (a chunk claimed on the estimate would hold the load up; before any
     read is in, the estimate decides: `test_before_the_first_read_compute_claims_by_the_read_estimate`)."""
-    claims = _Claims(16, None, page_compute_s=0.045, min_read_share=0.25, page_read_s=0.059)
+    claims = _Claims(16, None, page_compute_s=0.045, page_read_s=0.059)
     assert claims.next_load() == 15
     claims.loaded(0.001)
     assert claims.next_chunk(4) == range(0)
@@ -267,8 +211,8 @@ def test_once_a_read_is_in_the_reads_decide_not_the_estimate():
 def test_a_read_in_flight_counts_from_its_own_start():
     """Time before the loader's first read (its thread waking, a GPU stream's first copy) is no read time: with the
     estimate saying reads are fast, compute stays out however long the loader takes to start; a read that has been in
-    flight for longer than a quarter of a page's compute brings compute in."""
-    claims = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.002)
+    flight long enough to make computing pay brings compute in."""
+    claims = _Claims(16, None, page_compute_s=0.028, page_read_s=0.0005)
     time.sleep(0.02)  # the loader has not started
     assert claims.next_chunk(4) == range(0)
     assert claims.next_load() == 15
@@ -280,7 +224,7 @@ def test_one_stall_between_fast_reads_is_not_the_rate_and_a_run_of_slow_reads_is
     """A kernel throttle passes reads in bursts and stalls about one in ten (measured at 200 MB/s: 2-3 ms reads,
     40-70 ms stalls): after fast reads, a read in flight for longer than a quarter of a page's compute counts as one
     read among them and leaves compute out; once the reads themselves are that slow, compute joins."""
-    claims = _Claims(16, None, page_compute_s=0.2, min_read_share=0.25, page_read_s=0.002)
+    claims = _Claims(16, None, page_compute_s=0.2, page_read_s=0.002)
     for _ in range(4):
         claims.next_load()
         claims.loaded(0.002)
@@ -299,7 +243,7 @@ def test_with_two_loader_threads_a_page_comes_in_every_half_read():
     takes 2 (max(0.2, 6 x 0.03) s); one thread at 60 ms a page leaves it 3 (max(0.3, 5 x 0.06) s)."""
     taken = {}
     for workers in (1, 2):
-        claims = _Claims(16, None, page_compute_s=0.1, min_read_share=0.25, page_read_s=0.002, workers=workers)
+        claims = _Claims(16, None, page_compute_s=0.1, page_read_s=0.002, workers=workers)
         for _ in range(8):
             claims.next_load()
         for _ in range(4):
@@ -311,9 +255,9 @@ def test_with_two_loader_threads_a_page_comes_in_every_half_read():
 def test_where_the_first_read_in_flight_does_not_count_the_estimate_stands_until_it_is_in():
     """A CUDA loader's first copy takes 2-4x its next ones: there (first_in_flight=False) a slow first read in flight
     leaves compute out while the estimate says reads are fast; once a read is in, the next one in flight counts."""
-    claims = _Claims(16, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.002, first_in_flight=False)
+    claims = _Claims(16, None, page_compute_s=0.028, page_read_s=0.0005, first_in_flight=False)
     assert claims.next_load() == 15
-    time.sleep(0.03)  # longer than a quarter of a page's compute
+    time.sleep(0.03)  # a slow first copy
     assert claims.next_chunk(4) == range(0)
     claims.loaded(0.002)
     assert claims.next_load() == 14
@@ -322,7 +266,7 @@ def test_where_the_first_read_in_flight_does_not_count_the_estimate_stands_until
 
 
 def test_waiting_for_the_loader_to_finish_returns_when_it_does_and_not_at_each_read():
-    claims = _Claims(2, None, page_compute_s=0.028, min_read_share=0.25, page_read_s=0.002)
+    claims = _Claims(2, None, page_compute_s=0.028, page_read_s=0.002)
     t = time.perf_counter()
     claims.next_load()
     claims.loaded(0.001)  # a read: no wake-up
@@ -394,48 +338,3 @@ def test_the_prefix_is_read_once_per_layer_however_many_chunks():
     assert len(res.chunks) == 4 and calls == list(range(model.cfg.layers))
     assert torch.allclose(res.kv, ref.kv[:, prefix:], atol=1e-5, rtol=1e-5)
     assert model.logits(res.hidden[None])[0].argmax() == ref.logits.argmax()
-
-
-def _read(span: MemoryPages, pages) -> dict:
-    """Pages read before the load, as the early reader hands them over: page -> a done future."""
-    from concurrent.futures import Future
-
-    out = {}
-    for page in pages:
-        out[page] = Future()
-        out[page].set_result(span.read(page))
-    span.reads.clear()
-    return out
-
-
-@pytest.mark.parametrize("prefix", [0, 2 * PS])
-@pytest.mark.parametrize("split,early,placed", [(None, [5, 4], 2), (None, range(6), 6), (2, [5, 4, 3], 3),
-                                                  (4, [5, 4, 3], 2), (None, [5, 3], 1), (None, [3], 0)])
-def test_pages_read_before_the_load_are_placed_not_read_again(model, prefix, split, early, placed):
-    """Pages read early in one run from the span's last are the loader's from the start and never read again; a
-    page under the forced split, or past a gap, is ignored (read or computed as without it); the result is exact."""
-    ids, ref, span = case(model, prefix, 6, 5)
-    res, logits = run(model, ids, ref, span, prefix, split=split, early=_read(span, early), loaders=2)
-    assert res.early_pages == placed
-    assert torch.allclose(res.kv, ref.kv[:, prefix:], atol=1e-5, rtol=1e-5)
-    assert logits.argmax() == ref.logits.argmax()
-    assert res.computed_pages + res.loaded_pages == 6
-    assert sorted(span.reads) == list(range(res.computed_pages, 6 - placed))  # the rest read once, early ones not
-    if split is not None:
-        assert res.computed_pages == split
-
-
-def test_a_page_in_flight_is_waited_for_and_its_miss_abandons_the_load():
-    import threading
-    from concurrent.futures import Future
-
-    model = LlamaModel.random(SHAPES["gqa"], seed=1)
-    ids, ref, span = case(model, 0, 4, 2)
-    pending: Future = Future()
-    threading.Timer(0.2, lambda: pending.set_result(span.read(3))).start()  # page 3 still being read
-    res, logits = run(model, ids, ref, span, 0, split=0, early={3: pending})
-    assert res.early_pages == 1 and res.load_s >= 0.15 and logits.argmax() == ref.logits.argmax()
-    failed: Future = Future()
-    failed.set_exception(SpanMiss("page 3 unreadable"))
-    with pytest.raises(SpanMiss, match="page 3"):
-        run(model, ids, ref, span, 0, split=0, early={3: failed})

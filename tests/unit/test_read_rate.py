@@ -45,28 +45,3 @@ def test_empty_or_untimed_reads_change_nothing(nbytes, seconds):
 def test_a_rate_must_be_positive():
     with pytest.raises(ValueError):
         ReadRate(0.0)
-
-
-def test_spread_reads_only_pull_the_rate_down():
-    """Reads with recomputes between them went through a throttle faster than it sustains: an upper bound only."""
-    r = ReadRate(110 * MB)  # back-to-back KV reads behind a 100 MB/s throttle
-    for _ in range(5):
-        assert not r.observe(MIN_BYTES, MIN_BYTES / (700 * MB), spread=True)  # activation loads, bursts after gaps
-    assert r.bps == 110 * MB and r.samples == 0
-    assert r.observe(MIN_BYTES, MIN_BYTES / (50 * MB), spread=True)  # the disk slowed down: seen through them too
-    assert r.bps == pytest.approx(WEIGHT * 50 * MB + (1 - WEIGHT) * 110 * MB)
-    assert r.samples == 1
-
-
-def test_spread_and_back_to_back_reads_are_summed_apart():
-    r = ReadRate(100 * MB)
-    half = MIN_BYTES // 2
-    assert not r.observe(half, half / (700 * MB), spread=True)
-    assert not r.observe(half, half / (200 * MB))  # not summed with the spread half: still below MIN_BYTES
-    assert r.bps == 100 * MB
-    assert r.observe(half, half / (200 * MB))  # the back-to-back sum folds in, upward
-    assert r.bps == pytest.approx(WEIGHT * 200 * MB + (1 - WEIGHT) * 100 * MB)
-    assert not r.observe(half, half / (700 * MB), spread=True)  # the spread sum: 700 MB/s, above the estimate
-    assert r.samples == 1
-    assert not r.observe(half, half / (50 * MB), spread=True)  # dropped with it, not carried into the next sum
-    assert r.bps == pytest.approx(WEIGHT * 200 * MB + (1 - WEIGHT) * 100 * MB)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tiered.storage import page_cache
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import (
     PAGE_SUFFIX,
@@ -442,39 +441,3 @@ def test_a_meta_file_that_cannot_be_written_is_counted_and_gives_its_room_back(t
     assert tier.write_meta("stats/new.json", b"z" * 50)  # room is back, writes resume
     assert disk_bytes(tmp_path) == tier.used_bytes
     tier.check_integrity()
-
-
-def test_the_page_cache_probe_tells_a_cold_file_from_a_warm_one(tmp_path):
-    """`in_page_cache` (the two-sided loader's hint that its reads will reach the disk): False once the file is
-    dropped from the page cache -- however often it is asked: the probe reads nothing (a non-blocking read would
-    start the kernel's readahead of what it probes) -- True once it is read again; None for a page not stored;
-    nothing counted."""
-    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
-    tier.write_pages([(key(1), page(1))])
-    drop_from_page_cache(page_file(tier, key(1)))
-    before = tier.stats.snapshot()
-    assert [tier.in_page_cache(key(1)) for _ in range(20)] == [False] * 20
-    assert tier.read_pages([(key(1), empty())]) == [True]
-    assert tier.in_page_cache(key(1)) is True
-    assert tier.in_page_cache(key(2)) is None
-    after = tier.stats.snapshot()
-    assert (after["hit_pages"], after["miss_pages"]) == (before["hit_pages"] + 1, before["miss_pages"])
-
-
-def test_the_page_cache_probe_cannot_tell_without_mincore(tmp_path, monkeypatch):
-    """A system without mincore: the probe answers None (the loader then keeps its first-read wait)."""
-    tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
-    tier.write_pages([(key(1), page(1))])
-    monkeypatch.setattr(page_cache, "_LIBC", None)
-    assert tier.in_page_cache(key(1)) is None
-
-
-def test_the_page_cache_probe_cannot_tell_for_an_empty_file(tmp_path):
-    """An empty file has no page to look at (a mapping of it is refused): None, not an error."""
-    path = tmp_path / "empty"
-    path.write_bytes(b"")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert page_cache.resident(fd, (0,)) is None
-    finally:
-        os.close(fd)
