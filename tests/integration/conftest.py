@@ -65,11 +65,10 @@ def shared_server(tmp_path_factory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def fp32_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    """SGLang's own prefill in fp32 (separators removed, `--tiered-blend prefix`): the exact reference; `auto` takes
-    the load it measured faster where compute would not join (`--tiered-kvpr-choice measured`)."""
+    """SGLang's own prefill in fp32 (separators removed, `--tiered-blend prefix`): the exact reference."""
     tmp = tmp_path_factory.mktemp("fp32")
     args = tiered_args(tmp / "ssd", "--dtype", "float32", "--tiered-blend", "prefix", "--enable-metrics",
-                       "--tiered-kvpr-choice", "measured", max_tokens=8192)
+                       max_tokens=8192)
     with ServerProcess(args, log_path=tmp / "fp32.log") as server:
         server.ssd = tmp / "ssd"
         yield server

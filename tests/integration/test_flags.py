@@ -90,7 +90,7 @@ def test_help_lists_our_flags(launches):
                  "--tiered-runahead-partitions", "--tiered-remote", "--tiered-remote-metadata",
                  "--tiered-remote-segment", "--tiered-remote-host", "--tiered-importance-repack-memory",
                  "--tiered-importance-gate {jaccard,mass}", "--tiered-importance-max-drop",
-                 "--tiered-kvpr-early-memory"):
+                 "--tiered-kvpr {off,auto,force}", "--tiered-kvpr-min-tokens"):
         assert flag in out, flag
 
 

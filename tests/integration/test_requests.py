@@ -49,8 +49,6 @@ BAD = [  # (path, body, words the error message must contain)
      "custom_params.tiered_importance_ratio must be a number in (0, 1], got 0"),
     ("/generate", {"text": "hi", "sampling_params": {"custom_params": {"tiered_importance_ratio": "half"}}},
      "custom_params.tiered_importance_ratio must be a number in (0, 1]"),
-    ("/generate", {"text": "hi", "sampling_params": {"custom_params": {"tiered_arrival_reads": True}}},
-     "custom_params.tiered_arrival_reads is set by the server, not by a client"),
     ("/v1/completions", {"model": "m", "prompt": "", "max_tokens": 4}, "empty"),
     ("/v1/completions", {"model": "m", "prompt": [5, 999999], "max_tokens": 4}, "999999"),
     ("/v1/completions", {"model": "m", "prompt": SEP + SEP, "max_tokens": 4}, "separators"),

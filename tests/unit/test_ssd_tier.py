@@ -19,7 +19,6 @@ from sglang_tiered.storage.page_file import (
 )
 from sglang_tiered.storage.ssd_tier import NAMESPACE_FILE, ROOT_FILES, SSDTier
 from tests.dirsize import sample_bytes
-from tests.page_cache import drop_from_page_cache
 
 PAGE = 4096  # payload bytes per test page, split in segments like a layer_first host page
 NS_FILE = 1024  # a bound of the namespace description's size (NAMESPACE.json), which counts against the capacity
