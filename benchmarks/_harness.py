@@ -86,6 +86,20 @@ def machine() -> dict:
             "platform": platform.platform()}
 
 
+def machine_class() -> str:
+    """A short name of this machine's class, for results files: the CPU's vendor and its widest bf16/vector
+    capability ("amd-avx512bf16", "intel-amx", "amd-avx2"); "gpu" where CUDA is present."""
+    if torch.cuda.is_available():
+        return "gpu"
+    from sglang_tiered.policy.cpu_dtype import cpu_flags
+
+    cpu = machine()["cpu"].lower()
+    vendor = "amd" if "amd" in cpu else "intel" if "intel" in cpu or "xeon" in cpu else "cpu"
+    flags = set(cpu_flags())
+    isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx2") if f in flags), "base")
+    return f"{vendor}-{isa.replace('_', '').removesuffix('bf16') if isa == 'amx_bf16' else isa.replace('_', '')}"
+
+
 def auto_dtype() -> str:
     """The dtype `--dtype auto` picks for SmolLM2 on this machine (benchmarks pass it to every server explicitly, so
     that all configurations of one run compute in the same dtype)."""
@@ -301,8 +315,19 @@ def bootstrap(xs: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
     return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
 
 
+def describe_run() -> dict:
+    """What a results file says of its own run (benchmarks/report.py renders it): the benchmark (the script's name),
+    its description (the first paragraph of the script's docstring) and the command that ran."""
+    main = sys.modules.get("__main__")
+    doc = (getattr(main, "__doc__", None) or "").strip().split("\n\n")[0]
+    script = Path(sys.argv[0]).name
+    return {"benchmark": Path(script).stem, "description": " ".join(doc.split()),
+            "command": " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])}
+
+
 def save(name: str, payload: dict) -> Path:
+    """Write `payload` as results/NAME.json, with the run's own description (`describe_run`) where it has none."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=1))
+    path.write_text(json.dumps({**describe_run(), **payload}, indent=1))
     return path

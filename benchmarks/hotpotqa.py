@@ -25,7 +25,7 @@ Per configuration: F1 and exact match with HotpotQA's official answer normalisat
 articles removed), bootstrap 95 % intervals; paired F1 difference to `prefix` with its interval; agreement with
 `prefix` (identical normalised answers, and identical first token); first-token KL(prefix || mode) over the union
 of the two top-20 sets (a token missing from one side's top 20 takes that side's 20th log-probability: a bound);
-TTFT median. Verdict: blend F1 >= prefix F1 - 0.02 at >= 2.5x lower TTFT (issue #27).
+TTFT median. Verdict: blend F1 >= prefix F1 - 0.02 at >= 2.5x lower TTFT.
 
     .venv/bin/python benchmarks/hotpotqa.py [--start 1000] [--questions 300] [--ratios 0.05 0.15 0.3]
 

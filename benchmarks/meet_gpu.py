@@ -1,4 +1,4 @@
-"""Compute-or-load on a GPU, component level (issue #26, item 4): the two-sided loader of engine/meet.py on a CUDA
+"""Compute-or-load on a GPU, component level: the two-sided loader of engine/meet.py on a CUDA
 model -- the span's front computed on the current stream while its back is copied to the device on a stream of its
 own -- against loading everything and computing everything, at 7B-like shapes with random weights.
 
@@ -43,7 +43,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, evict_from_page_cache, machine, save  # noqa: E402
-from report import best  # noqa: E402
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel  # noqa: E402
 from sglang_tiered.engine.meet import MeetResult, StoredPage, meet_prefill  # noqa: E402
@@ -57,7 +56,6 @@ MODELS = {
 }
 NEW = 32
 CONFIGS = ("compute", "compute-full", "load", "meet", "meet-rule", "compute-wide", "meet-wide", "meet-floor")
-MIN_READ_SHARE = 0.25  # policy/kvpr.py's: compute joins only while a read takes this share of a page's compute
 
 
 class HostPages:
@@ -122,6 +120,11 @@ class DiskPages:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def best(point: dict, configs: tuple[str, ...]) -> float:
+    """The least seconds among `configs` of a point (those it measured)."""
+    return min(point[c]["s"] for c in configs if "s" in point.get(c, {}))
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -166,7 +169,7 @@ def run_point(model: LlamaModel, tokens: int, a: argparse.Namespace) -> dict:
             res = meet(source)
         else:
             res = meet(source, wide, page_compute_s=per_page["compute"],
-                       page_read_s=per_page["load"], min_read_share=MIN_READ_SHARE,
+                       page_read_s=per_page["load"],
                        chunk_floor_s=per_page["floor"] if config == "meet-floor" else 0.0)
         sync(device)
         seconds = time.perf_counter() - t0

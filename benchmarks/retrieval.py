@@ -1,5 +1,5 @@
 """Gated sparse loading judged on retrieval tasks, through the server: RULER-style needles and variable tracking,
-and SQuAD questions whose gold paragraph sits among essays (issue #27, item 2).
+and SQuAD questions whose gold paragraph sits among essays.
 
 Tasks (each document: essays from the embedded corpus as the haystack, `--lengths` tokens; the task's text planted
 at seeded random depths; prompts in RULER's wording, from `nvidia-long-context-eval`'s templates):
@@ -18,7 +18,7 @@ the SSD files evicted from the page cache -- the task's question per mode, all f
 (per-request `custom_params`): SGLang's full load (`off`), the sparse path loading everything (`full`), the Jaccard
 gate (IMPRESS) and the mass gate at each `--ratios` (`tiered_importance_ratio`). Reported per mode: accuracy (and
 per task), agreement with `off` (the answer's first sentence, all tokens), bytes the server read from storage
-(median, /proc/<pid>/io), TTFT median. Verdict (issue #27): a gated mode's accuracy >= off - 0.02 at >= 2x fewer
+(median, /proc/<pid>/io), TTFT median. Verdict: a gated mode's accuracy >= off - 0.02 at >= 2x fewer
 bytes.
 
     .venv/bin/python benchmarks/retrieval.py [--lengths 2048 7600] [--docs-per-task 2] [--ratios 0.1 0.2 0.3]

@@ -53,7 +53,7 @@ def gate(shape: Shape) -> Optional[str]:
     """None where activations can pay on this model (X smaller than the KV it replaces), else why not."""
     if shape.x_bytes >= shape.kv_bytes:
         return (f"activations are {shape.x_bytes / shape.kv_bytes:.2f}x the size of the KV they would replace "
-                "(hidden size >= 2 x kv_heads x head_dim): nothing to save")
+                "(hidden size >= 2 x kv_heads x head_dim): a GQA model, nothing to save")
     return None
 
 

@@ -1,4 +1,4 @@
-"""engine/meet.py on a CUDA model (issue #26 item 4, component level): the loader's host -> device copies on a
+"""engine/meet.py on a CUDA model (component level): the loader's host -> device copies on a
 stream of their own, compute on the current stream. Skipped without CUDA (the CPU path is tests/unit/test_meet.py).
 
 Every meet point (0, one page, the middle, all but one, all, and wherever the two meet unforced) gives the KV and
