@@ -95,7 +95,7 @@ class ChatChunks:
 def register_hooks(rt: Runtime) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    rt.chat = chat = ChatChunks(rt)
+    chat = ChatChunks(rt)
     HookRegistry.register("sglang.srt.managers.tokenizer_manager.TokenizerManager._tokenize_one_request",
                           chat.before_tokenize, HookType.BEFORE)
     HookRegistry.register("sglang.srt.entrypoints.openai.serving_chat.parallel_prompt_encode",

@@ -69,10 +69,11 @@ class CPUAttention:
             lens = seq_lens.tolist()
             try:
                 faults.check("cpu_attention")
-                sparse, rids = self.rt.sparse, getattr(self._batch, "rids", None)
+                door, rids = self.rt.door, getattr(self._batch, "rids", None)
+                sparse = door.loader("sparse") if door is not None else None
                 if sparse is not None and rids and any(sparse.holes(rid) is not None for rid in rids):
-                    return self._decode_over_holes(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-                                                   lens, scaling)
+                    return self._decode_over_holes(sparse, query, output, k_cache, v_cache, req_to_token,
+                                                   req_pool_indices, lens, scaling)
                 return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, [n - 1 for n in lens],
                                         [1] * len(lens), scale=scaling, out=output)
             except Exception:
@@ -81,11 +82,12 @@ class CPUAttention:
                         encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
                         is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
 
-    def _decode_over_holes(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, lens, scaling):
+    def _decode_over_holes(self, sparse, query, output, k_cache, v_cache, req_to_token, req_pool_indices, lens,
+                           scaling):
         """Decode where some requests' prefixes were loaded sparsely (sparse.py): each such request's query
         attends only to the positions that hold loaded KV on this layer."""
         for i, (row, n) in enumerate(zip(req_pool_indices.tolist(), lens)):
-            h = self.rt.sparse.holes(self._batch.rids[i])
+            h = sparse.holes(self._batch.rids[i])
             pos = h.positions(self._batch.layer, n) if h is not None else torch.arange(n)
             slots = req_to_token[row, pos]
             output[i : i + 1] = causal_attention(query[i : i + 1], k_cache[slots].to(query.dtype),
@@ -108,7 +110,7 @@ def register_hooks(rt: Runtime) -> bool:
     current = rt.settings
     if current is None or not current.cpu_only or current.config.cpu_attention != "prefix_aware":
         return False
-    rt.cpu_attention = attention = CPUAttention(rt)
+    attention = CPUAttention(rt)
     HookRegistry.register(f"{_TARGET}._run_sdpa_forward_extend", attention.extend, HookType.AROUND)
     HookRegistry.register(f"{_TARGET}._run_sdpa_forward_decode", attention.decode, HookType.AROUND)
     if current.config.importance_load == "gated":

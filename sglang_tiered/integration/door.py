@@ -151,6 +151,10 @@ class Door:
     def add(self, loader: Loader) -> None:
         self.loaders.append(loader)
 
+    def loader(self, name: str) -> Optional[Loader]:
+        """The loader called `name` in this process, or None."""
+        return next((x for x in self.loaders if x.name == name), None)
+
     def release(self, req) -> None:
         """Forget `req`'s load, if it has one, and what its plan holds (`SpanHandler.release`)."""
         load = getattr(req, "tiered_load", None)

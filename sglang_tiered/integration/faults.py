@@ -3,10 +3,10 @@ named hooks raise `InjectedFault` on every call, in every process that inherits 
 
 Names: `blend_forward`, `runahead_forward` (handlers of the Llama forward hook), `admission` (the prefill admission
 hook), `cpu_attention` (the prefix-aware attention kernel), `kvpr_probe` (the SSD read-bandwidth probe), `kvpr_chunks`
-(timing a computed chunk for the compute profile). Each hook's contract says what a failure does: the forward
-handlers and the attention kernel fall back to SGLang's own code, the admission hook to SGLang's admission, a failed
-probe leaves the compute-or-load loader without a profile (SGLang loads every stored span), a failed chunk timing
-leaves the profile a page's layer time for a chunk's; none may fail more than the request it serves.
+(measuring the compute profile). Each hook's contract says what a failure does: the forward handlers and the
+attention kernel fall back to SGLang's own code, the admission hook to SGLang's admission, a failed probe or profile
+leaves compute-or-load without its rates (SGLang loads every stored span); none may fail more than the request it
+serves.
 """
 
 from __future__ import annotations

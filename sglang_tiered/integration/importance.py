@@ -145,8 +145,8 @@ def register_hooks(rt: Runtime) -> bool:
     if current is None or current.config.importance_heads < 1:
         return False
     cfg = current.config
-    rt.capture = Capture(rt, cfg.importance_heads, cfg.importance_window, cfg.importance_ratio)
-    HookRegistry.register("sglang.srt.layers.radix_attention.RadixAttention.forward", rt.capture.around_attention,
+    capture = Capture(rt, cfg.importance_heads, cfg.importance_window, cfg.importance_ratio)
+    HookRegistry.register("sglang.srt.layers.radix_attention.RadixAttention.forward", capture.around_attention,
                           HookType.AROUND)
     rt.forward.track_batches()
     return True

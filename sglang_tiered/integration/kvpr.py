@@ -63,7 +63,7 @@ from sglang_tiered.storage import activations
 from sglang_tiered.storage.ssd_tier import SSDTier
 
 if TYPE_CHECKING:
-    from sglang_tiered.integration.runtime import Runtime
+    from sglang_tiered.integration.runtime import Runtime, Store
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -112,15 +112,15 @@ class KVPR:
         self._logged_bps = 0.0
         self._capture_errors = 0
 
-    def attach(self, tier: SSDTier, itemsize: int, layout: str) -> None:
-        """The store is open: start storing activations (gate open or `force`)."""
+    def attach(self, store: Store, itemsize: int, layout: str) -> None:
+        """The store is open (`Runtime.on_store`): start storing activations (gate open or `force`)."""
         mode = self.rt.settings.config.kvpr
         if layout != "layer_first":
             logger.warning("tiered kvpr: off: needs the layer_first host layout (per-layer reads), got %s", layout)
             return
         s = self.shape
         self.shape = Shape(s.layers, s.x_bytes * itemsize, s.kv_bytes * itemsize)
-        self.tier = tier
+        self.tier = tier = store.tier
         self.key = profile_key(self.rt.settings.model, tier.namespace.dtype)
         if self.gate_reason is not None and mode == "auto":
             logger.info("tiered kvpr: no activations stored for this model: %s; a stored span behind slow storage "
@@ -462,11 +462,13 @@ def register_hooks(rt: Runtime) -> bool:
         logger.info("tiered kvpr: off (%s)", exc)
         return False
     shape = Shape(cfg.layers, cfg.hidden, 2 * cfg.kv_heads * cfg.head_dim)  # elements; bytes at attach
-    rt.kvpr = KVPR(rt, cfg, shape, gate(shape))
-    if rt.kvpr.gate_reason is None or current.config.kvpr == "force":  # activations stored
-        HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", rt.kvpr.around_attention,
+    kvpr = KVPR(rt, cfg, shape, gate(shape))
+    if kvpr.gate_reason is None or current.config.kvpr == "force":  # activations stored
+        HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", kvpr.around_attention,
                               HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", rt.kvpr.on_idle, HookType.BEFORE)
-    rt.door.add(rt.kvpr)
-    rt.forward.add_handler(rt.kvpr.handler)
+    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", kvpr.on_idle, HookType.BEFORE)
+    rt.door.add(kvpr)
+    rt.forward.add_handler(kvpr.handler)
+    rt.on_store.append(kvpr.attach)
+    rt.on_read.append(kvpr.observe_read)
     return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -37,13 +38,8 @@ from sglang_tiered.storage.ssd_tier import SSDTier
 from sglang_tiered.storage.stash import PayloadStash
 
 if TYPE_CHECKING:
-    from sglang_tiered.integration.blend_prompt import ChatChunks
-    from sglang_tiered.integration.cpu_attention import CPUAttention
     from sglang_tiered.integration.door import Door
-    from sglang_tiered.integration.importance import Capture
-    from sglang_tiered.integration.kvpr import KVPR
     from sglang_tiered.integration.model_forward import ForwardHook
-    from sglang_tiered.integration.sparse import Sparse
 
 logger = logging.getLogger("sglang_tiered")
 
@@ -82,8 +78,9 @@ class Store:
 
 
 class Runtime:
-    """One process's state. `plugin.register` fills in the objects behind the hooks it registers (None where a
-    mechanism is off in this process); `open_store` the store, in scheduler processes."""
+    """One process's state. `plugin.register` builds the forward hook (its handler list) and the door (its loader
+    list), to which each mechanism on in this process adds itself; `open_store` the store, in scheduler processes.
+    Mechanisms that need the store or SGLang's own reads subscribe instead of holding a slot here."""
 
     def __init__(self) -> None:
         self.registered = False  # plugin.register ran in this process
@@ -93,12 +90,10 @@ class Runtime:
         self.foreground = ForegroundGate()  # enabled on CPU-only servers (ForwardHook.gate_background_writes)
         self.store: Optional[Store] = None
         self.forward: Optional[ForwardHook] = None  # the Llama forward hook and its handlers
-        self.door: Optional[Door] = None  # the one admission decision for stored spans, and retention pins
-        self.capture: Optional[Capture] = None  # importance capture
-        self.sparse: Optional[Sparse] = None  # gated sparse loading
-        self.kvpr: Optional[KVPR] = None  # partial-recompute loading
-        self.cpu_attention: Optional[CPUAttention] = None
-        self.chat: Optional[ChatChunks] = None  # launcher: chunk lengths of rendered chat prompts
+        self.door: Optional[Door] = None  # the one admission decision for stored spans (its loaders), retention pins
+        self.on_store: list[Callable[[Store, int, str], None]] = []  # called with (store, KV itemsize, host layout)
+        #                                                              once the store is open
+        self.on_read: list[Callable[[int, float], None]] = []  # called with (bytes, seconds) of SGLang's own L3 reads
         self.directory_claims: dict[str, int] = {}  # launcher: SSD directory -> the descriptor holding its claim
 
     @property
@@ -195,8 +190,8 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         extras=lambda: _extras(tier, importance, retention, rt))
     store = Store(namespace, tier, chunks, retention, importance, stash, repacker, remote, reporter)
     rt.store = store
-    if rt.kvpr is not None:
-        rt.kvpr.attach(tier, itemsize, layout)
+    for subscriber in rt.on_store:
+        subscriber(store, itemsize, layout)
     logger.info("tiered ssd: rank %d namespace %s (%s, page %d tokens = %d bytes, layout %s), capacity %d bytes; "
                 "retention: up to %.0f s, %d pages", sc.tp_rank, namespace.id, current.model, page_size, page_bytes,
                 layout, capacity, retention.max_seconds, retention.max_pages)

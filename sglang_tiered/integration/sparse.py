@@ -240,7 +240,7 @@ def register_hooks(rt: Runtime) -> bool:
     current = rt.settings
     if current is None or current.config.importance_load != "gated":
         return False
-    rt.sparse = Sparse(rt)
-    rt.door.add(rt.sparse)
-    rt.forward.add_handler(rt.sparse.handler)
+    sparse = Sparse(rt)
+    rt.door.add(sparse)
+    rt.forward.add_handler(sparse.handler)
     return True

@@ -63,12 +63,13 @@ class TieredSSDStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> list[bool]:
         pages = self._page_segments(keys, host_indices)
-        kvpr = self.rt.kvpr
         t0 = time.perf_counter()
         found = self._tier().read_pages(pages)
-        if kvpr is not None:  # SGLang's own reads tell compute-or-load the disk's speed
-            read = sum(v.nbytes for (_, segs), ok in zip(pages, found) if ok for v in segs)
-            kvpr.observe_read(read, time.perf_counter() - t0)
+        if self.rt.on_read:  # SGLang's own reads tell compute-or-load the disk's speed
+            read, seconds = sum(v.nbytes for (_, segs), ok in zip(pages, found) if ok for v in segs), \
+                time.perf_counter() - t0
+            for observer in self.rt.on_read:
+                observer(read, seconds)
         missing = [i for i, ok in enumerate(found) if not ok]
         remote = self.store.remote
         if remote is not None and missing:  # local misses from the shared store, in one round trip

@@ -1,12 +1,15 @@
 """The SSD tier: every file one server rank keeps under `--tiered-ssd-dir`, one budget (`DiskIndex`) over them.
 
+Split by concern over the index and its lock: this module reads and writes page and activation files; group files
+are `tier_groups.py`'s, meta and scratch files `tier_meta.py`'s, the recovery scan at startup `tier_scan.py`'s, where
+each kind of entry lives `tier_layout.py`'s.
+
 Files (under `<root>/<namespace id>/` unless said otherwise), by the index's kinds:
 * page: `<key[:2]>/<key>.kvp`; activation: `<key[:2]>/<key>.x.kvp` (`activations.py`); chunk: `chunks/<hash>.kvp`
   (one segment per layer, `chunk_store.py`); group: `groups/<gid>.kvg` (`group_file.py`);
-* meta: `NAMESPACE.json`, `SERVER` (the serving launcher's pid), `importance.log`, and
-  `<root>/stats/<namespace id>.json`, the root's own files (`ROOT_FILES`: the compute-or-load profile, the
-  launcher's `--dtype auto` choice, the server's claim on the directory), probe files (`write_meta`, `reserve_meta`,
-  `scratch`);
+* meta: `NAMESPACE.json`, `importance.log`, `<root>/stats/<namespace id>.json`, the root's own files (`ROOT_FILES`:
+  the compute-or-load profile, the launcher's `--dtype auto` choice, the server's claim on the directory), probe
+  files (`write_meta`, `reserve_meta`, `scratch`);
 * foreign (`scan_foreign=True`, rank 0): any other file under the root that is not another rank's of this server.
 
 Contracts
@@ -19,41 +22,31 @@ Contracts
   background thread (SGLang's prefetch and backup threads do), never from the scheduler loop.
 * A page is served only if its file is complete, its header names this namespace and key, its size matches, and its
   payload checksum matches. Anything else is a miss; the file is removed and counted (corrupt / foreign / lost).
-* The index is rebuilt from the directory on start (names and sizes only; headers are checked lazily on read), in
-  recency order taken from file mtimes (a read hit bumps the mtime). Temporary files of interrupted writes are removed.
+* The index is rebuilt from the directory on start, in recency order taken from file mtimes (a read hit bumps the
+  mtime).
 * Only this process writes to its namespace directory (namespaces include the TP/PP rank).
-* Groups (`repack`): a run of pages rewritten as one importance-ordered file. A group is committed by its rename;
-  only then are its member pages' files removed, so a crash at any point leaves either the old pages or the group
-  (on start, member pages of a committed group are deleted and orphaned temporary files swept). Members stay
-  addressable by their page keys (`contains`, `read_pages`: token-identical through the group's map); a group is
-  accounted, touched and evicted as one unit. With a stash attached (`attach_stash`, `stash.py`), a repack takes its
-  pages' payloads from the copies kept at their write and reads only the others back (counted apart from request
-  reads: `repack_pages_kept`, `repack_pages_read`).
+* Groups: members stay addressable by their page keys (`contains`, `read_pages`: token-identical through the group's
+  map); a group is accounted, touched and evicted as one unit.
 * Retention: `pinned(key)` (a page key) keeps pinned pages, and groups holding one, from eviction until it says no.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, TypeVar
 
-from sglang_tiered.storage import activations, group_file
-from sglang_tiered.storage.directory_lock import LOCK_FILE
+from sglang_tiered.storage import activations, group_file, tier_scan
 from sglang_tiered.storage.disk_index import DiskIndex, Victim
-from sglang_tiered.storage.files import make_dir, unlink_quiet, write_atomic
-from sglang_tiered.storage.groups import ITEMSIZE, assemble, pages_from_group
+from sglang_tiered.storage.files import make_dir, unlink_quiet
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import (
-    PAGE_SUFFIX,
-    TMP_SUFFIX,
     CorruptPage,
     ForeignPage,
     PageReader,
@@ -64,6 +57,19 @@ from sglang_tiered.storage.page_file import (
 )
 from sglang_tiered.storage.stash import PayloadStash
 from sglang_tiered.storage.stats import TierStats
+from sglang_tiered.storage.tier_groups import TierGroups
+from sglang_tiered.storage.tier_layout import (  # noqa: F401 -- the tier's names, imported from here too
+    CHUNK_PREFIX,
+    DTYPE_FILE,
+    FOREIGN_PREFIX,
+    GROUP_PREFIX,
+    META_PREFIX,
+    NAMESPACE_FILE,
+    ROOT_FILES,
+    entry_path,
+    page_path,
+)
+from sglang_tiered.storage.tier_meta import TierMeta
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +77,6 @@ T = TypeVar("T")
 
 # A page request: its key and the buffers that hold (write) or receive (read) its payload, in order.
 PageIO = tuple[str, Sequence[memoryview]]
-
-CHUNK_PREFIX = "c."  # chunk entries: "c.<hash>"
-GROUP_PREFIX = "g."  # group entries: "g.<gid>"
-META_PREFIX = "m:"  # meta entries: "m:<path relative to the root>"
-FOREIGN_PREFIX = "f:"  # foreign files: "f:<path relative to the root>"
-NAMESPACE_FILE = "NAMESPACE.json"
-DTYPE_FILE = "cpu-dtype.json"  # the launcher's `--dtype auto` choice, kept for restarts (integration/server_flags.py)
-ROOT_FILES = ("kvpr-profile.json", DTYPE_FILE, LOCK_FILE)  # the whole server's, counted as meta
 
 
 class SSDTier:
@@ -111,6 +109,8 @@ class SSDTier:
         self._groups: dict[str, group_file.GroupMeta] = {}  # gid -> meta of a committed group
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="tiered-ssd-io")
+        self.meta = TierMeta(self)  # meta and scratch files (tier_meta.py)
+        self.groups = TierGroups(self)  # group files (tier_groups.py)
         make_dir(self.dir)
         self._rebuild_index(scan_foreign)
         self.write_meta(f"{self.ns_id}/{NAMESPACE_FILE}",
@@ -169,7 +169,7 @@ class SSDTier:
         for i, ok in zip(plain, self._map(self._read_one, [pages[i] for i in plain])):
             out[i] = ok
         for gid, idx in by_group.items():
-            for i, ok in zip(idx, self._read_from_group(gid, [pages[i] for i in idx])):
+            for i, ok in zip(idx, self.groups.read_pages(gid, [pages[i] for i in idx])):
                 out[i] = ok
         return out
 
@@ -318,69 +318,22 @@ class SSDTier:
         self._publish_gauges()
         return actual
 
-    # ----------------------------------------------------------------- meta files
+    # ----------------------------------------------------------------- meta files (tier_meta.py)
     def write_meta(self, relpath: str, data: bytes, *, replace: bool = True) -> bool:
-        """Write the small file `<root>/<relpath>` atomically (0600), its bytes counted against the capacity (the
-        temporary copy beside the old one included). `replace=False`: keep an existing file. False when there is
-        no room (nothing written, counted) or the write failed."""
-        with self._lock:
-            old = self._index.size(META_PREFIX + relpath)
-        if old and not replace:  # (an entry of 0 bytes: a write that failed, nothing there)
-            return True
-        if not self.reserve_meta(relpath, (old or 0) + len(data)):  # old and new side by side until the rename
-            return False
-        try:
-            write_atomic(self.root / relpath, data)
-        except OSError as exc:
-            logger.warning("tiered ssd: writing %s failed: %s", relpath, exc)
-            self.settle_meta(relpath, old or 0)
-            self.stats.add(io_errors=1)
-            return False
-        self.settle_meta(relpath, len(data))
-        self._publish_gauges()
-        return True
+        """`TierMeta.write`: the small file `<root>/<relpath>`, counted; False without room."""
+        return self.meta.write(relpath, data, replace=replace)
 
     def reserve_meta(self, relpath: str, nbytes: int) -> bool:
-        """Make sure `nbytes` are counted for the file `<root>/<relpath>` that its owner writes itself (an
-        append-only log: call before each append with its size after it; a rewrite beside it: with old + new).
-        False (nothing changes) when there is no room. `settle_meta` gives back what is not used."""
-        key = META_PREFIX + relpath
-        with self._lock:
-            old = self._index.size(key)
-            if old is not None and old >= nbytes:
-                return True
-            if old is None:
-                res = self._index.reserve(key, nbytes, "meta")
-                if res.admitted:
-                    self._index.commit(key, nbytes)
-            else:
-                res = self._index.resize(key, nbytes)
-            self._delete_locked(res.victims)
-        if not res.admitted:
-            self.stats.add(rejected_pages=1)
-        return res.admitted
+        """`TierMeta.reserve`: `nbytes` counted for a file its owner writes itself; False without room."""
+        return self.meta.reserve(relpath, nbytes)
 
     def settle_meta(self, relpath: str, nbytes: int) -> None:
-        """The file `<root>/<relpath>` now holds `nbytes` (after a rewrite shrank it)."""
-        key = META_PREFIX + relpath
-        with self._lock:
-            if self._index.size(key) is not None:
-                self._index.resize(key, nbytes)
+        """`TierMeta.settle`: the file `<root>/<relpath>` now holds `nbytes`."""
+        self.meta.settle(relpath, nbytes)
 
-    @contextlib.contextmanager
-    def scratch(self, name: str, nbytes: int) -> Iterator[Optional[Path]]:
-        """A path under the root where a file of up to `nbytes` may be written for the duration of the block (e.g.
-        a read-bandwidth probe), counted against the capacity; None when there is no room. Removed afterwards."""
-        relpath = f"{self.ns_id}/{name}"
-        if not self.reserve_meta(relpath, nbytes):
-            yield None
-            return
-        path = self.root / relpath
-        try:
-            yield path
-        finally:
-            with self._lock:
-                self._delete_locked(self._index.remove(META_PREFIX + relpath), count=False)
+    def scratch(self, name: str, nbytes: int):
+        """`TierMeta.scratch`: a counted path for the block's length, or None without room."""
+        return self.meta.scratch(name, nbytes)
 
     # ----------------------------------------------------------------- groups
     def attach_stash(self, stash: PayloadStash) -> None:
@@ -390,127 +343,16 @@ class SSDTier:
 
     def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16,
                probe_bits: int = group_file.PROBE_BITS) -> bool:
-        """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, logical order) as one group whose
-        slot i holds logical token order[i]. True when committed; False (nothing changed) if a page is missing,
-        unreadable or already grouped, or the space is not there. Blocking; call from a background thread."""
-        with self._lock:
-            if any(self._index.kind(k) != "page" or self._index.writing(k) for k in keys):
-                return False
-        seg = self.namespace.page_size * self.namespace.kv_heads * self.namespace.head_dim
-        n_seg = 2 * self.namespace.layer_num
-        size = seg * ITEMSIZE.get(self.namespace.dtype, 2)
-        payloads = []
-        for key in keys:
-            payload = self.stash.take(key) if self.stash is not None else None
-            if payload is not None and len(payload) == n_seg * size:
-                self.stats.add(repack_pages_kept=1)
-                payloads.append(payload)
-                continue
-            bufs = [memoryview(bytearray(size)) for _ in range(n_seg)]
-            n = self._serve(key, lambda path, key=key, bufs=bufs: read_page(str(path), self.ns_id, key, bufs))
-            if n is None:
-                return False
-            self.stats.add(repack_pages_read=1, repack_bytes_read=n)
-            payloads.append(b"".join(bufs))
-        meta, probes, data = assemble(self.namespace, keys, payloads, order, probe_heads, chunk, probe_bits)
-        gid, entry = meta["gid"], GROUP_PREFIX + meta["gid"]
-        path = self._path(entry)
-        tokens, chunks = meta["tokens"], -(-meta["tokens"] // chunk)  # + a bound of the metadata's size:
-        estimate = (sum(len(p) for p in payloads) + sum(q.nbytes + sc.nbytes for q, sc in probes)
-                    + 1024 + 72 * len(keys) + 5 * tokens + 5 * meta["layers"] * (chunks + 1))
-        with self._lock:
-            res = self._index.reserve(entry, estimate, "group", keep=keys)
-            self._delete_locked(res.victims)
-        if not res.admitted:
-            return False
-        try:
-            make_dir(path.parent)
-            written = group_file.write_group(str(path), meta, probes, data)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                committed = group_file.read_meta(fd)
-            finally:
-                os.close(fd)
-        except (OSError, group_file.GroupError) as exc:
-            logger.warning("tiered ssd: repack of %d pages failed: %s", len(keys), exc)
-            with self._lock:
-                self._index.abort(entry)
-            unlink_quiet(path)
-            self.stats.add(io_errors=1)
-            return False
-        with self._lock:
-            self._groups[gid] = committed
-            self._delete_locked(self._index.commit_group(entry, written, keys), count=False, left=False)
-        self.stats.add(repacked_groups=1, repacked_pages=len(keys), bytes_written=written)
-        self._publish_gauges()
-        return True
+        """`TierGroups.repack`: the stored pages `keys` rewritten as one group; True when committed."""
+        return self.groups.repack(keys, order, probe_heads, chunk, probe_bits)
 
     def read_group_probe(self, gid: str, layer: int):
-        """The group's probe of one layer (`group_file.read_probe`'s keys and scales) or None on a miss."""
-        return self._group_io(gid, lambda fd, meta: group_file.read_probe(fd, meta, layer))
+        """`TierGroups.read_probe`: the group's probe of one layer, or None on a miss."""
+        return self.groups.read_probe(gid, layer)
 
     def read_group_chunks(self, gid: str, layer: int, chunks: Sequence[int]):
-        """{chunk: (K bytes, V bytes)} of one layer of the group, or None on a miss."""
-        return self._group_io(gid, lambda fd, meta: group_file.read_chunks(fd, meta, layer, chunks))
-
-    def _group_io(self, gid: str, fn):
-        with self._lock:
-            meta = self._groups.get(gid)
-        if meta is None:
-            return None
-        entry = GROUP_PREFIX + gid
-        path = self._path(entry)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._forget(entry)
-            self.stats.add(lost_pages=len(meta.keys))
-            return None
-        t0 = time.perf_counter()
-        try:
-            with contextlib.suppress(OSError):  # advice only: no readahead, a sparse load reads chosen chunks
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            out = fn(fd, meta)
-        except group_file.GroupError as exc:
-            logger.warning("tiered ssd: corrupt group %s (%s): removed, recomputing", gid, exc)
-            self._forget(entry)
-            self.stats.add(corrupt_pages=len(meta.keys))
-            return None
-        except OSError as exc:
-            logger.warning("tiered ssd: read error on group %s: %s", gid, exc)
-            self.stats.add(io_errors=1)
-            return None
-        finally:
-            os.close(fd)
-        nbytes = sum(len(b) for pair in out.values() for b in pair) if isinstance(out, dict) else \
-            sum(a.nbytes for a in out)
-        with self._lock:
-            self._index.touch(entry)
-        self.stats.add(group_reads=1, bytes_read=nbytes, read_seconds=time.perf_counter() - t0)
-        return out
-
-    def _read_from_group(self, gid: str, pages: Sequence[PageIO]) -> list[bool]:
-        with self._lock:
-            meta = self._groups.get(gid)
-        if meta is None:
-            self.stats.add(miss_pages=len(pages))
-            return [False] * len(pages)
-        layers = []
-        for layer in range(meta.layers):
-            chunks = self.read_group_chunks(gid, layer, range(meta.chunks))
-            if chunks is None:
-                self.stats.add(miss_pages=len(pages))
-                return [False] * len(pages)
-            layers.append(chunks)
-        wanted = [meta.keys.index(key) for key, _ in pages]
-        for (_, segments), payload in zip(pages, pages_from_group(meta, layers, wanted)):
-            view, pos = memoryview(payload), 0
-            for seg in segments:
-                flat = seg.cast("B") if seg.format != "B" or seg.ndim != 1 else seg
-                flat[:] = view[pos : pos + flat.nbytes]
-                pos += flat.nbytes
-        self.stats.add(hit_pages=len(pages))
-        return [True] * len(pages)
+        """`TierGroups.read_chunks`: {chunk: (K bytes, V bytes)} of one layer, or None on a miss."""
+        return self.groups.read_chunks(gid, layer, chunks)
 
     # ----------------------------------------------------------------- maintenance
     def clear(self) -> None:
@@ -543,18 +385,7 @@ class SSDTier:
         self._publish_gauges()
 
     def _path(self, key: str) -> Path:
-        if key.startswith((META_PREFIX, FOREIGN_PREFIX)):
-            rel = key[2:]
-            if not rel or rel.startswith("/") or ".." in Path(rel).parts:
-                raise ValueError(f"unsafe path {key!r}")
-            return self.root / rel
-        if not key or "/" in key or key.startswith("."):
-            raise ValueError(f"unsafe page key {key!r}")
-        if key.startswith(GROUP_PREFIX):
-            return self.dir / "groups" / f"{key[len(GROUP_PREFIX):]}{group_file.GROUP_SUFFIX}"
-        if key.startswith(CHUNK_PREFIX):
-            return self.dir / "chunks" / f"{key[len(CHUNK_PREFIX):]}{PAGE_SUFFIX}"
-        return page_path(self.dir, key)
+        return entry_path(self.root, self.dir, key)
 
     def _delete_locked(self, victims: Sequence[Victim], *, count: bool = True, left: bool = True) -> None:
         """Delete the victims' files (lock held: nobody reserves their room before they are gone). `count`: they
@@ -579,49 +410,15 @@ class SSDTier:
             used, n = self._index.used, self._index.stored_pages()
         self.stats.set(used_bytes=used, stored_pages=n)
 
-    # ----------------------------------------------------------------- startup
+    # ----------------------------------------------------------------- startup (tier_scan.py)
     def _rebuild_index(self, scan_foreign: bool) -> None:
         t0 = time.perf_counter()
-        own: list[tuple[float, str, int, str]] = []  # (mtime, key, size, kind)
-        removed_tmp = 0
-        groups = self._scan_groups()
-        members = {m for g in groups for m in g[3]}
-        for entry in _walk(self.dir):
-            rel = Path(entry.path).relative_to(self.dir)
-            st = entry.stat()
-            if entry.name.endswith(TMP_SUFFIX):
-                unlink_quiet(Path(entry.path))
-                removed_tmp += 1
-                continue
-            if rel.parts[0] == "groups":
-                continue
-            if len(rel.parts) == 1 and entry.name in (NAMESPACE_FILE, "importance.log",
-                                                      "kvpr-profile.json"):
-                own.append((st.st_mtime, META_PREFIX + f"{self.ns_id}/{entry.name}", st.st_size, "meta"))
-                continue
-            if entry.name.endswith(PAGE_SUFFIX) and len(rel.parts) == 2:
-                stem = entry.name[: -len(PAGE_SUFFIX)]
-                if rel.parts[0] == "chunks":
-                    own.append((st.st_mtime, CHUNK_PREFIX + stem, st.st_size, "chunk"))
-                    continue
-                if stem in members:  # its group committed; the crash came before this file was removed
-                    unlink_quiet(Path(entry.path))
-                    continue
-                kind = "activation" if activations.is_activation(stem) else "page"
-                own.append((st.st_mtime, stem, st.st_size, kind))
-                continue
-            own.append((st.st_mtime, FOREIGN_PREFIX + f"{self.ns_id}/{rel}", st.st_size, "foreign"))
-        for name in (f"stats/{self.ns_id}.json", *ROOT_FILES):
-            path = self.root / name
-            if path.is_file():
-                own.append((path.stat().st_mtime, META_PREFIX + name, path.stat().st_size, "meta"))
-        own.extend((mtime, GROUP_PREFIX + gid, size, "group") for mtime, gid, size, _ in groups)
-        own.sort()
-        foreign = sorted(self._scan_foreign()) if scan_foreign else []
+        found = tier_scan.scan(self.root, self.namespace, scan_foreign)
         with self._lock:
-            for _, key, size, _ in foreign:
+            self._groups.update(found.groups)
+            for _, key, size, _ in found.foreign:
                 self._index.load(key, size, "foreign")
-            for _, key, size, kind in own:
+            for _, key, size, kind in found.entries:
                 if kind == "group":
                     self._index.load(key, size, kind, members=self._groups[key[len(GROUP_PREFIX):]].keys)
                 else:
@@ -634,90 +431,8 @@ class SSDTier:
             "tiered ssd: namespace %s at %s: %d pages, %d bytes (capacity %d; %s) indexed in %.3f s%s",
             self.ns_id, self.dir, len(self), self.used_bytes, self.capacity_bytes,
             ", ".join(f"{k} {v}" for k, v in by_kind.items() if v), time.perf_counter() - t0,
-            f", {removed_tmp} interrupted writes removed" if removed_tmp else "",
+            f", {found.removed_tmp} interrupted writes removed" if found.removed_tmp else "",
         )
-
-    def _scan_groups(self) -> list[tuple[float, str, int, tuple[str, ...]]]:
-        """Committed groups under groups/ (registered in `_groups`); temporary and unreadable files removed."""
-        out = []
-        gdir = self.dir / "groups"
-        if not gdir.is_dir():
-            return out
-        for entry in os.scandir(gdir):
-            if not entry.name.endswith(group_file.GROUP_SUFFIX):
-                unlink_quiet(Path(entry.path))
-                continue
-            try:
-                fd = os.open(entry.path, os.O_RDONLY)
-                try:
-                    meta = group_file.read_meta(fd)
-                finally:
-                    os.close(fd)
-            except (OSError, group_file.GroupError) as exc:
-                logger.warning("tiered ssd: unreadable group %s (%s): removed", entry.name, exc)
-                unlink_quiet(Path(entry.path))
-                continue
-            if meta.ns != self.ns_id:
-                unlink_quiet(Path(entry.path))
-                continue
-            self._groups[meta.gid] = meta
-            st = entry.stat()
-            out.append((st.st_mtime, meta.gid, st.st_size, meta.keys))
-        return out
-
-    def _scan_foreign(self) -> list[tuple[float, str, int, str]]:
-        """Files under the root that no rank of this server owns: other namespaces' directories and statistics,
-        older layouts, anything else. Another rank's directory (same namespace but for the TP/PP rank) is not
-        foreign: that rank counts it."""
-        siblings = {self.ns_id}
-        for entry in os.scandir(self.root):
-            if entry.is_dir() and _is_sibling(Path(entry.path) / NAMESPACE_FILE, self.namespace):
-                siblings.add(entry.name)
-        out = []
-        for entry in _walk(self.root, skip=siblings):  # (this rank's own directory was indexed already)
-            rel = Path(entry.path).relative_to(self.root)
-            if str(rel) in ROOT_FILES:
-                continue
-            if rel.parts[0] == "stats" and len(rel.parts) == 2 and rel.stem in siblings:
-                continue
-            if entry.name.startswith(".write-check-"):  # config validation's probe of another starting server
-                continue
-            out.append((entry.stat().st_mtime, FOREIGN_PREFIX + str(rel), entry.stat().st_size, "foreign"))
-        return out
-
-
-def page_path(directory: Path, key: str) -> Path:
-    """Where the plain page (or activation page) `key` of the namespace at `directory` is stored."""
-    return directory / key[:2] / f"{key}{PAGE_SUFFIX}"
-
-
-def _walk(top: Path, skip: frozenset | set = frozenset()) -> Iterator[os.DirEntry]:
-    """Every regular file under `top` (symlinks not followed), not descending into `top`'s directories named in
-    `skip`."""
-    stack = [top]
-    while stack:
-        here = stack.pop()
-        try:
-            entries = list(os.scandir(here))
-        except FileNotFoundError:
-            continue
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                if not (here == top and entry.name in skip):
-                    stack.append(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                yield entry
-
-
-def _is_sibling(desc_path: Path, ns: Namespace) -> bool:
-    """True if `desc_path` describes `ns` but for its TP/PP rank (another rank of the same server)."""
-    try:
-        desc = json.loads(desc_path.read_text())
-    except (OSError, ValueError):
-        return False
-    ranks = ("id", "tp_rank", "pp_rank")
-    mine = {k: v for k, v in ns.describe().items() if k not in ranks}
-    return {k: v for k, v in desc.items() if k not in ranks} == mine
 
 
 def _bump_mtime(path: Path) -> None:

@@ -121,8 +121,8 @@ def test_a_cpu_server_answers_a_prefill_before_the_next_prefill_runs(shared_serv
 @pytest.mark.slow
 def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
     """Every hook of ours that runs in a forward raises (SGLANG_TIERED_TEST_FAULTS): marked and plain requests are
-    still answered, by SGLang's own admission, forward and attention; each failure is logged and counted. Timing a
-    computed chunk for the compute profile fails too: the profile is kept with a page's layer time for a chunk's."""
+    still answered, by SGLang's own admission, forward and attention; each failure is logged and counted. Measuring
+    the compute-or-load profile fails too: logged once, and SGLang keeps loading every stored span."""
     faults = "blend_forward,cpu_attention,admission,kvpr_chunks"
     args = tiered_args(tmp_path / "ssd", "--enable-metrics", max_tokens=2048)
     with ServerProcess(args, log_path=tmp_path / "faults.log",
@@ -132,14 +132,14 @@ def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
         plain = [s.generate(GOOD, max_new_tokens=8)["text"] for _ in range(2)]
         time.sleep(0.5)
         deadline = time.monotonic() + 30  # (the compute profile is taken at an idle moment after the read probe)
-        while not s.log_lines("tiered kvpr: profile ") and time.monotonic() < deadline:
+        while not s.log_lines("measuring the compute profile failed") and time.monotonic() < deadline:
             time.sleep(0.25)
         metrics = s.get("/metrics")
         log = "\n".join(s.log_lines())
         profile = s.log_lines("tiered kvpr: profile ")
     assert marked["meta_info"]["completion_tokens"] >= 1 and plain[0].strip() and plain[0] == plain[1]
-    assert "injected fault in kvpr_chunks" in log and "timing a computed chunk failed" in log
-    assert profile and "a computed chunk" not in profile[0]  # kept, without the fit
+    assert "injected fault in kvpr_chunks" in log and "measuring the compute profile failed" in log
+    assert not profile  # no profile: SGLang loads every stored span
     assert "injected fault in blend_forward" in log and "SGLang's own forward runs instead" in log
     assert "injected fault in cpu_attention" in log and "torch_native runs instead" in log
     assert "injected fault in admission" in log

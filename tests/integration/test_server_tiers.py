@@ -178,7 +178,7 @@ def test_e_f_h_other_model_gets_nothing_and_capacity_holds(first_run, essays, ot
         ref.check(forced, "h")
         assert metric_total(server.get("/metrics"), "sglang_tiered:kvpr_fallbacks_total") == 1
         probe = server.log_lines("cannot measure the SSD read bandwidth (injected fault in kvpr_probe")
-        assert probe and "KVPR stays off" in probe[0], probe
+        assert probe and "compute-or-load stays off" in probe[0], probe
         assert server.log_lines("runs a normal prefill (no measured profile")
         for text in essays[1:4]:  # (e) about 2000 tokens = 30+ pages through a 12-page tier
             assert server.generate(text, max_new_tokens=1)["text"] is not None
