@@ -80,7 +80,7 @@ class Plan:
 
     start: int
     keys: tuple[str, ...]
-    how: str
+    mode: str  # the request's mode and, under auto, the way decided ("auto: meet")
     way: str = MEET
     split: Optional[int] = None
     activations: bool = False
@@ -373,7 +373,7 @@ class KVPRHandler(SpanHandler):
                 self.rt.events.count("kvpr_computed_spans")
                 logger.info("tiered kvpr: rid %s: SGLang's forward computes the %d stored tokens (prefix=%d "
                             "mode=%s)", req.rid, len(plan.keys) * self.kvpr.tier.namespace.page_size, plan.start,
-                            plan.how)
+                            plan.mode)
                 return None
         return super().forward(module, input_ids, positions, fb)
 
@@ -423,7 +423,7 @@ class KVPRHandler(SpanHandler):
                     "(%d from activations, %.1f MiB; %d KV, %.1f MiB; %d activation pages missing/corrupt; reads "
                     "%s), waited %.3fs at the meet, the new tokens' layers %.3fs, the write into SGLang's pool "
                     "%.3fs, total=%.3fs",
-                    req.rid, s, prefix, ext - s, plan.how, res.computed_pages, source.pages, computed, res.compute_s,
+                    req.rid, s, prefix, ext - s, plan.mode, res.computed_pages, source.pages, computed, res.compute_s,
                     ", ".join(f"{k} at {at:.3f}s in {took:.3f}s" for at, k, took in res.chunks) or "none", loaded,
                     res.load_s, recomputed, source.bytes_x / 2**20, loaded - recomputed, source.bytes_kv / 2**20,
                     source.act_misses, read, res.wait_s, res.new_s, write_s, time.perf_counter() - t0)

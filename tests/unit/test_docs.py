@@ -63,6 +63,11 @@ def test_the_readme_is_a_five_minute_read():
     assert max(len(c) for c in cells) <= 240, max(cells, key=len)
 
 
+def test_benchmarks_md_is_rendered_from_the_results():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"], cwd=ROOT)
+    assert r.returncode == 0, "BENCHMARKS.md is stale: run python benchmarks/report.py"
+
+
 def test_the_configuration_reference_is_generated_from_the_code():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "configuration_doc.py"), "--check"], cwd=ROOT)
     assert r.returncode == 0, "docs/configuration.md is stale: run python scripts/configuration_doc.py"
