@@ -16,7 +16,9 @@ SSD directory (its exact pages would be hits for the others); then, on one SSD d
 in dataset order, so every chunk's KV is on the SSD tier) and, each measured from there, `blend` at each `--ratios`,
 `single` (one check layer) and `reuse` (nothing recomputed) at the default ratio, `blend` with importance-informed
 selection (`--tiered-blend-select importance`: KV deviation plus the question window's attention) at each
-`--importance-ratios`, and `full` (the fusion machinery recomputing every token). Every mode gets the same token
+`--importance-ratios`, EPIC's position selection (`--tiered-blend-select position`: the first `--position-tokens`
+of every chunk recomputed on every layer, no deviation pass), and `full` (the fusion machinery recomputing every
+token). Every mode gets the same token
 ids. Each server answers one warm-up request first. The measured ask streams: TTFT = the first streamed chunk,
 client side; the answer = greedy text up to the first newline (at most 32 tokens: the 135M model often restates the
 question first); the first token's top-20 log-probabilities.
@@ -158,10 +160,11 @@ def stream(s: ServerProcess, text: str, max_new_tokens: int) -> dict:
 
 
 def run_config(name: str, mode: str, ratio: float, select: str, questions: list[dict], start: int, ssd: Path,
-               tmp: Path, dtype: str, warm: bool) -> list[dict]:
+               tmp: Path, dtype: str, warm: bool, position_tokens: int = 16) -> list[dict]:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", dtype, "--tiered-ssd-dir", str(ssd),
             "--tiered-ssd-capacity", "16G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
-            "--tiered-blend-ratio", str(ratio), "--tiered-blend-select", select, "--chunked-prefill-size", "8192"]
+            "--tiered-blend-ratio", str(ratio), "--tiered-blend-select", select, "--chunked-prefill-size", "8192",
+            "--tiered-blend-position-tokens", str(position_tokens)]
     rows = []
     t0 = time.monotonic()
     with ServerProcess(args, log_path=tmp / f"{name}.log") as s:
@@ -236,6 +239,7 @@ def summarize(results: dict[str, list[dict]]) -> dict:
         out[name] = {"f1": statistics.fmean(f1s), "f1_ci": bootstrap(f1s), "em": statistics.fmean(ems),
                      "em_ci": bootstrap(ems), "f1_minus_prefix": statistics.fmean(diffs),
                      "f1_minus_prefix_ci": bootstrap(diffs), "agreement": statistics.fmean(same),
+                     "agreement_ci": bootstrap([float(x) for x in same]),
                      "first_token_agreement": statistics.fmean(first),
                      "first_token_kl": statistics.fmean(kls) if kls else None,
                      "ttft_s": statistics.median(r["ttft_s"] for r in rows), "questions": len(rows)}
@@ -248,21 +252,25 @@ def summarize(results: dict[str, list[dict]]) -> dict:
     return out
 
 
-def importance_vs_deviation(results: dict[str, list[dict]]) -> dict:
-    """Per `blend R importance`, paired on the same questions against `blend R`: F1 and agreement with prefix."""
+def importance_vs_deviation(results: dict[str, list[dict]], default_ratio: float) -> dict:
+    """Per `blend R importance` and `position K`, paired on the same questions against deviation selection at the
+    same ratio (`blend R`, `blend <default_ratio>`): F1, agreement with prefix, and the TTFT ratio."""
     ref = {r["index"]: r for r in results["prefix"]}
     out = {}
     for name, rows in results.items():
-        base = results.get(name.removesuffix(" importance"))
-        if not name.endswith(" importance") or base is None:
+        base_name = f"blend {default_ratio:g}" if name.startswith("position ") else name.removesuffix(" importance")
+        base = results.get(base_name)
+        if not (name.endswith(" importance") or name.startswith("position ")) or base is None:
             continue
         dev = {r["index"]: r for r in base}
         f1 = [r["f1"] - dev[r["index"]]["f1"] for r in rows]
         agree = [float(normalize_answer(r["answer"]) == normalize_answer(ref[r["index"]]["answer"])) -
                  float(normalize_answer(dev[r["index"]]["answer"]) == normalize_answer(ref[r["index"]]["answer"]))
                  for r in rows]
-        out[name] = {"f1_diff": statistics.fmean(f1), "f1_diff_ci": bootstrap(f1),
-                     "agreement_diff": statistics.fmean(agree), "agreement_diff_ci": bootstrap(agree)}
+        out[name] = {"against": base_name, "f1_diff": statistics.fmean(f1), "f1_diff_ci": bootstrap(f1),
+                     "agreement_diff": statistics.fmean(agree), "agreement_diff_ci": bootstrap(agree),
+                     "ttft_ratio": statistics.median(r["ttft_s"] for r in rows) /
+                     statistics.median(r["ttft_s"] for r in base)}
     return out
 
 
@@ -292,6 +300,9 @@ def main() -> int:
     ap.add_argument("--default-ratio", type=float, default=0.15)
     ap.add_argument("--importance-ratios", nargs="*", type=float, default=[0.05, 0.15],
                     help="blend ratios measured again with --tiered-blend-select importance")
+    ap.add_argument("--position-tokens", nargs="*", type=int, default=[16],
+                    help="EPIC's position selection (--tiered-blend-select position) with these first tokens of "
+                    "each chunk recomputed")
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--finish", action="store_true", help="summarise the rows a stopped run saved, run nothing")
     ap.add_argument("--logs", type=Path, default=None, help="with --finish: a copy of that run's server logs")
@@ -306,9 +317,10 @@ def main() -> int:
     # fusion modes, most telling first (a run cut short keeps what it finished: saved after every configuration)
     dev = "deviation"
     configs = [("prefix", "prefix", 0.15, dev, False, "ssd-prefix"), ("store", "reuse", 0.15, dev, True, "ssd"),
-               (f"blend {a.default_ratio:g}", "blend", a.default_ratio, dev, False, "ssd"),
-               ("reuse", "reuse", 0.15, dev, False, "ssd"),
-               (f"single {a.default_ratio:g}", "single", a.default_ratio, dev, False, "ssd")]
+               (f"blend {a.default_ratio:g}", "blend", a.default_ratio, dev, False, "ssd")]
+    configs += [(f"position {k}", "blend", a.default_ratio, "position", False, "ssd", k) for k in a.position_tokens]
+    configs += [("reuse", "reuse", 0.15, dev, False, "ssd"),
+                (f"single {a.default_ratio:g}", "single", a.default_ratio, dev, False, "ssd")]
     configs += [(f"blend {r:g} importance", "blend", r, "importance", False, "ssd") for r in a.importance_ratios]
     configs += [(f"blend {r:g}", "blend", r, dev, False, "ssd") for r in a.ratios if r != a.default_ratio]
     configs.append(("full", "full", 0.15, dev, False, "ssd"))
@@ -330,9 +342,9 @@ def main() -> int:
         print(f"[hotpotqa] kept {', '.join(results) or 'nothing'}; running {', '.join(c[0] for c in configs)}",
               flush=True)
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
-        for name, mode, ratio, select, warm, ssd in configs:
+        for name, mode, ratio, select, warm, ssd, *k in configs:
             rows = run_config(name, mode, ratio, select, questions, a.start, Path(tmp) / ssd, Path(tmp), dtype,
-                              warm)
+                              warm, *k)
             if not warm:
                 results[name] = rows
                 measured[name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -368,10 +380,12 @@ def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, sta
                f"{summary['prefix']['ttft_s'] / ttft:.2f}x lower ({blend.get('stored_asks', blend['questions'])} "
                f"asks with every chunk stored): {'met' if ok else 'missed'} "
                "(target F1 >= prefix - 0.02 at >= 2.5x lower TTFT)")
-    versus = importance_vs_deviation(results)
+    versus = importance_vs_deviation(results, default_ratio)
     for name, v in versus.items():
-        verdict += (f"; {name} vs deviation: F1 {v['f1_diff']:+.3f} (95 % {v['f1_diff_ci'][0]:+.3f} .. "
-                    f"{v['f1_diff_ci'][1]:+.3f}), agreement with prefix {v['agreement_diff']:+.3f}")
+        verdict += (f"; {name} vs {v['against']}: F1 {v['f1_diff']:+.3f} (95 % {v['f1_diff_ci'][0]:+.3f} .. "
+                    f"{v['f1_diff_ci'][1]:+.3f}), agreement with prefix {v['agreement_diff']:+.3f} (95 % "
+                    f"{v['agreement_diff_ci'][0]:+.3f} .. {v['agreement_diff_ci'][1]:+.3f}), TTFT "
+                    f"{v['ttft_ratio']:.2f}x")
     if not_measured:
         verdict += f"; not measured in this run: {', '.join(not_measured)}"
     save("hotpotqa", {"machine": measured_on or machine(), "dtype": dtype, "start": start, "questions": questions,

@@ -17,7 +17,7 @@ from sglang_tiered.policy.importance import GATES
 
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
-BLEND_SELECT_CHOICES = ("deviation", "importance")  # --tiered-blend-select (see engine/blend.py)
+BLEND_SELECT_CHOICES = ("deviation", "importance", "position")  # --tiered-blend-select (see engine/blend.py)
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
 IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-order (see storage/repacker.py)
@@ -82,6 +82,7 @@ class TieredConfig:
     blend_separator: str = "<|chunk|>"  # marks chunk boundaries in a text prompt; removed before the model
     blend_ratio: float = 0.15  # recompute ratio floor r* (the loading controller may go higher, never lower)
     blend_select: str = "deviation"  # how recomputed tokens are ranked; BLEND_SELECT_CHOICES
+    blend_position_tokens: int = 16  # `position` selection: the first tokens of each chunk recomputed
     blend_memory: str = "1G"  # bytes of chunk KV kept in host memory (then the SSD directory)
     runahead_ranks: int = 1  # chained prefill (KV-Runahead) over this many CPU ranks; 1 = off
     runahead_min_tokens: int = 2048  # new prompt tokens from which a prefill goes through the chain
@@ -213,6 +214,8 @@ class TieredConfig:
             raise ConfigError(f"--tiered-max-retain: must be >= 0 seconds (0 = off), got {self.max_retain}")
         if not 0.0 < self.retain_share < 1.0:
             raise ConfigError(f"--tiered-retain-share: must be in (0, 1), got {self.retain_share}")
+        if self.blend_position_tokens < 0:
+            raise ConfigError(f"--tiered-blend-position-tokens: must be >= 0, got {self.blend_position_tokens}")
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
         if self.importance_load == "gated" and self.importance_heads == 0:
@@ -272,7 +275,11 @@ FLAG_HELP: dict[str, str] = {
     "it when loading is slower than recomputing. Default: 0.15.",
     "blend_select": "How 'blend' and 'single' rank the reused tokens they recompute: 'deviation' (CacheBlend: how far "
     "a token's stored KV is from its fresh KV) or 'importance' (that and the attention the prompt's last "
-    "--tiered-importance-window tokens give it, each as a share of its total). Default: deviation.",
+    "--tiered-importance-window tokens give it, each as a share of its total), or 'position' (EPIC's LegoLink: no "
+    "ranking, the first --tiered-blend-position-tokens tokens of every chunk recomputed on every layer, no deviation "
+    "pass). Default: deviation.",
+    "blend_position_tokens": "Under --tiered-blend-select position: the first tokens of each reused chunk recomputed "
+    "on every layer (where a chunk computed on its own put its attention sink). Default: 16.",
     "blend_memory": "Host memory for stored chunk KV (suffixes K/M/G); beyond it chunks live on the SSD directory "
     "only. Default: 1G.",
     "runahead_ranks": "Prefill long prompts by KV-Runahead: a chain of this many ranks (this scheduler plus N-1 helper "

@@ -30,7 +30,9 @@ deviation first shows at layer 1, which is why `check_layer` defaults to 1.
 Ranking (`select`): `deviation` (CacheBlend's) ranks the candidates by KV deviation alone; `importance` adds the
 attention each candidate receives at that layer from the prompt's last `window` tokens (the question; every query
 head, as `kernels.importance.window_scores`), each of the two scores as a share of its sum over the candidates, so
-a token the question reads closely is recomputed even where its KV moved little.
+a token the question reads closely is recomputed even where its KV moved little. `position` (EPIC's LegoLink,
+arXiv 2410.15332) ranks nothing: the first `position_tokens` tokens of every reused span are recomputed on every
+layer -- where a chunk computed on its own put its attention sink -- with no check layer and no deviation pass.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ from sglang_tiered.kernels.importance import window_scores
 from sglang_tiered.policy.loading import DEFAULT_RATIO, LoadingController
 
 MODES = ("full", "prefix", "reuse", "single", "blend")
-SELECTS = ("deviation", "importance")
+SELECTS = ("deviation", "importance", "position")
+POSITION_TOKENS = 16  # EPIC's LegoLink-16: the first tokens of each chunk recomputed under `select="position"`
 
 # (layer, span index) -> that stored span's KV of that layer, [span tokens, 2, kv_heads, head_dim], computed at
 # positions offset .. offset + length - 1. Called only for spans with `stored=True`, possibly from a loader thread.
@@ -183,6 +186,7 @@ def blend_prefill(
     prefix_loader: Optional[Callable[[int], torch.Tensor]] = None,
     select: str = "deviation",
     window: int = 32,
+    position_tokens: int = POSITION_TOKENS,
 ) -> BlendResult:
     """Prefill `ids` reusing stored span KV per `mode` (see module docstring). `ratio` is the fraction of reused
     tokens recomputed per selective layer, averaged over layers; 1.0 recomputes everything (= full prefill).
@@ -190,13 +194,16 @@ def blend_prefill(
     `prefix_len` tokens at the start already have exact KV (a radix-cache hit): `prefix_loader(layer)` gives it
     ([prefix_len, 2, kv_heads, head_dim], at its real positions); they are never recomputed and `spans` tile
     [prefix_len, len(ids)). `select` ranks the tokens to recompute (`single`, `blend`): by KV deviation, or by
-    deviation and the attention of the prompt's last `window` tokens (see the module docstring)."""
+    deviation and the attention of the prompt's last `window` tokens, or (`position`) recomputes the first
+    `position_tokens` of every reused span on every layer instead (see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if select not in SELECTS:
         raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if position_tokens < 0:
+        raise ValueError(f"position_tokens must be >= 0, got {position_tokens}")
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1], got {ratio}")
     n, layers, p = ids.shape[0], model.cfg.layers, prefix_len
@@ -211,8 +218,10 @@ def blend_prefill(
         return _prefix_extend(model, ids, spans, loader, trace)
     if not 0 <= check_layer < layers:
         raise ValueError(f"check_layer must be in [0, {layers}), got {check_layer}")
+    position = select == "position" and mode in ("single", "blend")
     schedule = tuple(filter_schedule(ratio, layers, check_layer, spread)) if mode == "blend" else ()
-    selection = _Selection(mode, ratio, check_layer, schedule, window if select == "importance" else 0)
+    selection = _Selection("reuse" if position else mode, ratio, check_layer, schedule,
+                           window if select == "importance" else 0)
 
     reused_mask = torch.zeros(n, dtype=torch.bool)
     for s in spans:
@@ -221,7 +230,14 @@ def blend_prefill(
     reused_idx = reused_mask.nonzero().squeeze(1)
     fresh_mask = ~reused_mask
     fresh_mask[:p] = False
-    active = torch.arange(p, n) if selection.full_layers else fresh_mask.nonzero().squeeze(1)
+    if position:  # the first tokens of every reused span join the fresh ones, on every layer
+        chosen = fresh_mask.clone()
+        for s in spans:
+            if s.stored:
+                chosen[s.start : min(s.end, s.start + position_tokens)] = True
+        active = chosen.nonzero().squeeze(1)
+    else:
+        active = torch.arange(p, n) if selection.full_layers else fresh_mask.nonzero().squeeze(1)
     first_loaded = check_layer if selection.full_layers else 0  # the deviation needs the check layer's stored KV
 
     kv = model.empty_kv(n)

@@ -19,8 +19,11 @@ separator is removed by blend_prompt.py and the prefill is SGLang's own):
   `cache_salt` or `extra_key`, so nor LoRA adapters). The blended KV is written into the request's KV slots; the
   final hidden state of the last token goes back to SGLang's logits processor, so sampling and decoding proceed
   normally.
-* The blended request is marked `skip_radix_cache_insert`: approximate KV never enters the radix tree, the host
-  tier or the SSD page store, so later exact prefix hits stay exact.
+* Blended KV enters the radix tree -- and moves to host and SSD like any page -- under a namespace of its own: at
+  admission, before its first match, a marked request's `extra_key` is extended with the blend configuration (mode,
+  ratio, selection: `namespace`), as SGLang's own elastic-EP namespacing does. An identical repeat or a follow-up
+  turn then gets a prefix hit on exactly the KV the model saw the first time; the same tokens sent unmarked, or
+  under another configuration or tenant (`cache_salt`, `extra_key`), match none of it.
 
 Logs one line per blended forward (`tiered blend: ...`) or fallback; Prometheus counters `sglang_tiered:blend_*`.
 """
@@ -67,7 +70,8 @@ class _Runtime:
         self.controller = LoadingController(floor=cfg.blend_ratio)
         self.token_layer_bytes = c.geometry(dtype.itemsize).token_layer_bytes
         self.mode, self.ratio = cfg.blend, cfg.blend_ratio
-        self.select, self.window = cfg.blend_select, cfg.importance_window
+        self.select, self.window, self.position_tokens = cfg.blend_select, cfg.importance_window, \
+            cfg.blend_position_tokens
 
 
 class BlendHandler(model_forward.ForwardHandler):
@@ -138,12 +142,11 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     t1 = time.perf_counter()
     res = blend_prefill(eng, ids, spans, load, mode=rt.mode, ratio=ratio, prefix_len=prefix,
                         prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
-                        select=rt.select, window=rt.window)
+                        select=rt.select, window=rt.window, position_tokens=rt.position_tokens)
     t_blend = time.perf_counter() - t1
     observe(rt.controller, res, reused, rt.token_layer_bytes, t_blend)
 
     hidden = model_forward.write_extend(fb, eng, res.kv[:, prefix:], res.hidden)
-    req.skip_radix_cache_insert = True  # also keeps the pieces of a chunked prefill out of the tree
     if end == len(ids_list):  # the last piece: one request
         events.count("blend_requests")
     events.count("blend_reused_tokens", reused)
@@ -156,6 +159,26 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     return hidden
 
 
+def namespace_tag(cfg) -> str:
+    """The radix namespace of KV blended under the configuration `cfg` (a `TieredConfig`)."""
+    tag = f"tiered-blend:{cfg.blend}:{cfg.blend_ratio:g}:{cfg.blend_select}"
+    return tag + (f":{cfg.blend_position_tokens}" if cfg.blend_select == "position" else "")
+
+
+class Namespace:
+    """Extends a marked request's `extra_key` with the blend namespace, once (the door calls it at every
+    admission, a retraction's re-admission included)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __call__(self, req) -> None:
+        if not is_marked(req) or getattr(req, "tiered_blend_namespace", False):
+            return
+        req.extra_key = f"{req.extra_key}|{self.tag}" if req.extra_key else self.tag
+        req.tiered_blend_namespace = True
+
+
 def register_hooks(rt: Runtime) -> bool:
     """The scheduler-side hooks, in processes of a server with blending on. Returns True if registered."""
     current = rt.settings
@@ -163,6 +186,7 @@ def register_hooks(rt: Runtime) -> bool:
         return False
     if current.config.blend == "prefix":  # the separator is removed; the prefill is SGLang's own
         return False
+    rt.door.namespacers.append(Namespace(namespace_tag(current.config)))
     rt.forward.prefill_alone(is_marked)
     rt.forward.add_handler(BlendHandler(rt))
     return True

@@ -13,6 +13,8 @@ Seam (listed in plugin.py): `Scheduler._prefetch_kvcache` (AROUND), which SGLang
   device + host match), or None -- then SGLang's own L3 prefetch loads it, as it does for requests no loader wants,
   for prompts marked for blending, and for requests our engine cannot compute (`engine_declines`: a LoRA adapter,
   multimodal inputs, input embeddings; counted as that loader's fallback).
+* Namespaces: before anything is matched, each mechanism that keeps approximate KV under a radix namespace of its
+  own (blend.py) may extend the request's `extra_key` (`namespacers`, as SGLang's own elastic-EP namespacing does).
 * The decision: `req.tiered_load`, a `Load(loader, plan)` or None (SGLang's). A request with a load skips SGLang's
   L3 prefetch (its stored tokens become extend tokens, computed or loaded by the loader's forward handler) and
   prefills alone. The handler reads the plan with `planned(req, name)`; when it cannot follow it, it says why
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -135,6 +138,7 @@ class Door:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.loaders: list[Loader] = []
+        self.namespacers: list[Callable[[Any], None]] = []  # called with every request before its first match
         self.residency: dict[str, int] = {}  # pinned pages on "device" / "host" at the last census
         self._census_at = 0.0
         self._errors = 0
@@ -166,6 +170,12 @@ class Door:
 
     def _around_prefetch(self, original, scheduler, req, *args, **kwargs):
         self.release(req)  # decided afresh at every admission
+        for namespace in self.namespacers:
+            try:
+                namespace(req)
+            except Exception:
+                self.rt.events.count("hook_errors")
+                logger.exception("tiered: namespacing rid %s failed", req.rid)
         store = self.rt.store
         if store is None:
             return original(scheduler, req, *args, **kwargs)

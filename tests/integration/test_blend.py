@@ -2,8 +2,9 @@
 
 The answer needs facts from two chunks ("Alice works at the Amber Museum." / "The Amber Museum is in Lisbon.").
 1. first request: both chunks are new -> standalone KV computed and stored, then blended; the answer names Lisbon;
-2. the same prompt again: chunk KV comes from the store (no new chunk), same answer; the same documents through
-   /v1/chat/completions (separators in the user message) reuse the stored chunks too;
+2. the same prompt again: a prefix hit on the blended KV, kept in the radix tree under the blend namespace, the same
+   answer; the same documents through /v1/chat/completions (separators in the user message) hit it too; blended KV
+   is invisible to the same tokens sent unmarked and to another tenant, and a follow-up turn hits it;
 3. after a restart on the stored chunk files: chunk KV is read from SSD, same answer;
 4. chunk pages corrupted on disk: the request falls back to SGLang's normal prefill (logged, counted), answered;
 5. marked requests sent together with plain ones each prefill alone and are all blended (counted in /metrics, no
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_tiered.server_process import ServerProcess, metric_total
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from tests.integration.helpers import copy_tree, tiered_args
 
 SEP = "<|chunk|>"
@@ -61,10 +62,11 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path, share
         "max_tokens": 16, "temperature": 0}))
     assert "Lisbon" in first["text"], first["text"]
     assert again["text"] == first["text"]
+    assert again["meta_info"]["cached_tokens"] >= 2 * 64  # the blended KV of its first two pages, from the tree
     lines = blend_lines(s, mark)
     assert len(lines) == 3, lines
-    assert "chunks=3 (new 3)" in lines[0] and "chunks=3 (new 0)" in lines[1], lines
-    assert re.search(r"computed=0\.[1-3]\d\d", lines[1]), lines[1]  # 2 full layers of 30 + ~15 % of the rest
+    assert "chunks=3 (new 3)" in lines[0] and "extend=[128," in lines[1], lines
+    assert re.search(r"computed=0\.[1-3]\d\d", lines[0]), lines[0]  # 2 full layers of 30 + ~15 % of the rest
     namespace = next(s.ssd.glob("*/NAMESPACE.json")).parent  # chunk KV lives in the server's one SSD tier:
     chunks = namespace / "chunks"  # one file per chunk, a segment per layer
     deadline = time.monotonic() + 30  # written through on a background thread
@@ -72,7 +74,7 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path, share
         time.sleep(0.2)
     assert len(list(chunks.rglob("*.kvp"))) >= 3, "chunk KV was not written through to SSD"
     assert "Lisbon" in chat["choices"][0]["message"]["content"], chat
-    assert "chunks=3 (new 0)" in lines[2], lines  # the chat template rendered the same header: all chunks stored
+    assert "extend=[128," in lines[2], lines  # the chat template rendered the same prompt: the same blended KV
 
     # a restart: a new server on (a copy of) the stored chunk files; no chunk KV kept in memory, so every
     # request reads it from SSD
@@ -93,6 +95,58 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path, share
         lines = blend_lines(r, mark)
         assert len(lines) == 1 and "runs a normal prefill (chunk KV unavailable" in lines[0], lines
         assert metric_total(r.get("/metrics"), "sglang_tiered:blend_fallbacks_total") == 1
+
+
+def test_blended_kv_is_kept_in_the_tree_under_its_own_namespace(shared_server, model_dir):
+    """A marked prompt sent as token ids with its chunk lengths: an identical repeat and a follow-up turn hit the
+    blended KV (the same answer); the same ids unmarked, or under another tenant's cache_salt, hit none of it; after
+    device and host are flushed the blended pages come back from the SSD tier, still in their namespace."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chunk_c = "Bruno repairs clocks in the Cedar Workshop. " + FILLER
+    chunk_d = FILLER + "The Cedar Workshop stands in Oslo, by the harbour."
+    parts = [HEAD, chunk_c, chunk_d, "\nQuestion: Where does Bruno repair clocks?<|im_end|>\n<|im_start|>assistant\n"]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
+    flat, lengths = sum(ids, []), [len(x) for x in ids]
+    s = shared_server
+
+    def ask(input_ids: list[int], chunks: list[int] | None, salt: str | None = None) -> dict:
+        params: dict = {"max_new_tokens": 12, "temperature": 0}
+        if chunks is not None:
+            params["custom_params"] = {"tiered_chunks": chunks}
+        body: dict = {"input_ids": input_ids, "sampling_params": params}
+        if salt is not None:
+            body["cache_salt"] = salt
+        status, out = s.request("/generate", body)
+        assert status == 200, out
+        return out
+
+    pages = (len(flat) - 1) // 64 * 64
+    assert pages >= 128, len(flat)
+    mark = s.log_mark()
+    first = ask(flat, lengths)
+    assert first["meta_info"]["cached_tokens"] == 0 and len(blend_lines(s, mark)) == 1
+    again = ask(flat, lengths)
+    assert again["meta_info"]["cached_tokens"] == pages and again["output_ids"] == first["output_ids"]
+    plain = ask(flat, None)  # the same tokens, unmarked: exact requests never see blended KV
+    assert plain["meta_info"]["cached_tokens"] == 0
+    other = ask(flat, lengths, salt="another-tenant")  # blended anew in that tenant's namespace
+    assert other["meta_info"]["cached_tokens"] == 0
+    follow = tok("<|im_end|>\n<|im_start|>user\nAnd in which city is that?<|im_end|>\n<|im_start|>assistant\n",
+                 add_special_tokens=False)["input_ids"]
+    turn = flat + first["output_ids"] + follow
+    second = ask(turn, lengths[:-1] + [lengths[-1] + len(first["output_ids"]) + len(follow)])
+    assert second["meta_info"]["cached_tokens"] >= pages
+    s.flush_cache()  # device and host emptied: the blended pages come back from SSD, in their namespace only
+    deadline = time.monotonic() + 30
+    while True:
+        stored = ask(flat, lengths)
+        if cached_details(stored)["storage"] >= 64 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        s.flush_cache()
+    assert cached_details(stored)["storage"] >= 64 and stored["output_ids"] == first["output_ids"]
 
 
 def short_rag_prompt(name: str, museum: str, city: str) -> str:

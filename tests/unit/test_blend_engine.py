@@ -188,6 +188,26 @@ def test_importance_selection_recomputes_as_many_tokens_but_other_ones(gqa):
         run(gqa, ids, spans, select="importance", window=0)
 
 
+def test_position_selection_recomputes_the_first_tokens_of_every_chunk_on_every_layer(gqa):
+    """EPIC's LegoLink: no check layer, no deviation pass -- the fresh tokens and the first k of every reused span,
+    the same set on every layer; k = 0 is full reuse, k past every span's length a full prefill."""
+    ids, spans = prompt([30, 30, 30, 12], [True, True, True, False], GQA.vocab, seed=4)
+    seen: dict[int, list[int]] = {}
+    r = run(gqa, ids, spans, mode="blend", ratio=0.15, select="position", position_tokens=4,
+            trace=lambda layer, pos, attn: seen.setdefault(layer, pos.tolist()))
+    want = [*range(0, 4), *range(30, 34), *range(60, 64), *range(90, 102)]
+    assert r.computed == [len(want)] * GQA.layers and all(seen[layer] == want for layer in range(GQA.layers))
+    reuse = run(gqa, ids, spans, mode="reuse")
+    none = run(gqa, ids, spans, mode="blend", select="position", position_tokens=0)
+    assert torch.equal(none.kv, reuse.kv) and torch.equal(none.logits, reuse.logits)
+    full = gqa.prefill(ids)
+    every = run(gqa, ids, spans, mode="single", select="position", position_tokens=30)
+    assert (every.logits - full.logits).abs().max().item() <= TOL
+    assert (every.kv - full.kv).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="position_tokens"):
+        run(gqa, ids, spans, select="position", position_tokens=-1)
+
+
 def test_overlapped_loading_gives_the_same_result(gqa):
     ids, spans = prompt([18, 18, 18, 5], [True, True, True, False], GQA.vocab, seed=2)
     a = run(gqa, ids, spans, mode="blend", ratio=0.2, overlap=True)

