@@ -89,12 +89,14 @@ def check_parts(lengths: Sequence[int], separator: Optional[str] = None) -> None
     raise PromptError(f"chunk {i + 1} of {len(lengths) - 1} is empty ({where})")
 
 
-def plan_spans(lengths: Sequence[int], prefix: int, end: int, ids: Sequence[int],
-               seed: Optional[str] = None) -> tuple[list[Span], list[Optional[ChunkRef]]]:
+def plan_spans(lengths: Sequence[int], prefix: int, end: int, ids: Sequence[int], seed: Optional[str] = None,
+               fresh_from: Optional[int] = None) -> tuple[list[Span], list[Optional[ChunkRef]]]:
     """Spans tiling [prefix, end) -- the tokens this forward prefills -- and each span's chunk (None for fresh
     spans). Every part but the last is a reusable chunk: its tokens inside [prefix, end) are a stored span (`offset` =
     its tokens before `prefix`). The last part (the question) is fresh, and so is the forward's last token (its hidden
-    state gives the logits). Chunk keys are seeded with the request's tenant `seed` (`chunk_store.chunk_key`)."""
+    state gives the logits), and every token from `fresh_from` on (the prompt's last partial page, which a repeat's
+    prefix match stops short of: computed fresh in both asks, a repeat answers as the first ask did). Chunk keys are
+    seeded with the request's tenant `seed` (`chunk_store.chunk_key`)."""
     spans: list[Span] = []
     refs: list[Optional[ChunkRef]] = []
     pos = 0
@@ -103,6 +105,8 @@ def plan_spans(lengths: Sequence[int], prefix: int, end: int, ids: Sequence[int]
         if hi > lo and i < len(lengths) - 1:
             ref = ChunkRef(chunk_key(ids[pos : pos + n], seed), pos, n)
             cut = hi - 1 if hi == end else hi
+            if fresh_from is not None:
+                cut = max(lo, min(cut, fresh_from))
             if cut > lo:
                 spans.append(Span(lo, cut, True, lo - pos))
                 refs.append(ref)

@@ -23,7 +23,9 @@ separator is removed by blend_prompt.py and the prefill is SGLang's own):
   admission, before its first match, a marked request's `extra_key` is extended with the blend configuration (mode,
   ratio, selection: `namespace`), as SGLang's own elastic-EP namespacing does. An identical repeat or a follow-up
   turn then gets a prefix hit on exactly the KV the model saw the first time; the same tokens sent unmarked, or
-  under another configuration or tenant (`cache_salt`, `extra_key`), match none of it.
+  under another configuration or tenant (`cache_salt`, `extra_key`), match none of it. The prompt's last partial
+  page (which a repeat's page-granular match stops short of) is computed fresh, so a repeat computes what the first
+  ask computed there (a prompt shorter than a page is never matched: a repeat blends it again, the same way).
 
 Logs one line per blended forward (`tiered blend: ...`) or fallback; Prometheus counters `sglang_tiered:blend_*`.
 """
@@ -63,6 +65,7 @@ class _Runtime:
         if rt.store is None:
             raise NotImplementedError("no store in this process (the storage class did not open one)")
         self.store: ChunkStore = rt.store.chunks
+        self.page_size = rt.store.page_size  # a repeat's radix match covers whole pages only
         c, dtype = self.engine.cfg, self.engine.dtype
         if self.store.dtype != dtype:
             raise NotImplementedError(f"the KV cache is {self.store.dtype}, the model {dtype}: blending computes "
@@ -125,7 +128,8 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     end = prefix + int(fb.extend_seq_lens_cpu[0])  # < len(ids_list) for a piece of a chunked prefill
     ids = torch.tensor(ids_list[:end], dtype=torch.int64)
 
-    spans, refs = plan_spans(lengths, prefix, end, ids_list, seed=tenant_seed(req))
+    whole_pages = (len(ids_list) - 1) // rt.page_size * rt.page_size  # what a repeat's radix match can cover
+    spans, refs = plan_spans(lengths, prefix, end, ids_list, seed=tenant_seed(req), fresh_from=whole_pages or None)
     new_chunks = 0
     for ref in {r.key: r for r in refs if r is not None}.values():  # a chunk seen for the first time: stored
         if not store.contains(ref.key):

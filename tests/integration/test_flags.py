@@ -84,7 +84,7 @@ def test_help_lists_our_flags(launches):
     for flag in ("--kv-backend {default,tiered}", "--tiered-ssd-dir", "--tiered-ssd-capacity", "--tiered-host-size",
                  "--tiered-namespace", "--tiered-prefetch-threshold",
                  "--tiered-blend {off,full,prefix,reuse,single,blend}", "--tiered-blend-separator",
-                 "--tiered-blend-ratio", "--tiered-blend-select {deviation,importance}", "--tiered-blend-memory",
+                 "--tiered-blend-ratio", "--tiered-blend-select {deviation,importance,position}", "--tiered-blend-memory",
                  "--tiered-runahead-ranks", "--tiered-runahead-min-tokens", "--tiered-runahead-timeout",
                  "--tiered-runahead-threads",
                  "--tiered-runahead-partitions", "--tiered-remote", "--tiered-remote-metadata",

@@ -401,6 +401,14 @@ def test_server_span_plan_follows_the_radix_prefix_and_pieces_and_keeps_the_ques
     assert spans == [(10, 14, True, 6), (14, 21, True, 0), (21, 22, False, 0)]
     spans, _ = plan(22, 30)
     assert spans == [(22, 30, False, 0)]
+    # the prompt's last partial page (here from token 16 on) is fresh in every ask: a repeat's page-aligned match
+    # leaves exactly it to compute, as the first ask computed it
+    spans, refs = plan_spans(lengths, 0, 30, ids, fresh_from=16)
+    assert [(s.start, s.end, s.stored) for s in spans] == [(0, 4, True), (4, 14, True), (14, 16, True),
+                                                            (16, 22, False), (22, 30, False)]
+    assert refs == [*whole, None, None]
+    spans, _ = plan_spans(lengths, 16, 30, ids, fresh_from=16)
+    assert [(s.start, s.end, s.stored) for s in spans] == [(16, 22, False), (22, 30, False)]
 
 
 def test_chunk_spans_with_an_offset_blend_like_whole_chunks(gqa):
