@@ -358,7 +358,10 @@ def main() -> int:
 def resumed(start: int, questions: int, dtype: str) -> tuple[dict[str, list[dict]], dict[str, str]]:
     """The rows of the saved run and when each configuration was measured, refused unless it asked the same
     questions in the same dtype."""
-    saved = json.loads((RESULTS / "hotpotqa.json").read_text())
+    path = RESULTS / "hotpotqa.json"
+    if not path.exists():  # nothing saved: only the configurations asked for
+        return {}, {}
+    saved = json.loads(path.read_text())
     if (saved["start"], saved["questions"], saved["dtype"]) != (start, questions, dtype):
         raise SystemExit(f"--resume/--configs: the saved run asked {saved['questions']} questions from "
                          f"{saved['start']} in {saved['dtype']}, not {questions} from {start} in {dtype}")
