@@ -29,8 +29,8 @@ from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.engine.one_thread import one_thread_pool
 from sglang_tiered.policy.kvpr import MEET_CHUNK_PAGES, Profile
 from sglang_tiered.storage.files import write_atomic
+from sglang_tiered.storage.tier_layout import PROFILE_FILE
 
-PROFILE_FILE = "kvpr-profile.json"
 PROBE_BYTES = 64 << 20  # size of the read-bandwidth probe file
 _CHUNK = 1 << 20
 
