@@ -132,11 +132,12 @@ def first_token_kl(ref: dict[str, float], other: dict[str, float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- the server
-def stream(s: ServerProcess, text: str, max_new_tokens: int) -> dict:
-    """A greedy streamed /generate: TTFT (first chunk, client side), the answer, the first token's top log-probs."""
+def stream(s: ServerProcess, text: str, max_new_tokens: int, stop: tuple[str, ...] = ("\n",)) -> dict:
+    """A greedy streamed /generate: TTFT (first chunk, client side), the answer, the first token's top log-probs,
+    the cached and the prompt tokens."""
     host, port = s.url.split("//")[1].split(":")
     body = json.dumps({"text": text, "stream": True, "return_logprob": True, "top_logprobs_num": TOP,
-                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "stop": ["\n"]}})
+                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "stop": list(stop)}})
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
     t0 = time.perf_counter()
     conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
@@ -156,7 +157,7 @@ def stream(s: ServerProcess, text: str, max_new_tokens: int) -> dict:
             first_top = {str(tok): lp for lp, tok, *_ in tops[0]}
     conn.close()
     return {"ttft_s": ttft, "answer": last["text"].strip(), "first_top": first_top or {},
-            "cached": last["meta_info"].get("cached_tokens", 0)}
+            "cached": last["meta_info"].get("cached_tokens", 0), "prompt": last["meta_info"].get("prompt_tokens", 0)}
 
 
 def run_config(name: str, mode: str, ratio: float, select: str, questions: list[dict], start: int, ssd: Path,

@@ -22,8 +22,6 @@ Writes benchmarks/results/rag_turns-<machine class>.json and .png and prints one
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import random
 import statistics
 import sys
@@ -34,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, auto_dtype, machine, machine_class, save  # noqa: E402
-from hotpotqa import SYSTEM, load_questions, prompt  # noqa: E402
+from hotpotqa import SYSTEM, load_questions, prompt, stream  # noqa: E402
 
 from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm  # noqa: E402
 
@@ -52,26 +50,8 @@ def turn_text(q: dict, order: list[int], history: list[tuple[str, str]]) -> str:
 
 
 def ask(s: ServerProcess, text: str) -> dict:
-    """A greedy streamed /generate: TTFT, the answer and the cached prompt tokens."""
-    host, port = s.url.split("//")[1].split(":")
-    body = json.dumps({"text": text, "stream": True,
-                       "sampling_params": {"max_new_tokens": ANSWER_TOKENS, "temperature": 0}})
-    conn = http.client.HTTPConnection(host, int(port), timeout=900)
-    t0 = time.perf_counter()
-    conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"/generate answered {resp.status}: {resp.read()[:300]!r}")
-    ttft, last = None, None
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line == "data: [DONE]":
-            continue
-        ttft = ttft if ttft is not None else time.perf_counter() - t0
-        last = json.loads(line[5:])
-    conn.close()
-    return {"ttft_s": ttft, "answer": last["text"].strip(), "cached": last["meta_info"].get("cached_tokens", 0),
-            "prompt": last["meta_info"].get("prompt_tokens", 0)}
+    """A greedy streamed /generate of ANSWER_TOKENS tokens: TTFT, the answer, the cached and the prompt tokens."""
+    return stream(s, text, ANSWER_TOKENS, stop=())
 
 
 def conversation(s: ServerProcess, q: dict, index: int) -> list[dict]:
