@@ -38,7 +38,7 @@ class GroupSpan:
         self.bytes_read = 0
 
     def probe(self, layer: int, kv_heads: Sequence[int]) -> torch.Tensor:
-        got = self.tier.read_group_probe(self.meta.gid, layer)
+        got = self.tier.groups.read_probe(self.meta.gid, layer)
         if got is None:
             raise SpanMiss(f"probe of layer {layer} of group {self.meta.gid}")
         q, scale = got
@@ -52,7 +52,7 @@ class GroupSpan:
         slots = self.slots[idx]
         wanted = torch.unique(slots // m.chunk)  # ascending
         chunks = wanted.tolist()
-        got = self.tier.read_group_chunks(m.gid, layer, chunks)
+        got = self.tier.groups.read_chunks(m.gid, layer, chunks)
         if got is None:
             raise SpanMiss(f"layer {layer} of group {m.gid}")
         # the chunks side by side: chunk i of `chunks` starts at row i * m.chunk (only the group's last chunk may be

@@ -125,7 +125,7 @@ def load_profiles(directory: str | os.PathLike) -> dict[str, dict]:
 def save_profile(directory: str | os.PathLike, key: str, profile: Profile, *,
                  write: Optional[Callable[[bytes], object]] = None, **meta) -> Path:
     """Merge `profile` (and `meta`) into the directory's profile file under `key`. `write(data)` replaces the file
-    (a server passes its SSD tier's `write_meta`, which counts the bytes); by default an atomic replace."""
+    (a server passes its SSD tier's `meta.write`, which counts the bytes); by default an atomic replace."""
     path = Path(directory) / PROFILE_FILE
     data = load_profiles(directory)
     data[key] = {**asdict(profile), **meta, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -190,7 +190,7 @@ class KVPR:
             faults.check("kvpr_probe")
             if room < _MIN_PROBE_BYTES:
                 raise OSError(f"a capacity of {tier.capacity_bytes} bytes leaves no room for a probe file")
-            with tier.scratch(".kvpr-read-probe", room) as path:
+            with tier.meta.scratch(".kvpr-read-probe", room) as path:
                 if path is None:
                     raise OSError("no room under the SSD capacity for a probe file")
                 bps = measure_read(path, room)
@@ -234,7 +234,7 @@ class KVPR:
         with self.lock:
             self.profile, bps = profile, self.rate.bps
         path = save_profile(self.tier.root, self.key, profile, read_bytes_per_s=bps, shape=self.shape.__dict__,
-                            write=lambda data: self.tier.write_meta(PROFILE_FILE, data))
+                            write=lambda data: self.tier.meta.write(PROFILE_FILE, data))
         logger.info("tiered kvpr: profile %s (saved to %s)", describe(profile, bps), path)
 
     def observe_read(self, nbytes: int, seconds: float) -> str:

@@ -127,7 +127,7 @@ class StatsReporter:
         extras: Callable[[], dict] = dict,
     ) -> None:
         """`extras()` adds fields to the JSON file (e.g. the importance table's coverage). `write_json(data)`
-        replaces the file (the SSD tier's `write_meta`, which counts its bytes); by default an atomic replace."""
+        replaces the file (the SSD tier's `meta.write`, which counts its bytes); by default an atomic replace."""
         self.stats = stats
         self.json_path = json_path
         self.write_json = write_json or (lambda data: write_atomic(json_path, data))

@@ -158,8 +158,8 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
     if cfg.importance_heads > 0:
         log = f"{namespace.id}/{LOG_NAME}"
         importance = ImportanceTable(page_size, directory=tier.dir, max_pages=max(1024, 4 * capacity // page_bytes),
-                                     allot=lambda n: tier.reserve_meta(log, n),
-                                     settle=lambda n: tier.settle_meta(log, n))
+                                     allot=lambda n: tier.meta.reserve(log, n),
+                                     settle=lambda n: tier.meta.settle(log, n))
         tier.on_leave = importance.forget
     if cfg.importance_load == "gated" and importance is not None:
         if layout != "layer_first" or namespace.dtype not in ITEMSIZE:
@@ -184,7 +184,7 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
     stats_file = f"stats/{namespace.id}.json"
     reporter = StatsReporter(
         tier.stats, json_path=Path(cfg.ssd_dir) / stats_file,
-        write_json=lambda data: tier.write_meta(stats_file, data), page_size=page_size, capacity_bytes=capacity,
+        write_json=lambda data: tier.meta.write(stats_file, data), page_size=page_size, capacity_bytes=capacity,
         tp_rank=sc.tp_rank, describe=namespace.describe, prometheus=prometheus_enabled(sc.enable_storage_metrics),
         log_interval=cfg.stats_interval,
         extras=lambda: _extras(tier, importance, retention, rt))

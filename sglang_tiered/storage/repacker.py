@@ -113,7 +113,7 @@ class Repacker:
                 ps = self.tier.namespace.page_size
                 order = importance_order(self.table, run, ps, self.chunk) if self.by_importance else \
                     list(range(len(run) * ps))
-                if self.tier.repack(run, order, self.probe_heads, self.chunk, self.probe_bits):
+                if self.tier.groups.repack(run, order, self.probe_heads, self.chunk, self.probe_bits):
                     logger.info("tiered repack: %d pages in %s order", len(run),
                                 "importance" if self.by_importance else "prompt")
             run = []

@@ -9,7 +9,7 @@ Files (under `<root>/<namespace id>/` unless said otherwise), by the index's kin
   (one segment per layer, `chunk_store.py`); group: `groups/<gid>.kvg` (`group_file.py`);
 * meta: `NAMESPACE.json`, `importance.log`, `<root>/stats/<namespace id>.json`, the root's own files (`ROOT_FILES`:
   the compute-or-load profile, the launcher's `--dtype auto` choice, the server's claim on the directory), probe
-  files (`write_meta`, `reserve_meta`, `scratch`);
+  files (`tier.meta`: `write`, `reserve`, `scratch`);
 * foreign (`scan_foreign=True`, rank 0): any other file under the root that is not another rank's of this server.
 
 Contracts
@@ -113,7 +113,7 @@ class SSDTier:
         self.groups = TierGroups(self)  # group files (tier_groups.py)
         make_dir(self.dir)
         self._rebuild_index(scan_foreign)
-        self.write_meta(f"{self.ns_id}/{NAMESPACE_FILE}",
+        self.meta.write(f"{self.ns_id}/{NAMESPACE_FILE}",
                         json.dumps(self.namespace.describe(), indent=2, sort_keys=True).encode(), replace=False)
 
     # ----------------------------------------------------------------- queries (index only)
@@ -318,41 +318,11 @@ class SSDTier:
         self._publish_gauges()
         return actual
 
-    # ----------------------------------------------------------------- meta files (tier_meta.py)
-    def write_meta(self, relpath: str, data: bytes, *, replace: bool = True) -> bool:
-        """`TierMeta.write`: the small file `<root>/<relpath>`, counted; False without room."""
-        return self.meta.write(relpath, data, replace=replace)
-
-    def reserve_meta(self, relpath: str, nbytes: int) -> bool:
-        """`TierMeta.reserve`: `nbytes` counted for a file its owner writes itself; False without room."""
-        return self.meta.reserve(relpath, nbytes)
-
-    def settle_meta(self, relpath: str, nbytes: int) -> None:
-        """`TierMeta.settle`: the file `<root>/<relpath>` now holds `nbytes`."""
-        self.meta.settle(relpath, nbytes)
-
-    def scratch(self, name: str, nbytes: int):
-        """`TierMeta.scratch`: a counted path for the block's length, or None without room."""
-        return self.meta.scratch(name, nbytes)
-
-    # ----------------------------------------------------------------- groups
+    # ----------------------------------------------------------------- meta files, groups: `meta`, `groups`
     def attach_stash(self, stash: PayloadStash) -> None:
         """From now on, pages written keep a copy of their payload in `stash` if it expects them, and `repack`
         takes a member page's payload from there before reading its file back (`stash.py`)."""
         self.stash = stash
-
-    def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16,
-               probe_bits: int = group_file.PROBE_BITS) -> bool:
-        """`TierGroups.repack`: the stored pages `keys` rewritten as one group; True when committed."""
-        return self.groups.repack(keys, order, probe_heads, chunk, probe_bits)
-
-    def read_group_probe(self, gid: str, layer: int):
-        """`TierGroups.read_probe`: the group's probe of one layer, or None on a miss."""
-        return self.groups.read_probe(gid, layer)
-
-    def read_group_chunks(self, gid: str, layer: int, chunks: Sequence[int]):
-        """`TierGroups.read_chunks`: {chunk: (K bytes, V bytes)} of one layer, or None on a miss."""
-        return self.groups.read_chunks(gid, layer, chunks)
 
     # ----------------------------------------------------------------- maintenance
     def clear(self) -> None:

@@ -49,7 +49,7 @@ class TierMeta:
     def reserve(self, relpath: str, nbytes: int) -> bool:
         """Make sure `nbytes` are counted for the file `<root>/<relpath>` that its owner writes itself (an
         append-only log: call before each append with its size after it; a rewrite beside it: with old + new).
-        False (nothing changes) when there is no room. `settle_meta` gives back what is not used."""
+        False (nothing changes) when there is no room. `settle` gives back what is not used."""
         key = META_PREFIX + relpath
         with self.tier._lock:
             old = self.tier._index.size(key)

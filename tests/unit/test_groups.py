@@ -67,7 +67,7 @@ def order(tokens: int, seed: int = 0) -> list[int]:
 def test_pages_come_back_token_identical_through_the_map(tmp_path):
     tier = filled(tmp_path)
     keys = [key(i) for i in range(4)]
-    assert tier.repack(keys[:3], order(3 * PS), probe_heads=[0, 1])
+    assert tier.groups.repack(keys[:3], order(3 * PS), probe_heads=[0, 1])
     assert not list((tmp_path / ns().id).glob(f"*/{keys[0]}{PAGE_SUFFIX}"))  # the member files are gone
     assert tier.group_of(keys[1]) is not None and tier.group_of(keys[3]) is None and len(tier) == 4
     outs = [empty() for _ in range(4)]
@@ -90,10 +90,10 @@ def test_pages_come_back_token_identical_through_the_map(tmp_path):
 def test_slots_follow_the_order_and_the_probe_ranks_like_the_keys(tmp_path):
     tier = filled(tmp_path, 2)
     o = order(2 * PS, seed=3)
-    assert tier.repack([key(0), key(1)], o, probe_heads=[1])
+    assert tier.groups.repack([key(0), key(1)], o, probe_heads=[1])
     meta = tier.group_of(key(0))
     assert list(meta.perm) == o and meta.chunks == 2 * PS // meta.chunk
-    q, scale = tier.read_group_probe(meta.gid, 2)
+    q, scale = tier.groups.read_probe(meta.gid, 2)
     assert meta.probe_bits == group_file.PROBE_BITS == 4 and q.shape == (2 * PS, 1, DIM // 2)
     approx = group_file.dequantize_probe(q, scale, meta.probe_bits)  # [tokens, 1, DIM] in slot order
     raw = np.frombuffer(joined(bf16_page(0)) + joined(bf16_page(1)), dtype=np.uint16)
@@ -108,7 +108,7 @@ def test_slots_follow_the_order_and_the_probe_ranks_like_the_keys(tmp_path):
     top_exact = set(np.argsort(-(exact[:, 0] @ query))[:8].tolist())
     top_probe = set(np.argsort(-(approx[:, 0] @ query))[:8].tolist())
     assert len(top_exact & top_probe) >= 7
-    chunks = tier.read_group_chunks(meta.gid, 0, [1])
+    chunks = tier.groups.read_chunks(meta.gid, 0, [1])
     assert list(chunks) == [1] and len(chunks[1][0]) == meta.chunk * HEADS * DIM * 2
 
 
@@ -132,9 +132,9 @@ def test_probe_quantization_round_trip(bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_repack_writes_the_probe_with_the_bits_asked_for(tmp_path, bits):
     tier = filled(tmp_path, 2)
-    assert tier.repack([key(0), key(1)], order(2 * PS, seed=2), probe_heads=[0, 1], probe_bits=bits)
+    assert tier.groups.repack([key(0), key(1)], order(2 * PS, seed=2), probe_heads=[0, 1], probe_bits=bits)
     meta = tier.group_of(key(0))
-    q, scale = tier.read_group_probe(meta.gid, 0)
+    q, scale = tier.groups.read_probe(meta.gid, 0)
     assert meta.probe_bits == bits and q.nbytes + scale.nbytes == meta.probe_layer_bytes == 2 * PS * 2 * (
         DIM * bits // 8 + 2)
 
@@ -152,7 +152,7 @@ def test_an_odd_head_dim_gets_the_8_bit_probe():
 
 def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read(tmp_path):
     tier = filled(tmp_path, 2)
-    assert tier.repack([key(0), key(1)], order(2 * PS, seed=1), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], order(2 * PS, seed=1), probe_heads=[0])
     new = tier.group_of(key(0))
     (path,) = tmp_path.rglob(f"*{group_file.GROUP_SUFFIX}")
     with open(path, "rb") as f:
@@ -171,7 +171,7 @@ def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read
     again = SSDTier(tmp_path, ns(), 1 << 24)  # a restart reads the rewritten group
     old = again.group_of(key(0))
     assert old.probe_bits == 8 and old.probe_layer_bytes == new.tokens * (DIM + 2)
-    q, scale = again.read_group_probe(old.gid, 1)
+    q, scale = again.groups.read_probe(old.gid, 1)
     assert np.allclose(group_file.dequantize_probe(q, scale, 8), probes[1], atol=np.abs(probes[1]).max() / 100)
     outs = [empty(), empty()]
     assert again.read_pages([(key(0), outs[0]), (key(1), outs[1])]) == [True, True]
@@ -180,14 +180,14 @@ def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read
 
 def test_a_corrupt_chunk_is_a_counted_miss_never_data(tmp_path):
     tier = filled(tmp_path, 2)
-    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
     path = next((tmp_path / ns().id / "groups").glob("*.kvg"))
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x01  # last chunk of the last layer
     path.write_bytes(bytes(data))
     meta = tier.group_of(key(0))
-    assert tier.read_group_chunks(meta.gid, 0, [0]) is not None  # other chunks still verify
-    assert tier.read_group_chunks(meta.gid, LAYERS - 1, [meta.chunks - 1]) is None
+    assert tier.groups.read_chunks(meta.gid, 0, [0]) is not None  # other chunks still verify
+    assert tier.groups.read_chunks(meta.gid, LAYERS - 1, [meta.chunks - 1]) is None
     assert not tier.contains(key(0)) and not path.exists()  # the group is gone, both pages with it
     assert tier.read_pages([(key(0), empty())]) == [False]
     assert tier.stats.snapshot()["corrupt_pages"] == 2
@@ -196,18 +196,18 @@ def test_a_corrupt_chunk_is_a_counted_miss_never_data(tmp_path):
 
 def test_repack_refuses_missing_or_grouped_pages_and_bad_orders(tmp_path):
     tier = filled(tmp_path, 2)
-    assert not tier.repack([key(0), key(7)], order(2 * PS), probe_heads=[0])
+    assert not tier.groups.repack([key(0), key(7)], order(2 * PS), probe_heads=[0])
     with pytest.raises(ValueError, match="permutation"):
-        tier.repack([key(0), key(1)], [0] * (2 * PS), probe_heads=[0])
-    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
-    assert not tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])  # already a group
+        tier.groups.repack([key(0), key(1)], [0] * (2 * PS), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert not tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])  # already a group
 
 
 def test_groups_are_evicted_as_one_unit_within_capacity(tmp_path):
     one = 2 * LAYERS * SEG
     tier = SSDTier(tmp_path, ns(), 8 * one)  # during a repack, old pages and the new group coexist
     assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4)]))
-    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
     assert tier.read_pages([(key(2), empty()), (key(3), empty())]) == [True, True]  # the group is now the LRU
     assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4, 8)]))  # needs room: the group goes
     assert not tier.contains(key(0)) and not tier.contains(key(1)) and tier.contains(key(7))
@@ -224,7 +224,7 @@ REPACKER = textwrap.dedent(
     tier = filled(Path(sys.argv[1]), 24)
     print("filled", flush=True)
     for g in range(0, 24, 3):
-        tier.repack([key(g + j) for j in range(3)], order(48, g), probe_heads=[0, 1])
+        tier.groups.repack([key(g + j) for j in range(3)], order(48, g), probe_heads=[0, 1])
         print("group", g, flush=True)
     """
 )
@@ -291,7 +291,7 @@ def test_a_repack_takes_the_pages_kept_at_their_write_and_reads_none_back(tmp_pa
 
     keys = [key(i) for i in range(4)]
     plain = filled(tmp_path / "plain")  # the same pages, repacked from their files
-    assert plain.repack(keys, order(4 * PS), probe_heads=[0, 1])
+    assert plain.groups.repack(keys, order(4 * PS), probe_heads=[0, 1])
     tier = SSDTier(tmp_path / "kept", ns(), 1 << 24)
     stash = PayloadStash(1 << 20)
     tier.attach_stash(stash)
@@ -300,7 +300,7 @@ def test_a_repack_takes_the_pages_kept_at_their_write_and_reads_none_back(tmp_pa
     for k in keys[:3]:  # damage the kept pages' files: a repack that read them would find them corrupt
         (path,) = (tmp_path / "kept").glob(f"*/*/{k}{PAGE_SUFFIX}")
         path.write_bytes(path.read_bytes()[:-1] + b"?")
-    assert tier.repack(keys, order(4 * PS), probe_heads=[0, 1])
+    assert tier.groups.repack(keys, order(4 * PS), probe_heads=[0, 1])
     s = tier.stats.snapshot()
     assert (s["repack_pages_kept"], s["repack_pages_read"], s["corrupt_pages"]) == (3, 1, 0)
     assert s["repack_bytes_read"] == 2 * LAYERS * SEG and s["bytes_read"] == 0  # a repack read is no request's hit
@@ -350,17 +350,17 @@ def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_i
     rng = np.random.default_rng(0)
     assert all(tier.write_pages([(k, [memoryview(rng.integers(0, 1 << 14, seg // 2, dtype=np.uint16).tobytes())
                                       for _ in range(16)]) for k in keys]))
-    assert tier.repack(keys, list(range(1024)), probe_heads=[0])
+    assert tier.groups.repack(keys, list(range(1024)), probe_heads=[0])
     meta = tier.group_of(keys[0])
     (path,) = list(tmp_path.glob("*/groups/*.kvg"))
     drop_from_page_cache(path)
     before = _read_bytes()
     for c in range(10, 18):  # one chunk (16 tokens: 16 KiB of K and V) at a time, as a sparse load reads its picks
-        assert tier.read_group_chunks(meta.gid, 3, [c]) is not None
+        assert tier.groups.read_chunks(meta.gid, 3, [c]) is not None
     chunks_read = _read_bytes() - before
     drop_from_page_cache(path)
     before = _read_bytes()
-    assert tier.read_group_chunks(meta.gid, 3, range(meta.chunks)) is not None
+    assert tier.groups.read_chunks(meta.gid, 3, range(meta.chunks)) is not None
     if _read_bytes() - before == 0:
         pytest.skip("tmp_path is not on a block device (reads are not counted)")
     assert 8 * 16 * 1024 <= chunks_read <= 8 * 20 * 1024, chunks_read  # the chunks, rounded out to 4 KiB pages
@@ -368,13 +368,13 @@ def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_i
 
 def test_a_refused_readahead_advice_still_reads_the_group(tmp_path, monkeypatch):
     tier = filled(tmp_path)
-    assert tier.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
     meta = tier.group_of(key(0))
 
     def refuse(*args):
         raise OSError(22, "fadvise not supported here")
 
     monkeypatch.setattr(os, "posix_fadvise", refuse)
-    assert tier.read_group_chunks(meta.gid, 0, [0]) is not None
-    assert tier.read_group_probe(meta.gid, 0) is not None
+    assert tier.groups.read_chunks(meta.gid, 0, [0]) is not None
+    assert tier.groups.read_probe(meta.gid, 0) is not None
     assert tier.stats.snapshot()["io_errors"] == 0

@@ -192,7 +192,7 @@ def stored_group(tmp_path, kv: torch.Tensor, order: list[int], page_size: int = 
         segs = [memoryview(rows[layer, :, kv_i].contiguous().numpy().tobytes()) for layer in range(layers)
                 for kv_i in (0, 1)]
         assert tier.write_pages([(key, segs)]) == [True]
-    assert tier.repack(keys, order, probe_heads=list(range(heads)))
+    assert tier.groups.repack(keys, order, probe_heads=list(range(heads)))
     return tier, tier.group_of(keys[0])
 
 

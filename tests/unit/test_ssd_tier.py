@@ -366,17 +366,17 @@ def test_the_servers_root_files_count_as_meta_not_foreign(tmp_path):
 def test_meta_files_count_and_a_write_without_room_is_refused(tmp_path):
     tier = SSDTier(tmp_path, ns(), capacity_bytes=2 * (PAGE + 200) + NS_FILE)
     tier.write_pages([(key(0), page(0))])
-    assert tier.write_meta("stats/x.json", b"{}" * 100)
+    assert tier.meta.write("stats/x.json", b"{}" * 100)
     assert (tmp_path / "stats" / "x.json").read_bytes() == b"{}" * 100
-    assert tier.reserve_meta(f"{tier.ns_id}/importance.log", 2 * PAGE)  # evicts page 0 for the log's room
+    assert tier.meta.reserve(f"{tier.ns_id}/importance.log", 2 * PAGE)  # evicts page 0 for the log's room
     assert not tier.contains(key(0))
-    assert not tier.reserve_meta(f"{tier.ns_id}/importance.log", 10 * PAGE)
-    tier.settle_meta(f"{tier.ns_id}/importance.log", 0)
-    with tier.scratch("probe", PAGE) as path:
+    assert not tier.meta.reserve(f"{tier.ns_id}/importance.log", 10 * PAGE)
+    tier.meta.settle(f"{tier.ns_id}/importance.log", 0)
+    with tier.meta.scratch("probe", PAGE) as path:
         path.write_bytes(b"p" * PAGE)
         assert disk_bytes(tmp_path) <= tier.used_bytes
     assert not path.exists()
-    with tier.scratch("probe", 100 * PAGE) as path:
+    with tier.meta.scratch("probe", 100 * PAGE) as path:
         assert path is None
     assert disk_bytes(tmp_path) <= tier.used_bytes <= tier.capacity_bytes
     tier.check_integrity()
@@ -386,7 +386,7 @@ def test_files_are_private_to_the_server(tmp_path):
     tier = SSDTier(tmp_path / "ssd", ns(), capacity_bytes=10 * PAGE)
     tier.write_pages([(key(1), page(1))])
     tier.write_pages([("c." + "cd" * 16, page(2))], kind="chunk")
-    tier.write_meta("stats/s.json", b"{}")
+    tier.meta.write("stats/s.json", b"{}")
     for p in (tmp_path / "ssd").rglob("*"):
         mode = p.stat().st_mode & 0o777
         assert mode == (0o700 if p.is_dir() else 0o600), f"{p} has mode {oct(mode)}"
@@ -424,19 +424,19 @@ def test_the_directory_never_exceeds_the_capacity_under_concurrent_writers(tmp_p
 
 def test_a_meta_file_that_cannot_be_written_is_counted_and_gives_its_room_back(tmp_path, monkeypatch):
     tier = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
-    assert tier.write_meta("stats/s.json", b"x" * 100)
+    assert tier.meta.write("stats/s.json", b"x" * 100)
     before = tier.used_bytes
 
     def disk_full(src, dst):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", disk_full)
-    assert not tier.write_meta("stats/s.json", b"y" * 300)  # a rewrite: the old file stays
-    assert not tier.write_meta("stats/new.json", b"z" * 50)  # a new file: nothing stays
+    assert not tier.meta.write("stats/s.json", b"y" * 300)  # a rewrite: the old file stays
+    assert not tier.meta.write("stats/new.json", b"z" * 50)  # a new file: nothing stays
     monkeypatch.undo()
     assert tier.stats.snapshot()["io_errors"] == 2 and tier.used_bytes == before
     assert (tmp_path / "stats" / "s.json").read_bytes() == b"x" * 100 and not (tmp_path / "stats" / "new.json").exists()
     assert not list(tmp_path.rglob("*.tmp"))
-    assert tier.write_meta("stats/new.json", b"z" * 50)  # room is back, writes resume
+    assert tier.meta.write("stats/new.json", b"z" * 50)  # room is back, writes resume
     assert disk_bytes(tmp_path) == tier.used_bytes
     tier.check_integrity()
