@@ -62,7 +62,7 @@ SEP = "<|chunk|>"
 SYSTEM = "You answer questions using the documents the user gives. Reply with the answer only, a few words."
 RESERVED = 1000  # questions 0..999 are kept for acceptance checks
 TOP = 20
-MAX_ANSWER_TOKENS = 32  # the 135M model often restates the question before answering
+MAX_ANSWER_TOKENS = 32  # the 135M model often restates the question before answering (`--answer-tokens`)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -161,7 +161,8 @@ def stream(s: ServerProcess, text: str, max_new_tokens: int, stop: tuple[str, ..
 
 
 def run_config(name: str, mode: str, ratio: float, select: str, questions: list[dict], start: int, ssd: Path,
-               tmp: Path, dtype: str, warm: bool, position_tokens: int = 16) -> list[dict]:
+               tmp: Path, dtype: str, warm: bool, position_tokens: int = 16,
+               answer_tokens: int = MAX_ANSWER_TOKENS) -> list[dict]:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", dtype, "--tiered-ssd-dir", str(ssd),
             "--tiered-ssd-capacity", "16G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
             "--tiered-blend-ratio", str(ratio), "--tiered-blend-select", select, "--chunked-prefill-size", "8192",
@@ -175,7 +176,7 @@ def run_config(name: str, mode: str, ratio: float, select: str, questions: list[
             if warm:  # the store pass: the paragraphs in dataset order, their chunks' KV stored
                 s.generate(prompt(q, list(range(len(q["context"])))), max_new_tokens=1)
                 continue
-            got = stream(s, prompt(q, shuffled(q, index)), MAX_ANSWER_TOKENS)
+            got = stream(s, prompt(q, shuffled(q, index)), answer_tokens)
             got.update(index=index, gold=q["answer"], f1=f1_score(got["answer"], q["answer"]),
                        em=exact_match(got["answer"], q["answer"]))
             rows.append(got)
@@ -301,6 +302,8 @@ def main() -> int:
     ap.add_argument("--default-ratio", type=float, default=0.15)
     ap.add_argument("--importance-ratios", nargs="*", type=float, default=[0.05, 0.15],
                     help="blend ratios measured again with --tiered-blend-select importance")
+    ap.add_argument("--answer-tokens", type=int, default=MAX_ANSWER_TOKENS,
+                    help="greedy answer tokens at most (the answer is the text up to the first newline)")
     ap.add_argument("--position-tokens", nargs="*", type=int, default=[16],
                     help="EPIC's position selection (--tiered-blend-select position) with these first tokens of "
                     "each chunk recomputed")
@@ -345,7 +348,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hotpotqa-") as tmp:
         for name, mode, ratio, select, warm, ssd, *k in configs:
             rows = run_config(name, mode, ratio, select, questions, a.start, Path(tmp) / ssd, Path(tmp), dtype,
-                              warm, *k)
+                              warm, *(k or [16]), answer_tokens=a.answer_tokens)
             if not warm:
                 results[name] = rows
                 measured[name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
