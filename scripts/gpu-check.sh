@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of the engine (component level, no SGLang), in the order that matters if time runs out:
 #   bash scripts/gpu-check.sh OUT_DIR
-# 1. tests/gpu: the two-sided loader on CUDA gives a full prefill's KV and logits at every meet point (fp32);
+# 1. tests/gpu: the two-sided loader on CUDA gives a full prefill's KV and logits at every meet point (fp32), and
+#    blend and gated sparse loading match a full prefill where exact and the CPU reference where approximate;
 # 2. benchmarks/meet_gpu.py, pages from pinned host memory: 7B MHA, then 8B GQA shapes, 4k-32k tokens (bf16);
 # 3. the same with pages read from files on this machine's disk (page cache evicted before every run), 4k and 8k.
 # Each step has its own time limit; the JSON is saved after every point, so a step cut short keeps what it measured.
@@ -22,7 +23,7 @@ step() {  # step SECONDS LOG COMMAND...: run with a time limit, output to the co
     timeout --signal=INT --kill-after=20 "$limit" "$@" 2>&1 | tee "$out/$log"
     echo "== exit ${PIPESTATUS[0]}"
 }
-step 90 pytest.txt $py -m pytest -q -p no:cacheprovider tests/gpu
+step 180 pytest.txt $py -m pytest -q -p no:cacheprovider tests/gpu
 step 190 meet_gpu_mha.txt $py benchmarks/meet_gpu.py --models 7b-mha --name meet_gpu
 step 150 meet_gpu_gqa.txt $py benchmarks/meet_gpu.py --models 8b-gqa --name meet_gpu --merge
 step 120 meet_gpu_disk.txt $py benchmarks/meet_gpu.py --source disk --lengths 4096 8192 --repeats 2 \
