@@ -129,7 +129,7 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
     ids = torch.tensor(ids_list[:end], dtype=torch.int64)
 
     whole_pages = (len(ids_list) - 1) // rt.page_size * rt.page_size  # what a repeat's radix match can cover
-    spans, refs = plan_spans(lengths, prefix, end, ids_list, seed=tenant_seed(req), fresh_from=whole_pages or None)
+    spans, refs = plan_spans(lengths, prefix, end, ids_list, seed=chunk_seed(req), fresh_from=whole_pages or None)
     new_chunks = 0
     for ref in {r.key: r for r in refs if r is not None}.values():  # a chunk seen for the first time: stored
         if not store.contains(ref.key):
@@ -179,8 +179,14 @@ class Namespace:
     def __call__(self, req) -> None:
         if not is_marked(req) or getattr(req, "tiered_blend_namespace", False):
             return
+        req.tiered_chunk_seed = tenant_seed(req)  # chunk KV is exact: keyed by the tenant, not the blend namespace
         req.extra_key = f"{req.extra_key}|{self.tag}" if req.extra_key else self.tag
         req.tiered_blend_namespace = True
+
+
+def chunk_seed(req) -> Optional[str]:
+    """The seed of `req`'s chunk keys: its tenant's, as it was before the blend namespace extended `extra_key`."""
+    return req.tiered_chunk_seed if hasattr(req, "tiered_chunk_seed") else tenant_seed(req)
 
 
 def register_hooks(rt: Runtime) -> bool:
