@@ -5,6 +5,7 @@ and failures inside our own hooks (injected) fall back to SGLang's code for that
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -91,12 +92,15 @@ def test_bad_requests_get_a_4xx_and_nothing_else_happens(shared_server):
 
 
 def test_many_small_chunks_are_served(shared_server):
-    """A hundred separators with text between them are a valid (if unusual) prompt: blended, answered."""
+    """A hundred separators with text between them are a valid (if unusual) prompt: blended, answered (the chunks
+    in the prompt's last partial page are computed fresh: a repeat's prefix match stops before them)."""
     mark = shared_server.log_mark()
     text = "".join(f"Fact {i}.{SEP}" for i in range(100)) + "Which fact comes first?"
     out = shared_server.generate(text, max_new_tokens=4)
     assert out["meta_info"]["completion_tokens"] >= 1
-    assert "chunks=100 (new 100)" in shared_server.log_lines("tiered blend: rid", mark)[0]
+    line = shared_server.log_lines("tiered blend: rid", mark)[0]
+    got = re.search(r"chunks=(\d+) \(new (\d+)\)", line)
+    assert got and got.group(1) == got.group(2) and 80 <= int(got.group(1)) < 100, line
 
 
 def test_dtype_auto_is_measured_and_logged(shared_server):
