@@ -57,7 +57,7 @@ class Load:
 
 class Loader(Protocol):
     name: str
-    handler: SpanHandler  # its forward handler: counts the loader's fallbacks, releases plans not followed
+    handler: SpanHandler  # its forward handler: computes the span and counts the loader's fallbacks
 
     def admit(self, scheduler, req) -> None:
         """Every request at admission, before the decision (forget what an earlier admission left)."""
@@ -106,9 +106,6 @@ class SpanHandler(ForwardHandler):
     def load(self, engine, module, req, fb, plan: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def release(self, plan: Any) -> None:
-        """`plan` will not be followed (a fallback, a re-admission): free what it holds (reads begun early)."""
-
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
         reqs = [r for r in self.rt.forward.batch_requests(fb) if planned(r, self.name) is not None]
         if not reqs:
@@ -128,7 +125,6 @@ class SpanHandler(ForwardHandler):
                 how = getattr(plan, "mode", None)  # why the loader took the span, where its plan says
                 why = f"stored span unreadable: {exc}" + (f" (taken by {how})" if how else "")
         for r in reqs:
-            self.release(planned(r, self.name))
             r.tiered_load = None
         self.fallback([r.rid for r in reqs], why + "; SGLang computes the span")
         return None
@@ -159,17 +155,8 @@ class Door:
         """The loader called `name` in this process, or None."""
         return next((x for x in self.loaders if x.name == name), None)
 
-    def release(self, req) -> None:
-        """Forget `req`'s load, if it has one, and what its plan holds (`SpanHandler.release`)."""
-        load = getattr(req, "tiered_load", None)
-        req.tiered_load = None
-        if load is not None:
-            for loader in self.loaders:
-                if loader.name == load.loader:
-                    loader.handler.release(load.plan)
-
     def _around_prefetch(self, original, scheduler, req, *args, **kwargs):
-        self.release(req)  # decided afresh at every admission
+        req.tiered_load = None  # decided afresh at every admission
         for namespace in self.namespacers:
             try:
                 namespace(req)
