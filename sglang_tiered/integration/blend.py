@@ -4,10 +4,11 @@ chunk appears.
 
 Seams (listed in plugin.py), registered in scheduler processes unless `--tiered-blend` is `off` or `prefix` (the
 separator is removed by blend_prompt.py and the prefill is SGLang's own):
-* a marked request prefills alone (`model_forward.prefill_alone`, the admission hook): it joins no prefill batch
-  that already has a request and nothing joins its batch (the refused request waits for the next round), so
-  concurrent marked requests are each blended instead of falling back. With `--enable-mixed-chunk` decode rows
-  still share its batch: it falls back.
+* a marked request to be blended prefills alone (`model_forward.prefill_alone`, the admission hook): it joins no
+  prefill batch that already has a request and nothing joins its batch (the refused request waits for the next
+  round), so concurrent marked requests are each blended instead of falling back. With `--enable-mixed-chunk`
+  decode rows still share its batch: it falls back. A marked request whose cached prefix covers every chunk (a
+  follow-up turn over blended KV) is not blended: SGLang extends it, batched like any request (`Blended`).
 * `BlendHandler` on the shared Llama forward hook (model_forward.py): an extend batch of exactly one marked
   request (no prompt-token logprobs, TP = PP = 1, nothing our engine cannot compute: `model_forward.engine_declines`).
   Tokens already in the request's KV slots -- a radix-cache hit, or the earlier pieces of a chunked prefill -- are
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -41,10 +43,11 @@ import torch
 from sglang_tiered.engine.blend import blend_prefill, observe
 from sglang_tiered.engine.blend_plan import plan_spans
 from sglang_tiered.integration import model_forward
+from sglang_tiered.integration.door import matched
 from sglang_tiered.integration.keys import tenant_seed
 from sglang_tiered.integration.requests import options
 from sglang_tiered.policy.loading import LoadingController
-from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore
+from sglang_tiered.storage.chunk_store import ChunkMiss, ChunkStore, chunk_key
 
 if TYPE_CHECKING:
     from sglang_tiered.integration.runtime import Runtime
@@ -54,6 +57,37 @@ logger = logging.getLogger("sglang_tiered")
 
 def is_marked(req) -> bool:
     return options(req).chunks is not None
+
+
+class Blended:
+    """The prompts this process blended (a hash of the token ids and the tenant's seed), the most recent
+    `capacity`. A forward with chunk tokens left is blended; so is an identical repeat's (the prompt's last partial
+    page after a match on its blended pages: blended as the first ask computed it, so it answers the same); any
+    other forward of a marked request -- a follow-up turn whose match covers every chunk -- is SGLang's own extend
+    over the blended KV, batched like any request."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def blends(self, req, prefix: int) -> bool:
+        parts = options(req).chunks
+        if parts is None:
+            return False
+        return prefix < sum(parts[:-1]) or prompt_key(req) in self._keys
+
+    def add(self, req) -> None:
+        key = prompt_key(req)
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+
+def prompt_key(req) -> str:
+    if not hasattr(req, "tiered_prompt_key"):
+        req.tiered_prompt_key = chunk_key(req.origin_input_ids, chunk_seed(req))
+    return req.tiered_prompt_key
 
 
 class _Runtime:
@@ -80,13 +114,18 @@ class _Runtime:
 class BlendHandler(model_forward.ForwardHandler):
     name = "blend"
 
+    def __init__(self, rt: Runtime) -> None:
+        super().__init__(rt)
+        self.blended = Blended()
+
     def build_runtime(self, module) -> _Runtime:
         return _Runtime(self.rt, module)
 
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
         if not fb.rids:
             return None
-        marked = [r for r in self.rt.forward.batch_requests(fb) if is_marked(r)]
+        prefix = dict(zip(fb.rids, fb.extend_prefix_lens_cpu))
+        marked = [r for r in self.rt.forward.batch_requests(fb) if self.blended.blends(r, int(prefix[r.rid]))]
         if not marked:
             return None
         req = marked[0]
@@ -103,6 +142,10 @@ class BlendHandler(model_forward.ForwardHandler):
         self.fallback([r.rid for r in marked], why)
         return None
 
+    def prefills_alone(self, req) -> bool:
+        """The admission predicate: a request whose forward will be blended prefills alone."""
+        return self.blended.blends(req, matched(req))
+
     def _unsupported(self, module, req) -> Optional[str]:
         declined = self.declines(req)
         if declined is not None:
@@ -115,7 +158,9 @@ class BlendHandler(model_forward.ForwardHandler):
 
     @torch.inference_mode()
     def _blended_forward(self, rt: _Runtime, req: Any, fb) -> torch.Tensor:
-        return _blended_forward(rt, self.rt.events, req, fb)
+        hidden = _blended_forward(rt, self.rt.events, req, fb)
+        self.blended.add(req)
+        return hidden
 
 
 @torch.inference_mode()
@@ -197,6 +242,7 @@ def register_hooks(rt: Runtime) -> bool:
     if current.config.blend == "prefix":  # the separator is removed; the prefill is SGLang's own
         return False
     rt.door.namespacers.append(Namespace(namespace_tag(current.config)))
-    rt.forward.prefill_alone(is_marked)
-    rt.forward.add_handler(BlendHandler(rt))
+    handler = BlendHandler(rt)
+    rt.forward.prefill_alone(handler.prefills_alone)
+    rt.forward.add_handler(handler)
     return True

@@ -98,9 +98,10 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path, share
 
 
 def test_blended_kv_is_kept_in_the_tree_under_its_own_namespace(shared_server, model_dir):
-    """A marked prompt sent as token ids with its chunk lengths: an identical repeat and a follow-up turn hit the
-    blended KV (the same answer); the same ids unmarked, or under another tenant's cache_salt, hit none of it; after
-    device and host are flushed the blended pages come back from the SSD tier, still in their namespace."""
+    """A marked prompt sent as token ids with its chunk lengths: an identical repeat (its last partial page blended
+    as the first ask's was: the same answer) and a follow-up turn hit the blended KV, and a turn whose match covers
+    every chunk is SGLang's own extend; the same ids unmarked, or under another tenant's cache_salt, hit none of it;
+    after device and host are flushed the blended pages come back from the SSD tier, still in their namespace."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -129,6 +130,7 @@ def test_blended_kv_is_kept_in_the_tree_under_its_own_namespace(shared_server, m
     assert first["meta_info"]["cached_tokens"] == 0 and len(blend_lines(s, mark)) == 1
     again = ask(flat, lengths)
     assert again["meta_info"]["cached_tokens"] == pages and again["output_ids"] == first["output_ids"]
+    assert len(blend_lines(s, mark)) == 2
     plain = ask(flat, None)  # the same tokens, unmarked: exact requests never see blended KV
     assert plain["meta_info"]["cached_tokens"] == 0
     other = ask(flat, lengths, salt="another-tenant")  # blended anew in that tenant's namespace
@@ -138,6 +140,11 @@ def test_blended_kv_is_kept_in_the_tree_under_its_own_namespace(shared_server, m
     turn = flat + first["output_ids"] + follow
     second = ask(turn, lengths[:-1] + [lengths[-1] + len(first["output_ids"]) + len(follow)])
     assert second["meta_info"]["cached_tokens"] >= pages
+    mark = s.log_mark()  # a third turn: its match covers every chunk, so SGLang extends it (not blended, no fallback)
+    turn = turn + second["output_ids"] + follow
+    third = ask(turn, lengths[:-1] + [len(turn) - sum(lengths[:-1])])
+    assert third["meta_info"]["cached_tokens"] >= sum(lengths[:-1]), third["meta_info"]
+    assert not blend_lines(s, mark) and not s.log_lines("runs a normal prefill", mark)
     s.flush_cache()  # device and host emptied: the blended pages come back from SSD, in their namespace only
     deadline = time.monotonic() + 30
     while True:
