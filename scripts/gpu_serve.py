@@ -1,0 +1,227 @@
+"""Serving checks of `python -m sglang.launch_server --kv-backend tiered` on the machine it runs on (a GPU through
+scripts/gpu-serve.sh; a CPU through scripts/gpu-rehearse.sh), on random weights (`--load-format dummy`, a generated
+Llama config, the embedded model's tokenizer). Writes OUT/serve.json after every check; a check that fails records
+its error and the server log's tail, and the next one runs.
+
+1. `tiers` (per length): a prompt of random token ids, 8 greedy tokens cold (a full prefill: its TTFT is the
+   recompute baseline), again (a device hit), after two other prompts pushed it out of a device pool of 2.5 prompts
+   (a host hit), after /flush_cache with the SSD files evicted from the page cache (an SSD hit), and after a restart
+   on the same directory (an SSD hit): every answer must equal the cold one, and each hit must come from its tier.
+2. `hicache_file`: SGLang's own HiCache with its `file` storage backend on the same prompts: cold, then after
+   /flush_cache with its files evicted from the page cache -- the TTFT of its storage hit against ours.
+3. `blend`: a marked prompt (10 chunks of random ids, then a question) asked once, then with its chunks reordered:
+   TTFT against the cold prefill of the reordered prompt, and whether the server blended it or fell back.
+4. `gated_kvpr`: a server with `--tiered-importance-load gated --tiered-kvpr force`, an SSD hit: its answer against
+   the cold one, or the startup refusal it gives on this machine.
+
+    python scripts/gpu_serve.py OUT [--shape 7b-mha] [--lengths 4096 16384] [--tokenizer DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _harness import evict_from_page_cache  # noqa: E402
+
+from sglang_tiered.models import default_model_path, dummy_model_dir  # noqa: E402
+from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: E402
+
+VOCAB = 49152
+NEW = 8
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, VOCAB - 1000) for _ in range(n)]
+
+
+def ask(s: ServerProcess, prompt: list[int], new: int = NEW, chunks: list[int] | None = None) -> dict:
+    """Greedy /generate; adds the client-side latency of a 1-token ask (TTFT) when `new` is 1."""
+    params: dict = {"max_new_tokens": new, "temperature": 0}
+    if chunks is not None:
+        params["custom_params"] = {"tiered_chunks": chunks}
+    t0 = time.perf_counter()
+    status, out = s.request("/generate", {"input_ids": prompt, "sampling_params": params}, timeout=600)
+    if status != 200:
+        raise RuntimeError(f"/generate answered {status}: {out}")
+    return {"s": time.perf_counter() - t0, "tokens": out["output_ids"], "cached": cached_details(out),
+            "prompt": out["meta_info"]["prompt_tokens"]}
+
+
+def timed(s: ServerProcess, prompt: list[int], **kw) -> dict:
+    """The TTFT of a 1-token ask, then the answer's 8 tokens (a hit by then)."""
+    first = ask(s, prompt, 1, **kw)
+    full = ask(s, prompt, NEW, **kw)
+    return {"ttft_s": round(first["s"], 4), "cached": first["cached"], "tokens": full["tokens"]}
+
+
+class Run:
+    def __init__(self, out: Path, args) -> None:
+        import torch
+
+        self.out, self.args = out, args
+        self.cuda = torch.cuda.is_available()
+        self.tmp = Path(tempfile.mkdtemp(prefix="gpu-serve-"))
+        tok = args.tokenizer or default_model_path()
+        self.model = str(dummy_model_dir(self.tmp / "model", args.shape, tok))
+        self.data: dict = {"device": torch.cuda.get_device_name() if self.cuda else "cpu", "torch": torch.__version__,
+                           "shape": args.shape, "lengths": args.lengths, "checks": {}}
+        self.longest = max(args.lengths)
+
+    def save(self) -> None:
+        (self.out / "serve.json").write_text(json.dumps(self.data, indent=1))
+
+    def server(self, name: str, ssd: Path, *extra: str, backend: bool = True) -> ServerProcess:
+        pool = str(int(2.5 * self.longest) + 256)
+        common = ["--load-format", "dummy", "--max-total-tokens", pool, "--context-length", str(self.longest + 256),
+                  "--chunked-prefill-size", "8192"]
+        if self.cuda:  # flashinfer is not carried: Triton attention, PyTorch sampling
+            common += ["--disable-cuda-graph", "--mem-fraction-static", "0.6", "--attention-backend", "triton",
+                       "--sampling-backend", "pytorch"]
+        elif not backend:  # SGLang's own HiCache on a CPU (what `--kv-backend tiered` sets by itself)
+            common += ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--page-size", "64"]
+        tiered = ["--kv-backend", "tiered", "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0"]
+        return ServerProcess([*(tiered if backend else []), *common, *extra], log_path=self.out / f"{name}.log",
+                             model_path=self.model, startup_timeout=self.args.startup_s)
+
+    def check(self, name: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+            result["passed"] = bool(result.get("passed", True))
+        except Exception as exc:  # recorded; the next check runs
+            result = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        self.data["checks"][name] = result
+        self.save()
+        print(f"[gpu-serve] {name}: {'passed' if result['passed'] else 'FAILED'} ({result['wall_s']} s)"
+              + (f" {result.get('error', '')}" if not result["passed"] else ""), flush=True)
+
+    def tiers(self) -> dict:
+        ssd = self.tmp / "ssd-tiered"
+        rows, ok = {}, True
+        prompts = {n: ids(n, n) for n in self.args.lengths}
+        with self.server("tiered", ssd, "--enable-metrics") as s:
+            for n, p in prompts.items():
+                cold = timed(s, p)
+                device = ask(s, p)
+                for k in (1, 2):
+                    ask(s, ids(n, n + k), 1)
+                host = ask(s, p)
+                s.flush_cache()
+                evict_from_page_cache(ssd)
+                ssd_hit = timed(s, p)
+                rows[n] = {"recompute_ttft_s": cold["ttft_s"], "ssd_hit_ttft_s": ssd_hit["ttft_s"],
+                           "device": device["cached"], "host": host["cached"], "ssd": ssd_hit["cached"],
+                           "same_tokens": [device["tokens"] == cold["tokens"], host["tokens"] == cold["tokens"],
+                                           ssd_hit["tokens"] == cold["tokens"]]}
+                ok &= all(rows[n]["same_tokens"]) and device["cached"]["device"] > 0 and \
+                    host["cached"]["host"] > 0 and ssd_hit["cached"]["storage"] > 0
+                self.cold = {**getattr(self, "cold", {}), n: cold["tokens"]}
+        evict_from_page_cache(ssd)
+        with self.server("tiered-restart", ssd) as s:
+            for n, p in prompts.items():
+                again = timed(s, p)
+                rows[n]["restart"] = {"ttft_s": again["ttft_s"], "cached": again["cached"],
+                                      "same_tokens": again["tokens"] == self.cold[n]}
+                ok &= again["tokens"] == self.cold[n] and again["cached"]["storage"] > 0
+        return {"passed": ok, "lengths": rows}
+
+    def hicache_file(self) -> dict:
+        files = self.tmp / "hicache-file"
+        env_dir = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(files)}
+        rows = {}
+        s = self.server("hicache-file", files, "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+                        "--hicache-ratio", "2", backend=False)
+        s.env.update(env_dir)
+        with s:
+            for n in self.args.lengths:
+                p = ids(n, n)
+                cold = timed(s, p)
+                s.flush_cache()
+                evict_from_page_cache(files)
+                hit = timed(s, p)
+                rows[n] = {"recompute_ttft_s": cold["ttft_s"], "storage_hit_ttft_s": hit["ttft_s"],
+                           "cached": hit["cached"], "same_tokens": hit["tokens"] == cold["tokens"]}
+        return {"lengths": rows}
+
+    def blend(self) -> dict:
+        chunks = [ids(self.args.chunk_tokens, 100 + i) for i in range(10)]
+        question = ids(32, 99)
+        order = list(range(10))
+        random.Random(7).shuffle(order)
+
+        def marked(o: list[int]) -> tuple[list[int], list[int]]:
+            parts = [chunks[i] for i in o] + [question]
+            return sum(parts, []), [len(x) for x in parts]
+
+        with self.server("blend", self.tmp / "ssd-blend", "--tiered-blend", "blend") as s:
+            first_ids, lengths = marked(list(range(10)))
+            ask(s, first_ids, 1, chunks=lengths)
+            mark = s.log_mark()
+            p, lengths = marked(order)
+            blended = timed(s, p, chunks=lengths)
+            blend_lines = s.log_lines("tiered blend: rid", mark)
+            fallbacks = s.log_lines("runs a normal prefill", mark)
+            s.flush_cache()
+            cold = timed(s, p)  # the same tokens unmarked: SGLang's own prefill (the blend namespace is apart)
+        return {"passed": bool(blend_lines) and not fallbacks, "blend_ttft_s": blended["ttft_s"],
+                "prefill_ttft_s": cold["ttft_s"], "blended_forwards": len(blend_lines), "fallbacks": fallbacks[:3],
+                "same_first_tokens": blended["tokens"][:4] == cold["tokens"][:4]}
+
+    def gated_kvpr(self) -> dict:
+        n = min(self.args.lengths)
+        p = ids(n, n)
+        ssd = self.tmp / "ssd-gated"
+        try:
+            s = self.server("gated-kvpr", ssd, "--tiered-importance-load", "gated", "--tiered-kvpr", "force")
+            s.start()
+        except RuntimeError as exc:
+            log = (self.out / "gated-kvpr.log").read_text(errors="replace").splitlines()
+            refusal = [line for line in log if "--tiered-" in line][-3:]
+            return {"passed": False, "refused": refusal or str(exc)}
+        with s:
+            cold = timed(s, p)
+            s.flush_cache()
+            evict_from_page_cache(ssd)
+            hit = timed(s, p)
+            lines = s.log_lines("tiered kvpr: rid") + s.log_lines("tiered sparse")
+        return {"passed": hit["cached"]["storage"] > 0 or bool(lines), "same_tokens": hit["tokens"] == cold["tokens"],
+                "recompute_ttft_s": cold["ttft_s"], "hit_ttft_s": hit["ttft_s"], "log": lines[-4:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--shape", default=None, help="7b-mha, 8b-gqa or small-mha (default: 7b-mha on CUDA)")
+    ap.add_argument("--lengths", nargs="+", type=int, default=None, help="default: 4096 16384 on CUDA, 1024 on CPU")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="tokens per blend chunk (default: longest / 12)")
+    ap.add_argument("--tokenizer", default=None, help="a directory with the embedded model's tokenizer files")
+    ap.add_argument("--startup-s", type=float, default=240.0)
+    ap.add_argument("--checks", nargs="+", default=["tiers", "hicache_file", "blend", "gated_kvpr"])
+    a = ap.parse_args()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    a.shape = a.shape or ("7b-mha" if cuda else "small-mha")
+    a.lengths = a.lengths or ([4096, 16384] if cuda else [1024])
+    a.chunk_tokens = a.chunk_tokens or max(a.lengths) // 12
+    a.out.mkdir(parents=True, exist_ok=True)
+    run = Run(a.out, a)
+    for name in a.checks:
+        run.check(name, getattr(run, name))
+    passed = sum(c["passed"] for c in run.data["checks"].values())
+    print(f"[gpu-serve] {passed}/{len(run.data['checks'])} checks passed; {a.out / 'serve.json'}")
+    return 0 if passed == len(run.data["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
