@@ -335,19 +335,6 @@ class SSDTier:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def check_integrity(self) -> None:
-        """Assert the bookkeeping is consistent (for tests): the index's invariants, the capacity, files on disk."""
-        with self._lock:
-            self._index.check()
-            assert self._index.used <= self.capacity_bytes, "over capacity"
-            for kind in ("page", "activation", "chunk", "group", "foreign"):
-                for key in self._index.keys(kind):
-                    assert self._path(key).stat().st_size == self._index.size(key), f"size of {key} changed on disk"
-            for key in self._index.keys("meta"):
-                path = self._path(key)
-                on_disk = path.stat().st_size if path.exists() else 0
-                assert on_disk <= self._index.size(key), f"{key} outgrew its reservation"
-
     def _forget(self, key: str) -> None:
         """Drop entry `key` and what depends on it (a lost file, or a corrupt one: its file is removed)."""
         with self._lock:
@@ -385,15 +372,7 @@ class SSDTier:
         t0 = time.perf_counter()
         found = tier_scan.scan(self.root, self.namespace, scan_foreign)
         with self._lock:
-            self._groups.update(found.groups)
-            for _, key, size, _ in found.foreign:
-                self._index.load(key, size, "foreign")
-            for _, key, size, kind in found.entries:
-                if kind == "group":
-                    self._index.load(key, size, kind, members=self._groups[key[len(GROUP_PREFIX):]].keys)
-                else:
-                    self._index.load(key, size, kind,
-                                     parent=activations.page_of(key) if kind == "activation" else None)
+            tier_scan.load(found, self._index, self._groups)
             self._delete_locked(self._index.shrink())  # capacity lowered since the last run: oldest first
         self._publish_gauges()
         by_kind = self.bytes_by_kind()
@@ -412,3 +391,16 @@ def _bump_mtime(path: Path) -> None:
         pass
 
 
+def check_integrity(tier: SSDTier) -> None:
+    """Assert the tier's bookkeeping is consistent (for tests): the index's invariants, the capacity, the files on
+    disk."""
+    with tier._lock:
+        tier._index.check()
+        assert tier._index.used <= tier.capacity_bytes, "over capacity"
+        for kind in ("page", "activation", "chunk", "group", "foreign"):
+            for key in tier._index.keys(kind):
+                assert tier._path(key).stat().st_size == tier._index.size(key), f"size of {key} changed on disk"
+        for key in tier._index.keys("meta"):
+            path = tier._path(key)
+            on_disk = path.stat().st_size if path.exists() else 0
+            assert on_disk <= tier._index.size(key), f"{key} outgrew its reservation"

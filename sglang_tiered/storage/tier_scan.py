@@ -84,6 +84,19 @@ def scan(root: Path, namespace: Namespace, scan_foreign: bool) -> Scan:
     return out
 
 
+def load(found: Scan, index, groups: dict[str, group_file.GroupMeta]) -> None:
+    """Enter a scan's files into the tier's `index` (a `DiskIndex`; the caller holds its lock) and its groups into
+    `groups`."""
+    groups.update(found.groups)
+    for _, key, size, _ in found.foreign:
+        index.load(key, size, "foreign")
+    for _, key, size, kind in found.entries:
+        if kind == "group":
+            index.load(key, size, kind, members=groups[key[len(GROUP_PREFIX):]].keys)
+        else:
+            index.load(key, size, kind, parent=activations.page_of(key) if kind == "activation" else None)
+
+
 def _scan_groups(directory: Path, ns_id: str, groups: dict[str, group_file.GroupMeta]) -> list[Entry]:
     """Committed groups under groups/ (added to `groups`); temporary, unreadable and foreign files removed."""
     out: list[Entry] = []

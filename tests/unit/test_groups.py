@@ -19,7 +19,7 @@ from sglang_tiered.storage import group_file
 from sglang_tiered.storage.groups import as_float
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from sglang_tiered.storage.ssd_tier import SSDTier
+from sglang_tiered.storage.ssd_tier import SSDTier, check_integrity
 from tests.page_cache import drop_from_page_cache
 
 LAYERS, HEADS, DIM, PS = 3, 2, 8, 16
@@ -76,7 +76,7 @@ def test_pages_come_back_token_identical_through_the_map(tmp_path):
         assert joined(outs[i]) == joined(bf16_page(i)), i
     assert tier.leading_hits(keys) == 4
     assert tier.write_pages([(keys[0], bf16_page(0))]) == [True]  # a member is stored: nothing written
-    tier.check_integrity()
+    check_integrity(tier)
     s = tier.stats.snapshot()
     assert s["repacked_groups"] == 1 and s["repacked_pages"] == 3 and s["group_reads"] >= LAYERS
 
@@ -84,7 +84,7 @@ def test_pages_come_back_token_identical_through_the_map(tmp_path):
     outs = [empty() for _ in range(3)]
     assert again.read_pages([(keys[i], outs[i]) for i in range(3)]) == [True] * 3
     assert all(joined(outs[i]) == joined(bf16_page(i)) for i in range(3))
-    again.check_integrity()
+    check_integrity(again)
 
 
 def test_slots_follow_the_order_and_the_probe_ranks_like_the_keys(tmp_path):
@@ -191,7 +191,7 @@ def test_a_corrupt_chunk_is_a_counted_miss_never_data(tmp_path):
     assert not tier.contains(key(0)) and not path.exists()  # the group is gone, both pages with it
     assert tier.read_pages([(key(0), empty())]) == [False]
     assert tier.stats.snapshot()["corrupt_pages"] == 2
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_repack_refuses_missing_or_grouped_pages_and_bad_orders(tmp_path):
@@ -212,7 +212,7 @@ def test_groups_are_evicted_as_one_unit_within_capacity(tmp_path):
     assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4, 8)]))  # needs room: the group goes
     assert not tier.contains(key(0)) and not tier.contains(key(1)) and tier.contains(key(7))
     assert not list((tmp_path / ns().id / "groups").glob("*.kvg"))
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 REPACKER = textwrap.dedent(
@@ -243,7 +243,7 @@ def test_a_repack_killed_at_any_moment_loses_nothing(tmp_path, delay):
     outs = [empty() for _ in range(24)]
     assert tier.read_pages([(key(i), outs[i]) for i in range(24)]) == [True] * 24
     assert all(joined(outs[i]) == joined(bf16_page(i)) for i in range(24))
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_the_repack_order_puts_the_most_important_runs_of_chunk_tokens_first():

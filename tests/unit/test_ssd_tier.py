@@ -17,7 +17,7 @@ from sglang_tiered.storage.page_file import (
     read_page,
     write_page,
 )
-from sglang_tiered.storage.ssd_tier import NAMESPACE_FILE, ROOT_FILES, SSDTier
+from sglang_tiered.storage.ssd_tier import NAMESPACE_FILE, ROOT_FILES, SSDTier, check_integrity
 from tests.dirsize import sample_bytes
 
 PAGE = 4096  # payload bytes per test page, split in segments like a layer_first host page
@@ -160,7 +160,7 @@ def test_tier_round_trip_and_stats(tmp_path):
     s = tier.stats.snapshot()
     assert (s["written_pages"], s["hit_pages"], s["miss_pages"], s["dedup_pages"]) == (3, 3, 1, 1)
     assert s["bytes_read"] == 3 * PAGE and s["stored_pages"] == 3
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_torn_write_is_invisible_and_cleaned_on_restart(tmp_path):
@@ -173,7 +173,7 @@ def test_torn_write_is_invisible_and_cleaned_on_restart(tmp_path):
     assert not tier.contains(key(2))
     tier2 = SSDTier(tmp_path, ns(), capacity_bytes=10 * PAGE)
     assert not tmp.exists() and not tier2.contains(key(2)) and tier2.contains(key(1))
-    tier2.check_integrity()
+    check_integrity(tier2)
 
 
 def test_corrupt_page_is_a_counted_miss_and_removed(tmp_path):
@@ -186,7 +186,7 @@ def test_corrupt_page_is_a_counted_miss_and_removed(tmp_path):
     assert tier.read_pages([(key(1), empty())]) == [False]
     assert tier.stats.snapshot()["corrupt_pages"] == 1
     assert not f.exists() and not tier.contains(key(1))
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_foreign_page_under_our_name_is_never_served(tmp_path):
@@ -209,7 +209,7 @@ def test_vanished_file_is_a_lost_miss(tmp_path):
     page_file(tier, key(1)).unlink()
     assert tier.read_pages([(key(1), empty())]) == [False]
     assert tier.stats.snapshot()["lost_pages"] == 1
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_capacity_is_never_exceeded_and_lru_is_evicted(tmp_path):
@@ -226,7 +226,7 @@ def test_capacity_is_never_exceeded_and_lru_is_evicted(tmp_path):
         disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())  # every file, not just pages
         assert disk == tier.used_bytes <= tier.capacity_bytes
     assert len(tier) == 3 and tier.stats.snapshot()["evicted_pages"] == 37
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_page_larger_than_capacity_is_rejected_without_evicting(tmp_path):
@@ -250,7 +250,7 @@ def test_disk_error_on_write_is_counted_not_raised(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert tier.stats.snapshot()["io_errors"] == 1 and tier.used_bytes == before and not tier.contains(key(1))
     assert tier.write_pages([(key(1), page(1))]) == [True]  # space is back, writes resume
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_index_recovered_after_restart(tmp_path):
@@ -299,7 +299,7 @@ def test_concurrent_readers_and_writers(tmp_path):
     assert errors == []
     s = tier.stats.snapshot()
     assert s["corrupt_pages"] == 0 and s["foreign_pages"] == 0
-    tier.check_integrity()
+    check_integrity(tier)
     assert tier.used_bytes <= tier.capacity_bytes
 
 
@@ -322,7 +322,7 @@ def test_every_kind_of_file_shares_one_capacity_and_one_lru(tmp_path):
     tier.write_pages([(key(4), page(4))])  # the chunk is next in recency
     assert not tier.contains("c." + "ab" * 16) and [tier.contains(key(i)) for i in (1, 2, 3, 4)] == [True] * 4
     assert disk_bytes(tmp_path) == tier.used_bytes <= tier.capacity_bytes
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_files_of_other_namespaces_count_and_go_first(tmp_path):
@@ -342,7 +342,7 @@ def test_files_of_other_namespaces_count_and_go_first(tmp_path):
         mine.write_pages([(key(i), page(i))])
         assert disk_bytes(tmp_path) == mine.used_bytes <= capacity
     assert mine.bytes_by_kind()["foreign"] == 0 and all(mine.contains(key(i)) for i in range(4))
-    mine.check_integrity()
+    check_integrity(mine)
 
 
 def test_another_rank_of_the_same_server_is_not_foreign(tmp_path):
@@ -379,7 +379,7 @@ def test_meta_files_count_and_a_write_without_room_is_refused(tmp_path):
     with tier.meta.scratch("probe", 100 * PAGE) as path:
         assert path is None
     assert disk_bytes(tmp_path) <= tier.used_bytes <= tier.capacity_bytes
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_files_are_private_to_the_server(tmp_path):
@@ -419,7 +419,7 @@ def test_the_directory_never_exceeds_the_capacity_under_concurrent_writers(tmp_p
     watcher.join()
     assert seen and max(seen) <= tier.capacity_bytes
     assert tier.stats.snapshot()["evicted_pages"] > 0
-    tier.check_integrity()
+    check_integrity(tier)
 
 
 def test_a_meta_file_that_cannot_be_written_is_counted_and_gives_its_room_back(tmp_path, monkeypatch):
@@ -439,4 +439,4 @@ def test_a_meta_file_that_cannot_be_written_is_counted_and_gives_its_room_back(t
     assert not list(tmp_path.rglob("*.tmp"))
     assert tier.meta.write("stats/new.json", b"z" * 50)  # room is back, writes resume
     assert disk_bytes(tmp_path) == tier.used_bytes
-    tier.check_integrity()
+    check_integrity(tier)
