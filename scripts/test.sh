@@ -2,9 +2,9 @@
 # Test command: install, lint, then unit tests (no SGLang) and integration tests (real SGLang servers on CPU).
 #   bash scripts/test.sh            the full suite (what CI runs)
 #   bash scripts/test.sh --quick    unit tests and the fastest server tests (pytest -m "not slow")
-# Other arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`. Test files run in TEST_WORKERS processes
-# (default 2, pytest-xdist, a file's tests in one process): most of a server test's time is a server starting, which
-# uses one core.
+# Other arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`. Two pytest-xdist workers (TEST_WORKERS=1
+# for one process): the tests that start SGLang servers run in one of them, in order (their memory allows no more),
+# the others beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,5 +14,5 @@ for a in "$@"; do
     if [ "$a" = "--quick" ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done
 workers=${TEST_WORKERS:-2}
-[ "$workers" -gt 1 ] && args=(-n "$workers" --dist loadfile "${args[@]}")
+[ "$workers" -gt 1 ] && args=(-n "$workers" --dist loadgroup "${args[@]}")
 exec .venv/bin/python -m pytest -ra -p no:cacheprovider --durations=15 "${args[@]}"
