@@ -4,9 +4,9 @@ Llama config, the embedded model's tokenizer). Writes OUT/serve.json after every
 its error and the server log's tail, and the next one runs.
 
 1. `tiers` (per length): a prompt of random token ids, 8 greedy tokens cold (a full prefill: its TTFT is the
-   recompute baseline), again (a device hit), after two other prompts pushed it out of a device pool of 2.5 prompts
-   (a host hit), after /flush_cache with the SSD files evicted from the page cache (an SSD hit), and after a restart
-   on the same directory (an SSD hit): every answer must equal the cold one, and each hit must come from its tier.
+   recompute baseline), again (a device hit), after other prompts filled the device pool (a host hit), after
+   /flush_cache with the SSD files evicted from the page cache (an SSD hit), and after a restart on the same
+   directory (an SSD hit): every answer must equal the cold one, and each hit must come from its tier.
 2. `hicache_file`: SGLang's own HiCache with its `file` storage backend on the same prompts: cold, then after
    /flush_cache with its files evicted from the page cache -- the TTFT of its storage hit against ours.
 3. `blend`: a marked prompt (10 chunks of random ids, then a question) asked once, then with its chunks reordered:
@@ -20,6 +20,7 @@ its error and the server log's tail, and the next one runs.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import random
 import sys
@@ -44,23 +45,27 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def ask(s: ServerProcess, prompt: list[int], new: int = NEW, chunks: list[int] | None = None) -> dict:
-    """Greedy /generate; adds the client-side latency of a 1-token ask (TTFT) when `new` is 1."""
+    """A greedy streamed /generate of `new` tokens: TTFT (the first streamed chunk, client side), the output token
+    ids, where the cached tokens came from."""
     params: dict = {"max_new_tokens": new, "temperature": 0}
     if chunks is not None:
         params["custom_params"] = {"tiered_chunks": chunks}
+    host, port = s.url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
     t0 = time.perf_counter()
-    status, out = s.request("/generate", {"input_ids": prompt, "sampling_params": params}, timeout=600)
-    if status != 200:
-        raise RuntimeError(f"/generate answered {status}: {out}")
-    return {"s": time.perf_counter() - t0, "tokens": out["output_ids"], "cached": cached_details(out),
-            "prompt": out["meta_info"]["prompt_tokens"]}
-
-
-def timed(s: ServerProcess, prompt: list[int], **kw) -> dict:
-    """The TTFT of a 1-token ask, then the answer's 8 tokens (a hit by then)."""
-    first = ask(s, prompt, 1, **kw)
-    full = ask(s, prompt, NEW, **kw)
-    return {"ttft_s": round(first["s"], 4), "cached": first["cached"], "tokens": full["tokens"]}
+    conn.request("POST", "/generate", json.dumps({"input_ids": prompt, "sampling_params": params, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"/generate answered {resp.status}: {resp.read()[:500]!r}")
+    ttft, last = None, None
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data:") and line != "data: [DONE]":
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            last = json.loads(line[5:])
+    conn.close()
+    return {"ttft_s": round(ttft, 4), "tokens": last["output_ids"], "cached": cached_details(last)}
 
 
 class Run:
@@ -75,14 +80,14 @@ class Run:
         self.data: dict = {"device": torch.cuda.get_device_name() if self.cuda else "cpu", "torch": torch.__version__,
                            "shape": args.shape, "lengths": args.lengths, "checks": {}}
         self.longest = max(args.lengths)
+        self.pool = int(2.5 * self.longest) + 256  # device KV pool (tokens)
 
     def save(self) -> None:
         (self.out / "serve.json").write_text(json.dumps(self.data, indent=1))
 
     def server(self, name: str, ssd: Path, *extra: str, backend: bool = True) -> ServerProcess:
-        pool = str(int(2.5 * self.longest) + 256)
-        common = ["--load-format", "dummy", "--max-total-tokens", pool, "--context-length", str(self.longest + 256),
-                  "--chunked-prefill-size", "8192"]
+        common = ["--load-format", "dummy", "--max-total-tokens", str(self.pool), "--context-length",
+                  str(self.longest + 256), "--chunked-prefill-size", "8192"]
         if self.cuda:  # flashinfer is not carried: Triton attention, PyTorch sampling
             common += ["--disable-cuda-graph", "--mem-fraction-static", "0.6", "--attention-backend", "triton",
                        "--sampling-backend", "pytorch"]
@@ -107,48 +112,46 @@ class Run:
 
     def tiers(self) -> dict:
         ssd = self.tmp / "ssd-tiered"
-        rows, ok = {}, True
+        rows, cold_tokens, ok = {}, {}, True
         prompts = {n: ids(n, n) for n in self.args.lengths}
         with self.server("tiered", ssd, "--enable-metrics") as s:
             for n, p in prompts.items():
-                cold = timed(s, p)
+                cold = ask(s, p)
                 device = ask(s, p)
-                for k in (1, 2):
+                for k in range(1, self.pool // n + 2):  # other prompts until the device pool has turned over
                     ask(s, ids(n, n + k), 1)
                 host = ask(s, p)
                 s.flush_cache()
                 evict_from_page_cache(ssd)
-                ssd_hit = timed(s, p)
+                ssd_hit = ask(s, p)
                 rows[n] = {"recompute_ttft_s": cold["ttft_s"], "ssd_hit_ttft_s": ssd_hit["ttft_s"],
                            "device": device["cached"], "host": host["cached"], "ssd": ssd_hit["cached"],
                            "same_tokens": [device["tokens"] == cold["tokens"], host["tokens"] == cold["tokens"],
                                            ssd_hit["tokens"] == cold["tokens"]]}
                 ok &= all(rows[n]["same_tokens"]) and device["cached"]["device"] > 0 and \
                     host["cached"]["host"] > 0 and ssd_hit["cached"]["storage"] > 0
-                self.cold = {**getattr(self, "cold", {}), n: cold["tokens"]}
+                cold_tokens[n] = cold["tokens"]
         evict_from_page_cache(ssd)
         with self.server("tiered-restart", ssd) as s:
             for n, p in prompts.items():
-                again = timed(s, p)
+                again = ask(s, p)
                 rows[n]["restart"] = {"ttft_s": again["ttft_s"], "cached": again["cached"],
-                                      "same_tokens": again["tokens"] == self.cold[n]}
-                ok &= again["tokens"] == self.cold[n] and again["cached"]["storage"] > 0
+                                      "same_tokens": again["tokens"] == cold_tokens[n]}
+                ok &= again["tokens"] == cold_tokens[n] and again["cached"]["storage"] > 0
         return {"passed": ok, "lengths": rows}
 
     def hicache_file(self) -> dict:
         files = self.tmp / "hicache-file"
-        env_dir = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(files)}
         rows = {}
-        s = self.server("hicache-file", files, "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-                        "--hicache-ratio", "2", backend=False)
-        s.env.update(env_dir)
-        with s:
+        with self.server("hicache-file", files, "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+                         "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(files)}),
+                         "--hicache-ratio", "2", backend=False) as s:
             for n in self.args.lengths:
                 p = ids(n, n)
-                cold = timed(s, p)
+                cold = ask(s, p)
                 s.flush_cache()
                 evict_from_page_cache(files)
-                hit = timed(s, p)
+                hit = ask(s, p)
                 rows[n] = {"recompute_ttft_s": cold["ttft_s"], "storage_hit_ttft_s": hit["ttft_s"],
                            "cached": hit["cached"], "same_tokens": hit["tokens"] == cold["tokens"]}
         return {"lengths": rows}
@@ -168,11 +171,11 @@ class Run:
             ask(s, first_ids, 1, chunks=lengths)
             mark = s.log_mark()
             p, lengths = marked(order)
-            blended = timed(s, p, chunks=lengths)
+            blended = ask(s, p, chunks=lengths)
             blend_lines = s.log_lines("tiered blend: rid", mark)
             fallbacks = s.log_lines("runs a normal prefill", mark)
             s.flush_cache()
-            cold = timed(s, p)  # the same tokens unmarked: SGLang's own prefill (the blend namespace is apart)
+            cold = ask(s, p)  # the same tokens unmarked: SGLang's own prefill (the blend namespace is apart)
         return {"passed": bool(blend_lines) and not fallbacks, "blend_ttft_s": blended["ttft_s"],
                 "prefill_ttft_s": cold["ttft_s"], "blended_forwards": len(blend_lines), "fallbacks": fallbacks[:3],
                 "same_first_tokens": blended["tokens"][:4] == cold["tokens"][:4]}
@@ -189,10 +192,10 @@ class Run:
             refusal = [line for line in log if "--tiered-" in line][-3:]
             return {"passed": False, "refused": refusal or str(exc)}
         with s:
-            cold = timed(s, p)
+            cold = ask(s, p)
             s.flush_cache()
             evict_from_page_cache(ssd)
-            hit = timed(s, p)
+            hit = ask(s, p)
             lines = s.log_lines("tiered kvpr: rid") + s.log_lines("tiered sparse")
         return {"passed": hit["cached"]["storage"] > 0 or bool(lines), "same_tokens": hit["tokens"] == cold["tokens"],
                 "recompute_ttft_s": cold["ttft_s"], "hit_ttft_s": hit["ttft_s"], "log": lines[-4:]}
