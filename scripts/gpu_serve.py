@@ -1,7 +1,7 @@
 """Serving checks of `python -m sglang.launch_server --kv-backend tiered` on the machine it runs on (a GPU through
 scripts/gpu-serve.sh; a CPU through scripts/gpu-rehearse.sh), on random weights (`--load-format dummy`, a generated
 Llama config, the embedded model's tokenizer). Writes OUT/serve.json after every check; a check that fails records
-its error and the server log's tail, and the next one runs.
+its error (each server's log is in OUT too), and the next one runs.
 
 1. `tiers` (per length): a prompt of random token ids, 8 greedy tokens cold (a full prefill: its TTFT is the
    recompute baseline), again (a device hit), after other prompts filled the device pool (a host hit), after
