@@ -164,7 +164,7 @@ def run_config(name: str, mode: str, ratio: float, select: str, questions: list[
                tmp: Path, dtype: str, warm: bool, position_tokens: int = 16,
                answer_tokens: int = MAX_ANSWER_TOKENS) -> list[dict]:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", dtype, "--tiered-ssd-dir", str(ssd),
-            "--tiered-ssd-capacity", "16G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
+            "--tiered-ssd-capacity", "64G", "--tiered-stats-interval", "0", "--tiered-blend", mode,
             "--tiered-blend-ratio", str(ratio), "--tiered-blend-select", select, "--chunked-prefill-size", "8192",
             "--tiered-blend-position-tokens", str(position_tokens)]
     rows = []
