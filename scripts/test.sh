@@ -3,8 +3,8 @@
 #   bash scripts/test.sh            the full suite (what CI runs)
 #   bash scripts/test.sh --quick    unit tests and the fastest server tests (pytest -m "not slow")
 # Other arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`. Two pytest-xdist workers (TEST_WORKERS=1
-# for one process): the tests that start SGLang servers run in one of them, in order (their memory allows no more),
-# the others beside them.
+# for one process): the tests under tests/integration run in one of them, in order (the memory of their SGLang
+# servers allows no more, tests/conftest.py), the others beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,5 +14,5 @@ for a in "$@"; do
     if [ "$a" = "--quick" ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done
 workers=${TEST_WORKERS:-2}
-[ "$workers" -gt 1 ] && args=(-n "$workers" --dist loadgroup "${args[@]}")
+[ "$workers" -gt 1 ] && args=(-n "$workers" "${args[@]}")
 exec .venv/bin/python -m pytest -ra -p no:cacheprovider --durations=15 "${args[@]}"

@@ -18,15 +18,21 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-SESSION_SERVERS = {"shared_server", "fp32_server", "torch_native_server"}  # tests/integration/conftest.py
-
-
 def pytest_collection_modifyitems(config, items):
-    """Every test that starts a server or uses a session-scoped one runs in one pytest-xdist worker, in collection
-    order (`--dist loadgroup`, scripts/test.sh): SGLang keeps 10 GiB of host memory free and a CPU server holds
-    2-3.5 GB, so two workers' servers at once would not fit; the other tests run beside them in the other worker."""
     for item in items:
         if "integration" in item.nodeid.split("/"):
             item.add_marker(pytest.mark.sglang)
-        if item.get_closest_marker("server") is not None or SESSION_SERVERS & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group("servers"))
+
+
+@pytest.hookimpl(optionalhook=True)  # (a pytest-xdist hook: run without xdist, e.g. tests/gpu on a GPU machine)
+def pytest_xdist_make_scheduler(config, log):
+    """With `-n 2` (scripts/test.sh): every test under tests/integration runs in one worker, in collection order --
+    SGLang keeps 10 GiB of host memory free and a CPU server holds 2-3.5 GB, so two workers' servers at once would
+    not fit -- and the other tests run in the other worker beside them."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class IntegrationApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/integration" if nodeid.startswith("tests/integration/") else nodeid
+
+    return IntegrationApart(config, log)
