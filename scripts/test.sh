@@ -2,9 +2,7 @@
 # Test command: install, lint, then unit tests (no SGLang) and integration tests (real SGLang servers on CPU).
 #   bash scripts/test.sh            the full suite (what CI runs)
 #   bash scripts/test.sh --quick    unit tests and the fastest server tests (pytest -m "not slow")
-# Other arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`. Two pytest-xdist workers (TEST_WORKERS=1
-# for one process): the tests under tests/integration run in one of them, in order (the memory of their SGLang
-# servers allows no more, tests/conftest.py), the others beside them.
+# Other arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -13,6 +11,4 @@ args=()
 for a in "$@"; do
     if [ "$a" = "--quick" ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done
-workers=${TEST_WORKERS:-2}
-[ "$workers" -gt 1 ] && args=(-n "$workers" "${args[@]}")
 exec .venv/bin/python -m pytest -ra -p no:cacheprovider --durations=15 "${args[@]}"
