@@ -24,7 +24,8 @@ for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_17_x86_64 manyl
 done
 echo "[gpu-wheels] downloading $(grep -cv '^#' scripts/gpu-requirements.txt) wheels for Python $pyver"
 "${fetch[@]}" -r scripts/gpu-requirements.txt 2> >(grep -v "is ignored: it is neither" >&2)
-$py scripts/trim_wheel.py "$out"/sglang-0.5.23-*.whl sglang/multimodal_gen/ sglang/srt/rust_extensions/_
+$py scripts/trim_wheel.py "$out"/sglang-0.5.23-*.whl sglang/multimodal_gen/ sglang/srt/rust_extensions/_server \
+    sglang/srt/rust_extensions/_grpc sglang/srt/rust_extensions/_bench sglang/srt/rust_extensions/_multimodal
 if [ "$tag" = cp312 ]; then
     "${fetch[@]}" sglang-kernel==0.4.5 2> >(grep -v "is ignored: it is neither" >&2)
     $py scripts/trim_wheel.py "$out"/sglang_kernel-0.4.5-*.whl sgl_kernel/flash_ops sgl_kernel/sm100/ \
