@@ -17,7 +17,7 @@ tag=$($py -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")
   $py -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
   nproc; free -g | head -2; df -h /tmp | tail -1; } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
-if ! $py -m pip install --no-index --no-deps --no-compile --disable-pip-version-check gpu-wheels/$tag/*.whl \
+if ! $py -m pip install --no-index --no-deps --no-compile --force-reinstall --disable-pip-version-check gpu-wheels/$tag/*.whl \
         > "$out/install.txt" 2>&1; then
     echo "[gpu-serve] installing gpu-wheels/$tag failed:"; tail -20 "$out/install.txt"; exit 1
 fi
