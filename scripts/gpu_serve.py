@@ -191,12 +191,14 @@ class Run:
             log = (self.out / "gated-kvpr.log").read_text(errors="replace").splitlines()
             refusal = [line for line in log if "--tiered-" in line][-3:]
             return {"passed": False, "refused": refusal or str(exc)}
-        with s:
+        try:  # (started above: `with s` would start it a second time)
             cold = ask(s, p)
             s.flush_cache()
             evict_from_page_cache(ssd)
             hit = ask(s, p)
             lines = s.log_lines("tiered kvpr: rid") + s.log_lines("tiered sparse")
+        finally:
+            s.stop()
         return {"passed": hit["cached"]["storage"] > 0 or bool(lines), "same_tokens": hit["tokens"] == cold["tokens"],
                 "recompute_ttft_s": cold["ttft_s"], "hit_ttft_s": hit["ttft_s"], "log": lines[-4:]}
 

@@ -100,7 +100,10 @@ class ServerProcess:
         """Start and wait for /health. `free_port` can race with other processes (SGLang picks its own internal
         ports too): if the HTTP port turns out to be taken, the server is stopped and started again on a new free
         port (unless the caller fixed the port). A failed or interrupted start (Ctrl-C, SIGTERM turned into an
-        exception) leaves no server behind."""
+        exception) leaves no server behind. Raises RuntimeError if this server is running already (a second start
+        would orphan the first)."""
+        if self.proc is not None:
+            raise RuntimeError(f"server on port {self.port} is already started; stop it first")
         for attempt in range(attempts):
             try:
                 healthy = self._start_once()

@@ -98,3 +98,17 @@ def test_an_interrupted_start_leaves_no_server_behind(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         s.start()
     assert s.proc is None and started and not server_process.process_alive(started[0])
+
+
+def test_a_second_start_is_refused_and_orphans_nothing(tmp_path, standin):
+    """`s.start()` then `with s:` would start a second launcher over the first; the first must stay the one stopped."""
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", wrapper=standin)
+    s.start()
+    first = s.proc.pid
+    try:
+        with pytest.raises(RuntimeError, match="already started"):
+            s.start()
+        assert s.proc.pid == first
+    finally:
+        s.stop()
+    assert not server_process.process_alive(first)
