@@ -11,6 +11,8 @@ bound is therefore a real violation, never an artefact of the walk.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 
@@ -31,3 +33,25 @@ def sample_bytes(root: str | os.PathLike) -> int:
     first = _files(Path(root))
     second = _files(Path(root))
     return sum(size for ino, size in first.items() if ino in second)
+
+
+class Sampler:
+    """Samples a directory's size from outside while servers write into it (`sample_bytes`, every 20 ms)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.samples = root, [0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.root.exists():
+                self.samples.append(sample_bytes(self.root))
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        """Stop sampling; the largest sample."""
+        self._stop.set()
+        self._thread.join()
+        return max(self.samples)

@@ -9,6 +9,8 @@ page computed from token ids), and with a device-cached prefix ahead of the span
 every time. A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang
 compute the span (counted, identical). A prompt that SGLang prefills in pieces (longer than `--chunked-prefill-size`)
 is never planned: it keeps SGLang's own load. On the GQA default model no activations are stored, and it says why.
+Activation pages count against the one SSD capacity: the directory never exceeds it while prompts flood it, and a
+stored prompt still loads exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaConfig
 from sglang_tiered.models import random_model_dir
-from sglang_tiered.server_process import ServerProcess, cached_details
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from tests.dirsize import Sampler
 from tests.integration.helpers import tiered_args
 from tests.integration.kvpr_helpers import (
     MHA,
@@ -39,6 +42,7 @@ from tests.rounding import rows_alone
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 PIECE = 1024  # --chunked-prefill-size: every prompt here is one extend but the long one's
+CAPACITY = 128 << 20  # ~48 pages of KV + activations (fp32): every test's prompts fit, the flood at the end does not
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def mha_server(tmp_path_factory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("kvpr")
     model = random_model_dir(tmp / "model", MHA, seed=1)
     args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force",
-                       "--chunked-prefill-size", str(PIECE), max_tokens=8192)
+                       "--chunked-prefill-size", str(PIECE), "--tiered-ssd-capacity", str(CAPACITY), max_tokens=8192)
     with ServerProcess(args, log_path=tmp / "server.log", model_path=str(model)) as s:
         s.ssd, s.model = tmp / "ssd", model
         yield s
@@ -176,3 +180,24 @@ def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(mha_server, essays):
     assert cached_details(again)["storage"] >= (pages - 1) * PAGE  # SGLang's own L3 load
     assert again["output_ids"] == cold["output_ids"]
     assert counter(s, "loads") == loads and counter(s, "fallbacks") == fallbacks
+
+
+def test_activation_pages_share_the_budget(mha_server, essays):
+    """Prompts worth more KV + activation pages than the capacity: no sample of the directory exceeds it, pages are
+    evicted, and the last prompt still loads exactly."""
+    s = mha_server
+    texts = [e[:2000] + "\n\nQuestion: What is this about?\nAnswer:" for e in essays[10:20]]  # ~80 pages
+    sampler = Sampler(s.ssd)
+    try:
+        written = counter(s, "activation_pages_written")
+        outs = [ask(s, text) for text in texts]
+        wait_for_activations(s, written + sum(o["meta_info"]["prompt_tokens"] // PAGE for o in outs))
+        out = outs[-1]
+        s.flush_cache()
+        again = ask(s, texts[-1])
+        assert cached_details(again)["storage"] > 0 or s.log_lines(f"rid {again['meta_info']['id']} loaded")
+        assert again["output_ids"] == out["output_ids"]
+    finally:
+        biggest = sampler.stop()
+    assert 0 < biggest <= CAPACITY, (biggest, CAPACITY)
+    assert metric_total(s.get("/metrics"), "sglang_tiered:ssd_evicted_pages_total") > 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
@@ -34,10 +34,19 @@ from tests.integration.helpers import tiered_args, wait_for_metric
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
-def server(tmp: Path, name: str, *extra: str) -> ServerProcess:
+PIECE = 1024  # --chunked-prefill-size: one essay is one extend, two are not
+
+
+@pytest.fixture(scope="module")
+def gated_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """One server for the module; the test that reads its only group file runs first."""
+    tmp = tmp_path_factory.mktemp("gated")
     args = tiered_args(tmp / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32", "--enable-metrics",
-                       "--tiered-importance-probe-skip", "1", *extra)  # a layer failed once is loaded unprobed next
-    return ServerProcess(args, log_path=tmp / f"{name}.log")
+                       "--tiered-importance-probe-skip", "1",  # a layer failed once is loaded unprobed next
+                       "--chunked-prefill-size", str(PIECE))
+    with ServerProcess(args, log_path=tmp / "gated.log") as s:
+        s.ssd = tmp / "ssd"
+        yield s
 
 
 def ask(s: ServerProcess, text: str, mode: str | None = None, gate: str | None = None,
@@ -54,71 +63,71 @@ def ask(s: ServerProcess, text: str, mode: str | None = None, gate: str | None =
     return body
 
 
-def wait_for_repack(s: ServerProcess) -> None:
+def wait_for_repack(s: ServerProcess, since: int = 0) -> None:
     deadline = time.monotonic() + 60
-    while not s.log_lines("tiered repack:") and time.monotonic() < deadline:
+    while not s.log_lines("tiered repack:", since) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert s.log_lines("tiered repack:"), "the prompt's pages were never repacked"
+    assert s.log_lines("tiered repack:", since), "the prompt's pages were never repacked"
 
 
-def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays):
+def test_repacked_pages_load_exactly_and_gated_loads_read_less(gated_server, essays):
     prompt = essays[7] + "\n\nQuestion: What is this essay about?\nAnswer:"
-    with server(tmp_path, "first") as s:
-        cold = ask(s, prompt)
-        wait_for_repack(s)
-        deadline = time.monotonic() + 10  # counters reach /metrics within a second or so
-        while metric_total(s.get("/metrics"), "sglang_tiered:ssd_repacked_pages_total") == 0 and \
-                time.monotonic() < deadline:
-            time.sleep(0.2)
-        metrics = s.get("/metrics")
-        # the repack took every page from the copy kept at its write: nothing was read back from the SSD
-        repacked = metric_total(metrics, "sglang_tiered:ssd_repacked_pages_total")
-        assert repacked >= 10 and metric_total(metrics, "sglang_tiered:ssd_repack_pages_kept_total") == repacked
-        assert metric_total(metrics, "sglang_tiered:ssd_repack_pages_read_total") == 0
-        assert list((tmp_path / "ssd").glob("*/groups/*.kvg"))
+    s = gated_server
+    cold = ask(s, prompt)
+    wait_for_repack(s)
+    deadline = time.monotonic() + 10  # counters reach /metrics within a second or so
+    while metric_total(s.get("/metrics"), "sglang_tiered:ssd_repacked_pages_total") == 0 and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    metrics = s.get("/metrics")
+    # the repack took every page from the copy kept at its write: nothing was read back from the SSD
+    repacked = metric_total(metrics, "sglang_tiered:ssd_repacked_pages_total")
+    assert repacked >= 10 and metric_total(metrics, "sglang_tiered:ssd_repack_pages_kept_total") == repacked
+    assert metric_total(metrics, "sglang_tiered:ssd_repack_pages_read_total") == 0
+    assert list(s.ssd.glob("*/groups/*.kvg"))
 
-        s.flush_cache()  # device and host: the prompt is on the SSD tier only
-        full_load = ask(s, prompt, "off")
-        assert cached_details(full_load)["storage"] >= 640  # SGLang read the pages back through the group
-        assert full_load["output_ids"] == cold["output_ids"]
+    s.flush_cache()  # device and host: the prompt is on the SSD tier only
+    full_load = ask(s, prompt, "off")
+    assert cached_details(full_load)["storage"] >= 640  # SGLang read the pages back through the group
+    assert full_load["output_ids"] == cold["output_ids"]
 
-        s.flush_cache()
-        exact = ask(s, prompt, "full")
-        assert exact["output_ids"] == cold["output_ids"]
-        # counters are published once a second: wait for each load's count (full, gated, gated again) to show
-        before = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 1)
-        s.flush_cache()
-        gated = ask(s, prompt)
-        mid = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 2)
-        gated_again = ask(s, prompt)
-        after = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 3)
-        lines = s.log_lines("tiered sparse: rid")
+    s.flush_cache()
+    exact = ask(s, prompt, "full")
+    assert exact["output_ids"] == cold["output_ids"]
+    # counters are published once a second: wait for each load's count (full, gated, gated again) to show
+    before = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 1)
+    s.flush_cache()
+    gated = ask(s, prompt)
+    mid = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 2)
+    gated_again = ask(s, prompt)
+    after = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 3)
+    lines = s.log_lines("tiered sparse: rid")
 
-        # 3. the mass gate, named by the request (custom_params.tiered_importance_gate; the server's is Jaccard),
-        # then a Jaccard load at the request's own ratio
-        s.flush_cache()
-        mass = ask(s, prompt, gate="mass")
-        after_mass = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 4)
-        s.flush_cache()
-        ask(s, prompt, ratio=0.5)
-        wait_for_metric(s, "sglang_tiered:sparse_requests_total", 5)
-        mass_lines = s.log_lines("tiered sparse: rid")[3:]
+    # 3. the mass gate, named by the request (custom_params.tiered_importance_gate; the server's is Jaccard),
+    # then a Jaccard load at the request's own ratio
+    s.flush_cache()
+    mass = ask(s, prompt, gate="mass")
+    after_mass = wait_for_metric(s, "sglang_tiered:sparse_requests_total", 4)
+    s.flush_cache()
+    ask(s, prompt, ratio=0.5)
+    wait_for_metric(s, "sglang_tiered:sparse_requests_total", 5)
+    mass_lines = s.log_lines("tiered sparse: rid")[3:]
 
-        # 4. a `full` load reads every chunk of every layer: one corrupt chunk (layer 2) ends it
-        (group,) = (tmp_path / "ssd").glob("*/groups/*.kvg")
-        fd = os.open(group, os.O_RDWR)
-        try:
-            at = read_meta(fd).chunk_offset(2, 3) + 7
-            os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 16, at)), at)
-        finally:
-            os.close(fd)
-        s.flush_cache()
-        mark = s.log_mark()
-        recovered = ask(s, prompt, "full")
-        after_corruption = wait_for_metric(s, "sglang_tiered:ssd_corrupt_pages_total", 10)  # the group's pages
-        s.flush_cache()
-        computed = ask(s, prompt, "off")
-        fallbacks = s.log_lines("tiered sparse: rid", since=mark)
+    # 4. a `full` load reads every chunk of every layer: one corrupt chunk (layer 2) ends it
+    (group,) = s.ssd.glob("*/groups/*.kvg")
+    fd = os.open(group, os.O_RDWR)
+    try:
+        at = read_meta(fd).chunk_offset(2, 3) + 7
+        os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 16, at)), at)
+    finally:
+        os.close(fd)
+    s.flush_cache()
+    mark = s.log_mark()
+    recovered = ask(s, prompt, "full")
+    after_corruption = wait_for_metric(s, "sglang_tiered:ssd_corrupt_pages_total", 10)  # the group's pages
+    s.flush_cache()
+    computed = ask(s, prompt, "off")
+    fallbacks = s.log_lines("tiered sparse: rid", since=mark)
 
     assert gated["meta_info"]["completion_tokens"] >= 1
     assert len(lines) == 3 and "mode=full" in lines[0] and "mode=gated" in lines[1], lines
@@ -176,22 +185,24 @@ def test_repacked_pages_load_exactly_and_gated_loads_read_less(tmp_path, essays)
     assert cached_details(computed)["storage"] == 0 and computed["output_ids"] == cold["output_ids"]
 
 
-def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(tmp_path, essays):
+def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(gated_server, essays):
     """A gated request that SGLang would prefill in pieces (longer than --chunked-prefill-size) cannot be loaded
     sparsely (a piece is not the whole prompt): it keeps SGLang's own load of its stored prefix -- exact, counted,
     logged -- rather than skipping that load and leaving SGLang to compute the span."""
-    prompt = essays[7] + "\n\nQuestion: What is this essay about?\nAnswer:"
-    args = tiered_args(tmp_path / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32",
-                       "--enable-metrics", "--chunked-prefill-size", "256")
-    with ServerProcess(args, log_path=tmp_path / "chunked.log") as s:
-        cold = ask(s, prompt)
-        wait_for_repack(s)
-        s.flush_cache()
-        again = ask(s, prompt)
-        too_long = s.log_lines("not loaded sparsely")
-        computed = s.log_lines("SGLang computes the span")
-        counted = metric_total(s.get("/metrics"), "sglang_tiered:sparse_too_long_total")
+    s = gated_server
+    prompt = essays[5] + essays[6] + "\n\nQuestion: What are these essays about?\nAnswer:"
+    mark = s.log_mark()
+    before = metric_total(s.get("/metrics"), "sglang_tiered:sparse_too_long_total")
+    cold = ask(s, prompt)
+    assert cold["meta_info"]["prompt_tokens"] > PIECE
+    wait_for_repack(s, mark)
+    s.flush_cache()
+    again = ask(s, prompt)
+    too_long = s.log_lines("not loaded sparsely", mark)
+    computed = s.log_lines("SGLang computes the span", mark)
+    counted = metric_total(wait_for_metric(s, "sglang_tiered:sparse_too_long_total", before + 1),
+                           "sglang_tiered:sparse_too_long_total") - before
     assert cached_details(again)["storage"] >= 640  # SGLang read the stored prefix back
     assert again["output_ids"] == cold["output_ids"]
-    assert len(too_long) == 1 and "exceed --chunked-prefill-size 256" in too_long[0], too_long
+    assert len(too_long) == 1 and f"exceed --chunked-prefill-size {PIECE}" in too_long[0], too_long
     assert not computed and counted == 1

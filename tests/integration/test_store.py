@@ -2,8 +2,8 @@
 and per-request retention.
 
 One SmolLM2 server (fp32; device pool 2048 tokens, host 2x; SSD 64M; gated sparse loading and blending on) serves
-every step below while a thread samples its SSD directory's size from outside (`tests/dirsize.py`); a second server
-on a random-weight MHA model stores activation pages beside its KV pages under a 32M capacity, sampled the same way.
+every step below while a thread samples its SSD directory's size from outside (`tests/dirsize.py`; activation
+pages under the same bound: tests/integration/test_kvpr.py).
 
 1. Chunk KV never crosses tenants: three chunks under cache_salt "A" are computed (3 new chunks), under "B" computed
    again (3 new: nothing of A's found), under "A" again found (0 new); without a salt the second request finds the
@@ -17,8 +17,6 @@ on a random-weight MHA model stores activation pages beside its KV pages under a
 4. The bound: no sample of the directory ever exceeded the capacity while SSD hits, sparse loads, chunk reuse and
    pins happened (chunk and group files counted in the stats as they appeared); `sglang-tiered stats` shows the
    bytes of every kind; every file is 0600, every directory 0700.
-0. First (before the SmolLM2 server starts: SGLang keeps 10 GiB of host memory free), the MHA server: activation
-   pages were written and a stored prefix loaded, and its directory stayed within its capacity too.
 """
 
 from __future__ import annotations
@@ -26,18 +24,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from sglang_tiered.models import random_model_dir
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, send_until
-from tests.dirsize import sample_bytes
+from tests.dirsize import Sampler
 from tests.integration.helpers import tiered_args
-from tests.integration.kvpr_helpers import MHA, PAGE, wait_for_activations
+from tests.integration.kvpr_helpers import PAGE
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -45,28 +40,6 @@ CAPACITY = 64 << 20
 DEVICE_TOKENS = 2048
 RETAIN_S = 90.0  # the pinned prompt's pin (the flood must end well before it)
 EXPIRED_S = 1.0  # the other pin, over before the flood begins
-
-
-class Sampler:
-    """Samples a directory's size from outside while servers write into it (`tests/dirsize.py`)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.samples = root, [0]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.root.exists():
-                self.samples.append(sample_bytes(self.root))
-            time.sleep(0.02)
-
-    def stop(self) -> int:
-        """Stop sampling; the largest sample."""
-        self._stop.set()
-        self._thread.join()
-        return max(self.samples)
 
 
 @pytest.fixture(scope="module")
@@ -132,29 +105,6 @@ def wait_for_repack(s: ServerProcess, mark: int, groups: int = 1) -> None:
     while len(s.log_lines("tiered repack:", since=mark)) < groups and time.monotonic() < deadline:
         time.sleep(0.3)
     assert len(s.log_lines("tiered repack:", since=mark)) >= groups, "never repacked"
-
-
-def test_activation_pages_share_the_budget_on_an_mha_model(tmp_path, docs):
-    capacity = 32 << 20
-    model = random_model_dir(tmp_path / "model", MHA, seed=1)
-    args = tiered_args(tmp_path / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force",
-                       "--tiered-ssd-capacity", str(capacity), "--tiered-host-size", "2x")
-    with ServerProcess(args, log_path=tmp_path / "mha.log", model_path=str(model)) as s:
-        sampler = Sampler(tmp_path / "ssd")
-        try:
-            texts = [e[:2000] + "\n\nQuestion: What is this about?\nAnswer:" for e in docs[:4]]
-            for text in texts:
-                out = ask(s, text)
-            wait_for_activations(s, 4 * (out["meta_info"]["prompt_tokens"] // PAGE))
-            s.flush_cache()
-            again = ask(s, texts[-1])
-            loaded = cached_details(again)["storage"] > 0 or s.log_lines(f"tiered kvpr: rid {rid(again)} loaded")
-            assert loaded, s.log_tail()
-            assert again["output_ids"] == out["output_ids"]
-        finally:
-            biggest = sampler.stop()
-        assert 0 < biggest <= capacity, (biggest, capacity)
-        assert metric_total(s.get("/metrics"), "sglang_tiered:ssd_evicted_pages_total") > 0
 
 
 def test_chunk_kv_never_crosses_tenants(store_server, docs):
