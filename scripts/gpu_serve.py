@@ -7,12 +7,15 @@ its error (each server's log is in OUT too), and the next one runs.
    recompute baseline), again (a device hit), after other prompts filled the device pool (a host hit), after
    /flush_cache with the SSD files evicted from the page cache (an SSD hit), and after a restart on the same
    directory (an SSD hit): every answer must equal the cold one, and each hit must come from its tier.
-2. `hicache_file`: SGLang's own HiCache with its `file` storage backend on the same prompts: cold, then after
-   /flush_cache with its files evicted from the page cache -- the TTFT of its storage hit against ours.
-3. `blend`: a marked prompt (10 chunks of random ids, then a question) asked once, then with its chunks reordered:
+2. `blend`: a marked prompt (10 chunks of random ids, then a question) asked once, then with its chunks reordered:
    TTFT against the cold prefill of the reordered prompt, and whether the server blended it or fell back.
-4. `gated_kvpr`: a server with `--tiered-importance-load gated --tiered-kvpr force`, an SSD hit: its answer against
-   the cold one, or the startup refusal it gives on this machine.
+3. `kvpr`: `--tiered-kvpr force`, an SSD hit loaded by compute-or-load: the cold answer.
+4. `gated`: `--tiered-importance-load gated` (on CUDA with `--attention-backend torch_native`), the prompt repacked,
+   then an SSD hit by the sparse path loading everything (the cold answer) and gated (answered).
+   On CUDA 3 and 4 run with SGLANG_TIERED_CUDA_PREVIEW=1; each passes only if our loader ran (its log line), without
+   a fallback or a failure in the log.
+5. `hicache_file`: SGLang's own HiCache with its `file` storage backend on the same prompts: cold, then after
+   /flush_cache with its files evicted from the page cache -- the TTFT of its storage hit against ours.
 
     python scripts/gpu_serve.py OUT [--shape 7b-mha] [--lengths 4096 16384] [--tokenizer DIR]
 """
@@ -44,12 +47,12 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(1000, VOCAB - 1000) for _ in range(n)]
 
 
-def ask(s: ServerProcess, prompt: list[int], new: int = NEW, chunks: list[int] | None = None) -> dict:
+def ask(s: ServerProcess, prompt: list[int], new: int = NEW, chunks: list[int] | None = None, **custom) -> dict:
     """A greedy streamed /generate of `new` tokens: TTFT (the first streamed chunk, client side), the output token
-    ids, where the cached tokens came from."""
-    params: dict = {"max_new_tokens": new, "temperature": 0}
+    ids, where the cached tokens came from. `custom`: more custom_params (e.g. tiered_importance="full")."""
+    params: dict = {"max_new_tokens": new, "temperature": 0, "custom_params": dict(custom)}
     if chunks is not None:
-        params["custom_params"] = {"tiered_chunks": chunks}
+        params["custom_params"]["tiered_chunks"] = chunks
     host, port = s.url.split("//")[1].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=600)
     t0 = time.perf_counter()
@@ -85,17 +88,18 @@ class Run:
     def save(self) -> None:
         (self.out / "serve.json").write_text(json.dumps(self.data, indent=1))
 
-    def server(self, name: str, ssd: Path, *extra: str, backend: bool = True) -> ServerProcess:
+    def server(self, name: str, ssd: Path, *extra: str, backend: bool = True, attention: str = "triton",
+               env: dict | None = None) -> ServerProcess:
         common = ["--load-format", "dummy", "--max-total-tokens", str(self.pool), "--context-length",
                   str(self.longest + 256), "--chunked-prefill-size", "8192"]
-        if self.cuda:  # flashinfer is not carried: Triton attention, PyTorch sampling
-            common += ["--disable-cuda-graph", "--mem-fraction-static", "0.6", "--attention-backend", "triton",
+        if self.cuda:  # flashinfer is not carried: Triton attention (or torch_native), PyTorch sampling
+            common += ["--disable-cuda-graph", "--mem-fraction-static", "0.6", "--attention-backend", attention,
                        "--sampling-backend", "pytorch"]
         elif not backend:  # SGLang's own HiCache on a CPU (what `--kv-backend tiered` sets by itself)
             common += ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--page-size", "64"]
         tiered = ["--kv-backend", "tiered", "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0"]
         return ServerProcess([*(tiered if backend else []), *common, *extra], log_path=self.out / f"{name}.log",
-                             model_path=self.model, startup_timeout=self.args.startup_s)
+                             model_path=self.model, startup_timeout=self.args.startup_s, env=env)
 
     def check(self, name: str, fn) -> None:
         t0 = time.perf_counter()
@@ -180,27 +184,57 @@ class Run:
                 "prefill_ttft_s": cold["ttft_s"], "blended_forwards": len(blend_lines), "fallbacks": fallbacks[:3],
                 "same_first_tokens": blended["tokens"][:4] == cold["tokens"][:4]}
 
-    def gated_kvpr(self) -> dict:
+    def kvpr(self) -> dict:
+        """Compute-or-load forced (on CUDA as the preview): the prompt cold, then from SSD -- the cold answer."""
+        return self._from_ssd("kvpr", ["--tiered-kvpr", "force"], "triton",
+                              [("kvpr", None, "tiered kvpr: rid", True)])
+
+    def gated(self) -> dict:
+        """Gated loading (on CUDA as the preview, with torch_native attention, the backend whose decode skips a
+        sparse load's holes): the prompt cold and repacked, then from SSD by the sparse path loading everything
+        (`full`: the cold answer) and gated (answered)."""
+        return self._from_ssd("gated", ["--tiered-importance-load", "gated"], "torch_native",
+                              [("full", "full", "tiered sparse: rid", True),
+                               ("gated", None, "tiered sparse: rid", False)], repack=True)
+
+    def _from_ssd(self, name: str, flags: list[str], attention: str, ways: list, repack: bool = False) -> dict:
+        """A server with `flags`; the shortest prompt cold, then for each (way, tiered_importance, log line, exact)
+        of `ways`: /flush_cache, its files evicted from the page cache, asked again. Passed when every way ran our
+        loader (its log line, no fallback), the exact ones gave the cold answer, and nothing failed in the log."""
         n = min(self.args.lengths)
         p = ids(n, n)
-        ssd = self.tmp / "ssd-gated"
+        ssd = self.tmp / f"ssd-{name}"
+        preview = {"SGLANG_TIERED_CUDA_PREVIEW": "1"} if self.cuda else None
+        s = self.server(name, ssd, *flags, "--enable-metrics", attention=attention, env=preview)
         try:
-            s = self.server("gated-kvpr", ssd, "--tiered-importance-load", "gated", "--tiered-kvpr", "force")
             s.start()
         except RuntimeError as exc:
-            log = (self.out / "gated-kvpr.log").read_text(errors="replace").splitlines()
+            log = (self.out / f"{name}.log").read_text(errors="replace").splitlines()
             refusal = [line for line in log if "--tiered-" in line][-3:]
             return {"passed": False, "refused": refusal or str(exc)}
+        ok = True
         try:  # (started above: `with s` would start it a second time)
             cold = ask(s, p)
-            s.flush_cache()
-            evict_from_page_cache(ssd)
-            hit = ask(s, p)
-            lines = s.log_lines("tiered kvpr: rid") + s.log_lines("tiered sparse")
+            rows: dict = {"cold_ttft_s": cold["ttft_s"]}
+            if repack:
+                deadline = time.monotonic() + 120
+                while not s.log_lines("tiered repack:") and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                rows["repacked"] = bool(s.log_lines("tiered repack:"))
+            for way, mode, line, exact in ways:
+                s.flush_cache()
+                evict_from_page_cache(ssd)
+                mark = s.log_mark()
+                out = ask(s, p, **({"tiered_importance": mode} if mode else {}))
+                row = {"ttft_s": out["ttft_s"], "cached": out["cached"], "same_tokens": out["tokens"] == cold["tokens"],
+                       "ran": s.log_lines(line, mark)[-1:], "fallbacks": s.log_lines("runs a normal prefill", mark)[-2:]
+                       + s.log_lines("SGLang computes the span", mark)[-2:]}
+                ok &= bool(row["ran"]) and not row["fallbacks"] and (row["same_tokens"] or not exact)
+                rows[way] = row
+            failures = s.log_lines("failed on rid") + s.log_lines("Traceback")
         finally:
             s.stop()
-        return {"passed": hit["cached"]["storage"] > 0 or bool(lines), "same_tokens": hit["tokens"] == cold["tokens"],
-                "recompute_ttft_s": cold["ttft_s"], "hit_ttft_s": hit["ttft_s"], "log": lines[-4:]}
+        return {"passed": ok and not failures, **rows, "failures": failures[:5]}
 
 
 def main() -> int:
@@ -211,7 +245,7 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=None, help="tokens per blend chunk (default: longest / 12)")
     ap.add_argument("--tokenizer", default=None, help="a directory with the embedded model's tokenizer files")
     ap.add_argument("--startup-s", type=float, default=240.0)
-    ap.add_argument("--checks", nargs="+", default=["tiers", "hicache_file", "blend", "gated_kvpr"])
+    ap.add_argument("--checks", nargs="+", default=["tiers", "blend", "kvpr", "gated", "hicache_file"])
     a = ap.parse_args()
     import torch
 

@@ -232,6 +232,27 @@ class TieredConfig:
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
 
 
+CUDA_PREVIEW_ENV = "SGLANG_TIERED_CUDA_PREVIEW"  # "1": run the mechanisms not yet verified on a GPU (docs/gpu.md)
+
+
+def cuda_refusal(cfg: TieredConfig, attention_backend: Optional[str], preview: bool) -> Optional[str]:
+    """Why a server with CUDA cannot start with `cfg` (None: it can). Gated sparse loading and compute-or-load have
+    not passed the GPU harness (scripts/gpu-serve.sh) yet: refused unless `preview` (CUDA_PREVIEW_ENV=1), and gated
+    loading then needs SGLang's `torch_native` attention backend, the one whose decode skips the positions a sparse
+    load left empty. Chained prefill runs on CPU ranks only."""
+    if cfg.runahead_ranks >= 2:
+        return "--tiered-runahead-ranks: chained prefill in the server runs on CPU ranks only (this machine has CUDA)"
+    unverified = [flag for flag, on in (("--tiered-importance-load gated", cfg.importance_load == "gated"),
+                                        ("--tiered-kvpr force", cfg.kvpr == "force")) if on]
+    if unverified and not preview:
+        return (f"{', '.join(unverified)}: not yet verified on CUDA servers; {CUDA_PREVIEW_ENV}=1 runs it unverified "
+                "(docs/gpu.md)")
+    if cfg.importance_load == "gated" and attention_backend != "torch_native":
+        return ("--tiered-importance-load: 'gated' on CUDA needs --attention-backend torch_native (its decode skips "
+                "the positions a sparse load left empty)")
+    return None
+
+
 def default_partitions_path() -> Path:
     """Where `sglang-tiered runahead-tune` writes its table and the server looks for it by default."""
     return default_cache_root() / "runahead-partitions.json"

@@ -138,7 +138,7 @@ def stored_kv_fetch(model: LlamaModel, spans: Sequence[Span], loader: SpanLoader
             kv = loader(layer, i)
             if kv.shape[0] != span.length:
                 raise ValueError(f"stored KV has {kv.shape[0]} tokens for a span of {span.length}")
-            kv = kv.to(model.dtype)
+            kv = kv.to(device=model.device, dtype=model.dtype)  # (stored KV is read into host memory)
             parts.append(torch.stack([rerotate_keys(model, kv[:, 0], span.start - span.offset), kv[:, 1]], 1))
         return torch.cat(parts) if parts else model.empty_kv(0)[0]
 

@@ -79,13 +79,19 @@ def measure_read(path: str | os.PathLike, nbytes: int = PROBE_BYTES) -> float:
         path.unlink(missing_ok=True)
 
 
-def _best_s(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` timed runs of `fn` after a warm-up (a run sharing the CPU only ever takes longer)."""
-    fn()
+def _best_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """The fastest of `repeats` timed runs of `fn` after a warm-up (a run sharing the CPU only ever takes longer);
+    on a CUDA `device` each run is timed until the device is done with it."""
+    def run() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        run()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -101,11 +107,11 @@ def measure_profile(model: LlamaModel, page_size: int, repeats: int = 2) -> Prof
     ids = torch.randint(0, c.vocab, (k * page_size + 1,), generator=g)
     chunk_s = min(meet_prefill(model, ids[:-1], ids[-1:], prefix_len=0, source=span, split=k, chunk=k).compute_s
                   for _ in range(repeats + 1))
-    h = torch.randn(page_size, c.hidden, generator=g).to(model.dtype)
+    h = torch.randn(page_size, c.hidden, generator=g).to(device=model.device, dtype=model.dtype)
     pos = torch.arange(page_size)
     with one_thread_pool("kvpr-profile-loader") as pool:  # torch as the loader runs it: one thread
         recompute = pool.submit(torch.inference_mode()(
-            lambda: _best_s(lambda: model.kv_from_input(0, h, pos), repeats + 1))).result()
+            lambda: _best_s(lambda: model.kv_from_input(0, h, pos), repeats + 1, model.device))).result()
     return Profile(page_s=chunk_s / k, recompute_s=recompute / page_size)
 
 

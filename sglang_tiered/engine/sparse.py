@@ -91,6 +91,7 @@ def _selection(span: StoredSpan, mass: torch.Tensor, k: int) -> torch.Tensor:
     """Tokens of S to load once the gate passed (ascending): whole units by attention `mass` [|S|], best first, until
     they hold at least k tokens (see the module docstring)."""
     units = getattr(span, "units", None)
+    mass = mass.cpu()  # (the picks index the stored span, which is read on the host)
     if units is None:
         return torch.topk(mass, k).indices.sort().values
     unit_mass = torch.zeros(int(units.max()) + 1).index_add_(0, units, mass)
@@ -146,8 +147,9 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
     def whole(layer: int) -> bool:  # this layer loads all of S, unprobed
         return exact or layer in skip
 
-    def fetch(layer: int) -> torch.Tensor:
-        return span.load(layer, everything) if whole(layer) else span.probe(layer, probe_heads)
+    def fetch(layer: int) -> torch.Tensor:  # (on the model's device: the span may be read into host memory)
+        got = span.load(layer, everything) if whole(layer) else span.probe(layer, probe_heads)
+        return got.to(device=model.device, dtype=model.dtype if whole(layer) else got.dtype, non_blocking=True)
 
     with LayerLoader(fetch, c.layers, overlap=overlap, name="sparse-load" if exact else "sparse-probe") as loads:
         for layer in range(c.layers):
@@ -167,7 +169,7 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
                 agree = jac >= threshold if gate == "jaccard" else drop <= max_drop
                 passed = force == "pass" or (force is None and agree)
                 idx = picks if passed else everything
-                loaded = span.load(layer, idx).to(model.dtype)
+                loaded = span.load(layer, idx).to(device=model.device, dtype=model.dtype)
             kk = torch.cat([prefix[:, 0], loaded[:, 0], k])
             vv = torch.cat([prefix[:, 1], loaded[:, 1], v])
             x = model.finish_layer(layer, x, causal_attention(q, kk, vv, p + idx.shape[0]))

@@ -1,10 +1,12 @@
 """Routes SGLang's `torch_native` attention (the CPU fallback) through our prefix-aware kernel.
 
 Seam (listed in plugin.py): AROUND hooks on `TorchNativeAttnBackend._run_sdpa_forward_extend` and
-`_run_sdpa_forward_decode`. Installed only on servers without CUDA started with `--tiered-cpu-attention
-prefix_aware` (the default with `--kv-backend tiered`). Cases the kernel does not cover (encoder-decoder,
-cross-attention, sliding windows, non-causal) go to SGLang's original code, and so does a call in which our kernel
-raises (logged and counted in `sglang_tiered:hook_errors_total`): the batch is computed by SGLang instead.
+`_run_sdpa_forward_decode`. Installed on servers without CUDA started with `--tiered-cpu-attention prefix_aware` (the
+default with `--kv-backend tiered`); on a CUDA server with gated loading as a preview
+(`SGLANG_TIERED_CUDA_PREVIEW=1`, `--attention-backend torch_native`) only the decode over a sparse load's holes runs
+here. Cases the kernel does not cover (encoder-decoder, cross-attention, sliding windows, non-causal) go to SGLang's
+original code, and so does a call in which our kernel raises (logged and counted in
+`sglang_tiered:hook_errors_total`): the batch is computed by SGLang instead.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ class CPUAttention:
     """This process's attention hooks, with the layer and requests of the decode step in progress (gated sparse
     loading: `_decode` skips the prefix positions a sparse load did not fill)."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, holes_only: bool = False) -> None:
+        """`holes_only`: only a decode over a sparse load's holes runs here, everything else is SGLang's (CUDA)."""
         self.rt = rt
+        self.holes_only = holes_only
         self._batch = threading.local()
         self._batch.rids = None
         self._failures = 0
@@ -74,6 +78,10 @@ class CPUAttention:
                 if sparse is not None and rids and any(sparse.holes(rid) is not None for rid in rids):
                     return self._decode_over_holes(sparse, query, output, k_cache, v_cache, req_to_token,
                                                    req_pool_indices, lens, scaling)
+                if self.holes_only:
+                    return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                    seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                                    is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
                 return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, [n - 1 for n in lens],
                                         [1] * len(lens), scale=scaling, out=output)
             except Exception:
@@ -108,11 +116,17 @@ def register_hooks(rt: Runtime) -> bool:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     current = rt.settings
-    if current is None or not current.cpu_only or current.config.cpu_attention != "prefix_aware":
+    if current is None:
         return False
-    attention = CPUAttention(rt)
-    HookRegistry.register(f"{_TARGET}._run_sdpa_forward_extend", attention.extend, HookType.AROUND)
+    gated = current.config.importance_load == "gated"
+    if current.cpu_only and current.config.cpu_attention == "prefix_aware":
+        attention = CPUAttention(rt)
+        HookRegistry.register(f"{_TARGET}._run_sdpa_forward_extend", attention.extend, HookType.AROUND)
+    elif current.cuda_preview and gated:  # (the launcher required --attention-backend torch_native)
+        attention = CPUAttention(rt, holes_only=True)
+    else:
+        return False
     HookRegistry.register(f"{_TARGET}._run_sdpa_forward_decode", attention.decode, HookType.AROUND)
-    if current.config.importance_load == "gated":
+    if gated:
         HookRegistry.register(f"{_TARGET}.forward_decode", attention.around_forward_decode, HookType.AROUND)
     return True

@@ -1,7 +1,7 @@
-"""Compute-or-load of stored spans in the server (`--tiered-kvpr`, exact, CPU servers): a stored span's front is
-computed from its token ids while its back is loaded -- as KV or, on models where that is smaller, as stored
-activations from which K and V are recomputed (KVPR). The meet itself: `engine/meet.py`; the decision whether to
-start it: `policy/kvpr.decide`.
+"""Compute-or-load of stored spans in the server (`--tiered-kvpr`, exact; CPU servers, CUDA ones as a preview): a stored
+span's front is computed from its token ids while its back is loaded -- as KV or, on models where that is smaller, as
+stored activations from which K and V are recomputed (KVPR). The meet itself: `engine/meet.py`; the decision whether
+to start it: `policy/kvpr.decide`.
 
 * Admission -- a loader at the door (`door.py`, after gated sparse loading): a request whose prompt continues, after
   its device + host match, with at least `--tiered-kvpr-min-tokens` of plain pages on SSD. Under `auto` the decision
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from sglang_tiered.config import CUDA_PREVIEW_ENV
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
     PROFILE_FILE,
@@ -449,12 +450,16 @@ def sglang_rope(module):
 
 # ---------------------------------------------------------------------------------------------- registration
 def register_hooks(rt: Runtime) -> bool:
-    """In scheduler processes of a CPU server with `--tiered-kvpr auto|force`: the door's loader (after gated
-    sparse loading), the activation capture, a forward handler and the idle-time profile."""
+    """In scheduler processes of a server with `--tiered-kvpr auto|force` (on CUDA only with config.CUDA_PREVIEW_ENV
+    set): the door's loader (after gated sparse loading), the activation capture, a forward handler and the
+    idle-time profile."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     current = rt.settings
-    if current is None or current.config.kvpr == "off" or not current.cpu_only:
+    if current is None or current.config.kvpr == "off":
+        return False
+    if not (current.cpu_only or current.cuda_preview):
+        logger.info("tiered kvpr: off on this CUDA server (not yet verified on GPUs; %s=1 runs it)", CUDA_PREVIEW_ENV)
         return False
     try:
         cfg = LlamaConfig.from_hf(current.model_path)

@@ -18,10 +18,12 @@ from typing import Any, Optional
 
 from sglang_tiered.config import (
     CHOICES,
+    CUDA_PREVIEW_ENV,
     DEFAULT_PAGE_SIZE,
     FLAG_HELP,
     ConfigError,
     TieredConfig,
+    cuda_refusal,
     default_partitions_path,
     parse_size,
 )
@@ -188,14 +190,18 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--page-size: must be >= 1, got {ns.page_size}")
     hf = _hf_config(ns.model_path)
     cpu_only = cpu_shims.cuda_absent()
+    cuda_preview = not cpu_only and os.environ.get(CUDA_PREVIEW_ENV) == "1"
     dtype_records = None
     if cpu_only:
         _cpu_settings(ns)
         dtype_records = choose_cpu_dtype(ns, hf, cfg.ssd_dir)
-    elif cfg.importance_load == "gated":
-        raise ConfigError("--tiered-importance-load: 'gated' runs on CPU servers only in this version")
-    if not cpu_only and cfg.kvpr == "force":
-        raise ConfigError("--tiered-kvpr: 'force' runs on CPU servers only in this version ('auto' is off on GPUs)")
+    else:
+        refusal = cuda_refusal(cfg, getattr(ns, "attention_backend", None), cuda_preview)
+        if refusal:
+            raise ConfigError(refusal)
+        if cuda_preview:
+            logger.warning("sglang-tiered: %s=1: gated loading and compute-or-load run on CUDA unverified",
+                           CUDA_PREVIEW_ENV)
     tp_size = getattr(ns, "tp_size", 1) or 1
     page_bytes = None
     if hf is not None:
@@ -220,6 +226,7 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
     threads, partitions = _runahead_settings(ns, cfg, hf)
     settings.publish(settings.Settings(
         config=cfg, model=model_fingerprint(ns.model_path), model_path=str(ns.model_path), cpu_only=cpu_only,
+        cuda_preview=cuda_preview,
         runahead_threads=threads, runahead_partitions=partitions, vocab_size=int((hf or {}).get("vocab_size") or 0),
         attention_heads=int((hf or {}).get("num_attention_heads") or 0)))
     extra = {  # only what SGLang itself reads; our settings travel in `settings`
@@ -281,8 +288,6 @@ def _runahead_settings(ns: argparse.Namespace, cfg: TieredConfig, hf: dict | Non
     if cfg.runahead_ranks < 2:
         return 1, ""
     flag = "--tiered-runahead-ranks"
-    if not cpu_shims.cuda_absent():
-        raise ConfigError(f"{flag}: chained prefill in the server runs on CPU ranks only (this machine has CUDA)")
     for attr, name in (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size")):
         if (getattr(ns, attr, 1) or 1) != 1:
             raise ConfigError(f"{flag}: needs {name} 1 (every chain rank holds the whole model)")

@@ -25,6 +25,7 @@ class Settings:
     model: str  # model fingerprint (name + hash of config.json): part of every page namespace
     model_path: str  # resolved local path (or hub id) SGLang serves
     cpu_only: bool  # no CUDA: CPU shims, prefix-aware attention, write-through yields to the forward
+    cuda_preview: bool = False  # CUDA with config.CUDA_PREVIEW_ENV=1: gated loading and compute-or-load run there
     runahead_threads: int = 1  # torch threads per helper rank (resolved from --tiered-runahead-threads)
     runahead_partitions: str = ""  # partition table to use ("" = none: FLOP-balanced splits)
     vocab_size: int = 0  # from config.json (0 = unknown): input_ids outside [0, vocab_size) are refused

@@ -35,7 +35,8 @@ def marked_prompt() -> tuple[torch.Tensor, list[Span]]:
 
 
 def blend(model: LlamaModel, ids: torch.Tensor, spans: list[Span], **kw):
-    stored = {i: model.prefill(ids[s.start : s.end]).kv for i, s in enumerate(spans) if s.stored}
+    # stored chunk KV in host memory, as a server reads it from its store
+    stored = {i: model.prefill(ids[s.start : s.end]).kv.cpu() for i, s in enumerate(spans) if s.stored}
     return blend_prefill(model, ids, spans, lambda layer, i: stored[i][layer], **kw)
 
 
@@ -75,9 +76,10 @@ def test_sparse_loading_exact_on_the_device_and_gated_as_on_the_cpu(models):
         def load(self, layer, idx):
             return self.kv[layer, idx.to(self.kv.device)]
 
-    exact = sparse_prefill(dev, ids[600:], prefix_len=0, span=Memory(full_dev.kv[:, :600]), force="fail")
+    stored = Memory(full_dev.kv[:, :600].cpu())  # in host memory, as a server reads a group from its SSD tier
+    exact = sparse_prefill(dev, ids[600:], prefix_len=0, span=stored, force="fail")
     torch.testing.assert_close(exact.logits, full_dev.logits, rtol=1e-3, atol=1e-3)
-    got = sparse_prefill(dev, ids[600:], prefix_len=0, span=Memory(full_dev.kv[:, :600]), ratio=0.2, force="pass")
+    got = sparse_prefill(dev, ids[600:], prefix_len=0, span=stored, ratio=0.2, force="pass")
     ref = sparse_prefill(cpu, ids[600:], prefix_len=0, span=Memory(full_cpu.kv[:, :600]), ratio=0.2, force="pass")
     assert [k.tolist() for k in got.kept[:2]] == [k.tolist() for k in ref.kept[:2]]  # the same picks where it starts
     assert got.loaded_fraction < 0.5

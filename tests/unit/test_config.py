@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sglang_tiered.config import ConfigError, TieredConfig, parse_size
+from sglang_tiered.config import ConfigError, TieredConfig, cuda_refusal, parse_size
 from sglang_tiered.integration.metrics import StatsReporter, format_stats, read_stats_files
 from sglang_tiered.storage.stats import TierStats
 
@@ -113,3 +113,23 @@ def test_every_flag_has_help_and_a_row_in_the_configuration_reference():
         flag = "--tiered-" + f.name.replace("_", "-")
         assert FLAG_HELP.get(f.name), flag
         assert f"| `{flag}`" in reference or f"| `{flag} " in reference, flag
+
+
+@pytest.mark.parametrize("fields, backend, preview, refused", [
+    ({}, "triton", False, None),  # the store, placement and blend: served
+    ({"kvpr": "auto"}, "triton", False, None),  # (registers nothing there without the preview)
+    ({"kvpr": "force"}, "triton", False, "--tiered-kvpr force: not yet verified on CUDA"),
+    ({"kvpr": "force"}, "triton", True, None),
+    ({"importance_load": "gated"}, "torch_native", False, "--tiered-importance-load gated: not yet verified"),
+    ({"importance_load": "gated"}, "triton", True, "needs --attention-backend torch_native"),
+    ({"importance_load": "gated", "kvpr": "force"}, "torch_native", True, None),
+    ({"runahead_ranks": 2}, "triton", True, "CPU ranks only"),
+])
+def test_what_a_cuda_server_refuses(tmp_path, fields, backend, preview, refused):
+    cfg = TieredConfig(ssd_dir=str(tmp_path), **fields)
+    reason = cuda_refusal(cfg, backend, preview)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason
+        assert preview or "SGLANG_TIERED_CUDA_PREVIEW=1" in reason or "CPU ranks" in reason
