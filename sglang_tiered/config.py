@@ -323,7 +323,7 @@ FLAG_HELP: dict[str, str] = {
     "whose prefix must come from SSD loads, layer by layer, only the tokens its sampled heads pick when they agree "
     "(Jaccard gate), everything otherwise -- approximate, opt-in. On such a server a request opts out with "
     "custom_params.tiered_importance = 'off', or takes the same path loading everything (exact) with 'full'. "
-    "CPU servers only. Default: off.",
+    "CPU servers (on CUDA: a preview, docs/gpu.md). Default: off.",
     "importance_alpha": "Gate exponent alpha: the sampled heads' mean Jaccard must reach ((k/n)/(2-k/n))**alpha. "
     "Higher passes more layers (fewer bytes read, answers further from a full load); 1.0 passes whenever the heads "
     "agree more than chance. Default: 0.6.",
@@ -347,7 +347,7 @@ FLAG_HELP: dict[str, str] = {
     "importance_repack_memory": "Host memory (suffixes K/M/G) that keeps a copy of the pages written to SSD for a "
     "prompt about to be repacked for gated loading, so the repack does not read them back from the SSD; pages "
     "beyond it are read back. 0: always read back. Default: 512M.",
-    "kvpr": "Compute-or-load of stored spans (exact, CPU servers): a prefix that must come back from SSD has its "
+    "kvpr": "Compute-or-load of stored spans (exact; CPU servers, on CUDA a preview): a prefix that must come back from SSD has its "
     "front prefilled from token ids while its back is read, page by page from the end; the two meet where the disk's "
     "and the CPU's speeds put them. On models whose attention input is smaller than their KV (multi-head "
     "attention) pages written through also store it, and the loader reads those pages as activations and "
