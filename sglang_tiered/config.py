@@ -347,15 +347,14 @@ FLAG_HELP: dict[str, str] = {
     "importance_repack_memory": "Host memory (suffixes K/M/G) that keeps a copy of the pages written to SSD for a "
     "prompt about to be repacked for gated loading, so the repack does not read them back from the SSD; pages "
     "beyond it are read back. 0: always read back. Default: 512M.",
-    "kvpr": "Compute-or-load of stored spans (exact; CPU servers, on CUDA a preview): a prefix that must come "
-    "back from "
-    "SSD has its front prefilled from token ids while its back is read, page by page from the end; the two meet "
+    "kvpr": "Compute-or-load of stored spans (exact; CPU servers, on CUDA a preview): a prefix that must come back "
+    "from SSD has its front prefilled from token ids while its back is read, page by page from the end; the two meet "
     "where the disk's and the CPU's speeds put them. On models whose attention input is smaller than their KV "
-    "(multi-head attention) pages written through also store it, and the loader reads those pages as activations "
-    "and recomputes their K, V (KVPR). 'auto' decides per request from the measured read rate and compute profile "
-    "(`sglang-tiered kvpr-profile`): SGLang's load where reads are fast, SGLang's forward where they are very "
-    "slow, else the two-sided load; 'force' always loads two-sided. Per request custom_params.tiered_kvpr = 'off' "
-    "| 'auto' | 'force' | tokens to compute (the meet point; 0 = read everything). Default: auto.",
+    "(multi-head attention) pages written through also store it, and the loader reads those pages as activations and "
+    "recomputes their K, V (KVPR). 'auto' decides per request from the measured read rate and compute profile "
+    "(`sglang-tiered kvpr-profile`): SGLang's load where reads are fast, SGLang's forward where they are very slow, "
+    "else the two-sided load; 'force' always loads two-sided. Per request custom_params.tiered_kvpr = 'off' | 'auto' "
+    "| 'force' | tokens to compute (the meet point; 0 = read everything). Default: auto.",
     "kvpr_min_tokens": "Shortest stored span (tokens) loaded by our loader. Default: 128.",
     "remote": "Shared KV tier below the local SSD on Mooncake Store: mooncake://MASTER_HOST:RPC_PORT (start "
     "`mooncake_master --enable_http_metadata_server=true` first). Pages written to SSD are also published to it in "
