@@ -1,11 +1,11 @@
 """Integration tests start real SGLang servers (CPU, the embedded SmolLM2) through `ServerProcess`, which runs each
 in its own process group on 127.0.0.1 and stops it when the test ends, also on failure.
 
-Servers that several modules need with the same flags are started once per session (the suite's cost is mostly
-server startups): `shared_server` (the default `--kv-backend tiered` configuration, `--dtype auto`, metrics on)
-and `fp32_server` (`--dtype float32 --tiered-blend prefix`, the exact reference that engine-computed prefills are
-compared with). Tests on a shared server read only the log written after their own `log_mark()`, count metric
-deltas, and `/flush_cache` where they need a cold cache.
+Servers that several modules need with the same flags are started once per session (the suite's cost is mostly server
+startups): `shared_server` (the default `--kv-backend tiered` configuration, `--dtype auto`, metrics on) and
+`fp32_server` (`--dtype float32 --tiered-blend full`: SGLang's own prefill of every unmarked prompt, the exact
+reference that engine-computed prefills are compared with). Tests on a shared server read only the log written after
+their own `log_mark()`, count metric deltas, and `/flush_cache` where they need a cold cache.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def shared_server(tmp_path_factory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def fp32_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    """SGLang's own prefill in fp32 (separators removed, `--tiered-blend prefix`): the exact reference."""
+    """SGLang's own prefill in fp32 of unmarked prompts: the exact reference. (Marked ones are computed by our engine
+    in `full` mode, every token: exact as well.)"""
     tmp = tmp_path_factory.mktemp("fp32")
-    args = tiered_args(tmp / "ssd", "--dtype", "float32", "--tiered-blend", "prefix", "--enable-metrics",
+    args = tiered_args(tmp / "ssd", "--dtype", "float32", "--tiered-blend", "full", "--enable-metrics",
                        max_tokens=8192)
     with ServerProcess(args, log_path=tmp / "fp32.log") as server:
         server.ssd = tmp / "ssd"

@@ -237,18 +237,34 @@ def test_output_logprobs_are_blended_and_prompt_logprobs_fall_back(shared_server
     assert len(lines) == 1 and "input logprobs were requested" in lines[0], lines
 
 
-def test_full_mode_equals_sglang_prefill(tmp_path, fp32_server):
-    """fp32: our engine writing every token's KV into SGLang's pool gives SGLang's own greedy tokens (the fp32
-    reference server runs `--tiered-blend prefix`: separators removed, SGLang's prefill)."""
-    with server(tmp_path, "full", "--tiered-blend", "full", "--dtype", "float32") as s:
-        blended = s.generate(PROMPT, max_new_tokens=24)
-        assert len(blend_lines(s)) == 1
-    mark = fp32_server.log_mark()
-    fp32_server.flush_cache()
-    native = fp32_server.generate(PROMPT, max_new_tokens=24)
-    assert not blend_lines(fp32_server, mark)
-    assert blended["meta_info"]["prompt_tokens"] == native["meta_info"]["prompt_tokens"]  # separator removed in both
-    assert blended["text"] == native["text"]
+def test_full_mode_equals_sglang_prefill(fp32_server, model_dir):
+    """fp32, `--tiered-blend full`: our engine writing every token's KV of a marked prompt into SGLang's pool gives
+    the greedy tokens of SGLang's own prefill of the same ids unmarked."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    parts = [HEAD, CHUNK_A, CHUNK_B, TAIL]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
+    flat, lengths = sum(ids, []), [len(x) for x in ids]
+    s = fp32_server
+
+    def ask(chunks: list[int] | None) -> dict:
+        params: dict = {"max_new_tokens": 24, "temperature": 0}
+        if chunks is not None:
+            params["custom_params"] = {"tiered_chunks": chunks}
+        status, out = s.request("/generate", {"input_ids": flat, "sampling_params": params})
+        assert status == 200, out
+        return out
+
+    s.flush_cache()
+    mark = s.log_mark()
+    native = ask(None)
+    assert not blend_lines(s, mark)
+    s.flush_cache()
+    blended = ask(lengths)
+    lines = blend_lines(s, mark)
+    assert len(lines) == 1 and "mode=full" in lines[0], lines
+    assert blended["output_ids"] == native["output_ids"]
 
 
 def test_off_leaves_the_separator_alone(shared_server, torch_native_server):
