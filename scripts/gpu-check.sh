@@ -2,7 +2,9 @@
 # The GPU checks of the engine (component level, no SGLang), in the order that matters if time runs out:
 #   bash scripts/gpu-check.sh OUT_DIR
 # 1. tests/gpu: the two-sided loader on CUDA gives a full prefill's KV and logits at every meet point (fp32), and
-#    blend and gated sparse loading match a full prefill where exact and the CPU reference where approximate;
+#    blend and gated sparse loading match a full prefill where exact and the CPU reference where approximate, and at
+#    the served 7B MHA / 8B GQA shapes (fp32, stored KV in host memory) are exact where exact, the approximation
+#    measured;
 # 2. benchmarks/meet_gpu.py, pages from pinned host memory: 7B MHA, then 8B GQA shapes, 4k-32k tokens (bf16);
 # 3. the same with pages read from files on this machine's disk (page cache evicted before every run), 4k and 8k.
 # Each step has its own time limit; the JSON is saved after every point, so a step cut short keeps what it measured.
