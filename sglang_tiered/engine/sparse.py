@@ -149,7 +149,7 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
 
     def fetch(layer: int) -> torch.Tensor:  # (on the model's device: the span may be read into host memory)
         got = span.load(layer, everything) if whole(layer) else span.probe(layer, probe_heads)
-        return got.to(device=model.device, dtype=model.dtype if whole(layer) else got.dtype, non_blocking=True)
+        return got.to(model.device, non_blocking=True)
 
     with LayerLoader(fetch, c.layers, overlap=overlap, name="sparse-load" if exact else "sparse-probe") as loads:
         for layer in range(c.layers):

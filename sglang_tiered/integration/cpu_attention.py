@@ -70,20 +70,17 @@ class CPUAttention:
                encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
                sliding_window_size=None):
         if _supported(encoder_lens, is_cross_attn, sliding_window_size):
-            lens = seq_lens.tolist()
-            try:
+            try:  # (SGLang's own decode runs below, outside: its failures are not counted as ours)
                 faults.check("cpu_attention")
                 door, rids = self.rt.door, getattr(self._batch, "rids", None)
                 sparse = door.loader("sparse") if door is not None else None
                 if sparse is not None and rids and any(sparse.holes(rid) is not None for rid in rids):
                     return self._decode_over_holes(sparse, query, output, k_cache, v_cache, req_to_token,
-                                                   req_pool_indices, lens, scaling)
-                if self.holes_only:
-                    return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-                                    seq_lens, encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
-                                    is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
-                return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices, [n - 1 for n in lens],
-                                        [1] * len(lens), scale=scaling, out=output)
+                                                   req_pool_indices, seq_lens.tolist(), scaling)
+                if not self.holes_only:  # (on a GPU the lengths' read-back would wait for the device every layer)
+                    lens = seq_lens.tolist()
+                    return extend_attention(query, k_cache, v_cache, req_to_token, req_pool_indices,
+                                            [n - 1 for n in lens], [1] * len(lens), scale=scaling, out=output)
             except Exception:
                 self._failed()
         return original(backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -51,6 +51,26 @@ def blend_lines(server: ServerProcess, since: int = 0) -> list[str]:
     return server.log_lines("tiered blend: rid", since)
 
 
+def marked_ids(tok, parts: list[str]) -> tuple[list[int], list[int]]:
+    """`parts` tokenized one by one by `tok`, as the separator split does: (the prompt's ids, the part lengths)."""
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
+    return sum(ids, []), [len(x) for x in ids]
+
+
+def ask_ids(s: ServerProcess, input_ids: list[int], chunks: list[int] | None, salt: str | None = None,
+            new: int = 12) -> dict:
+    """Greedy /generate of `input_ids`, marked with the part lengths `chunks` (None: unmarked)."""
+    params: dict = {"max_new_tokens": new, "temperature": 0}
+    if chunks is not None:
+        params["custom_params"] = {"tiered_chunks": chunks}
+    body: dict = {"input_ids": input_ids, "sampling_params": params}
+    if salt is not None:
+        body["cache_salt"] = salt
+    status, out = s.request("/generate", body)
+    assert status == 200, out
+    return out
+
+
 def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path, shared_server):
     s = shared_server
     mark = s.log_mark()
@@ -107,21 +127,12 @@ def test_blended_kv_is_kept_in_the_tree_under_its_own_namespace(shared_server, m
     tok = AutoTokenizer.from_pretrained(model_dir)
     chunk_c = "Bruno repairs clocks in the Cedar Workshop. " + FILLER
     chunk_d = FILLER + "The Cedar Workshop stands in Oslo, by the harbour."
-    parts = [HEAD, chunk_c, chunk_d, "\nQuestion: Where does Bruno repair clocks?<|im_end|>\n<|im_start|>assistant\n"]
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
-    flat, lengths = sum(ids, []), [len(x) for x in ids]
+    question = "\nQuestion: Where does Bruno repair clocks?<|im_end|>\n<|im_start|>assistant\n"
+    flat, lengths = marked_ids(tok, [HEAD, chunk_c, chunk_d, question])
     s = shared_server
 
     def ask(input_ids: list[int], chunks: list[int] | None, salt: str | None = None) -> dict:
-        params: dict = {"max_new_tokens": 12, "temperature": 0}
-        if chunks is not None:
-            params["custom_params"] = {"tiered_chunks": chunks}
-        body: dict = {"input_ids": input_ids, "sampling_params": params}
-        if salt is not None:
-            body["cache_salt"] = salt
-        status, out = s.request("/generate", body)
-        assert status == 200, out
-        return out
+        return ask_ids(s, input_ids, chunks, salt)
 
     pages = (len(flat) - 1) // 64 * 64
     assert pages >= 128, len(flat)
@@ -242,26 +253,14 @@ def test_full_mode_equals_sglang_prefill(fp32_server, model_dir):
     the greedy tokens of SGLang's own prefill of the same ids unmarked."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    parts = [HEAD, CHUNK_A, CHUNK_B, TAIL]
-    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in parts]
-    flat, lengths = sum(ids, []), [len(x) for x in ids]
+    flat, lengths = marked_ids(AutoTokenizer.from_pretrained(model_dir), [HEAD, CHUNK_A, CHUNK_B, TAIL])
     s = fp32_server
-
-    def ask(chunks: list[int] | None) -> dict:
-        params: dict = {"max_new_tokens": 24, "temperature": 0}
-        if chunks is not None:
-            params["custom_params"] = {"tiered_chunks": chunks}
-        status, out = s.request("/generate", {"input_ids": flat, "sampling_params": params})
-        assert status == 200, out
-        return out
-
     s.flush_cache()
     mark = s.log_mark()
-    native = ask(None)
+    native = ask_ids(s, flat, None, new=24)
     assert not blend_lines(s, mark)
     s.flush_cache()
-    blended = ask(lengths)
+    blended = ask_ids(s, flat, lengths, new=24)
     lines = blend_lines(s, mark)
     assert len(lines) == 1 and "mode=full" in lines[0], lines
     assert blended["output_ids"] == native["output_ids"]
