@@ -5,10 +5,11 @@ chunk appears.
 Seams (listed in plugin.py), registered in scheduler processes unless `--tiered-blend` is `off` or `prefix` (the
 separator is removed by blend_prompt.py and the prefill is SGLang's own):
 * a marked request to be blended prefills alone (`model_forward.prefill_alone`, the admission hook): it joins no
-  prefill batch that already has a request and nothing joins its batch (the refused request waits for the next
-  round), so concurrent marked requests are each blended instead of falling back. With `--enable-mixed-chunk`
-  decode rows still share its batch: it falls back. A marked request whose cached prefix covers every chunk (a
-  follow-up turn over blended KV) is not blended: SGLang extends it, batched like any request (`Blended`).
+  prefill batch that already has a request and nothing joins its batch (`policy.admission`: it stays queued, and
+  holds up no request behind it), so concurrent marked requests are each blended instead of falling back. With
+  `--enable-mixed-chunk` decode rows still share its batch: it falls back. A marked request whose cached prefix
+  covers every chunk (a follow-up turn over blended KV) is not blended: SGLang extends it, batched like any request
+  (`Blended`).
 * `BlendHandler` on the shared Llama forward hook (model_forward.py): an extend batch of exactly one marked
   request (no prompt-token logprobs, TP = PP = 1, nothing our engine cannot compute: `model_forward.engine_declines`).
   Tokens already in the request's KV slots -- a radix-cache hit, or the earlier pieces of a chunked prefill -- are

@@ -33,6 +33,7 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.integration import faults
+from sglang_tiered.policy.admission import admit
 
 if TYPE_CHECKING:
     from sglang_tiered.integration.runtime import Runtime
@@ -149,8 +150,8 @@ class ForwardHook:
 
     def prefill_alone(self, predicate: Callable[[Any], bool]) -> None:
         """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
-        request): such a request joins no prefill batch that already has a request, and nothing joins its batch;
-        the refused request waits for the next round, as when the token budget runs out. Seam (plugin.py):
+        request): such a request joins no prefill batch that already has a request, nothing joins its batch, and
+        it never holds up the requests queued behind it (`policy.admission`). Seam (plugin.py):
         `PrefillAdder.add_one_req` (AROUND), registered with the first predicate."""
         if not self._alone:
             from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -163,11 +164,12 @@ class ForwardHook:
         return any(p(req) for p in self._alone)
 
     def _around_add_one_req(self, original, adder, req, *args, **kwargs):
-        """If this check fails, SGLang's admission decides alone (logged and counted)."""
+        """Requests that prefill alone are admitted by `policy.admission.admit`; if this check fails, SGLang's
+        admission decides alone (logged and counted)."""
         try:
             faults.check("admission")
-            alone = bool(adder.can_run_list) and (self.prefills_alone(req) or
-                                                  any(self.prefills_alone(r) for r in adder.can_run_list))
+            verdict = admit([self.prefills_alone(r) for r in adder.can_run_list], self.prefills_alone(req),
+                            getattr(req, "tiered_yielded", False))
         except Exception as exc:
             self._admission_errors += 1
             self.rt.events.count("hook_errors")
@@ -175,12 +177,15 @@ class ForwardHook:
                 logger.exception("tiered: admission check failed; SGLang admits the request on its own")
             else:
                 logger.error("tiered: admission check failed (%s, failure %d)", exc, self._admission_errors)
-            alone = False
-        if alone:
-            from sglang.srt.managers.schedule_policy import AddReqResult
+            verdict = "join"
+        if verdict == "join":
+            return original(adder, req, *args, **kwargs)
+        from sglang.srt.managers.schedule_policy import AddReqResult
 
-            return AddReqResult.OTHER
-        return original(adder, req, *args, **kwargs)
+        if verdict == "skip" and not getattr(getattr(req, "kv", None), "holds_mamba", False):
+            req.tiered_yielded = True  # stays queued: SGLang walks on to the requests behind it
+            return AddReqResult.CONTINUE
+        return AddReqResult.OTHER
 
     def gate_background_writes(self) -> None:
         """CPU-only servers: SSD write-through waits while a forward runs (storage/foreground.py)."""
