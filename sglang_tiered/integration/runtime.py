@@ -160,7 +160,6 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         importance = ImportanceTable(page_size, directory=tier.dir, max_pages=max(1024, 4 * capacity // page_bytes),
                                      allot=lambda n: tier.meta.reserve(log, n),
                                      settle=lambda n: tier.meta.settle(log, n))
-        tier.on_leave = importance.forget
     if cfg.importance_load == "gated" and importance is not None:
         if layout != "layer_first" or namespace.dtype not in ITEMSIZE:
             raise NotImplementedError(f"--tiered-importance-load gated: needs the layer_first host layout and a "

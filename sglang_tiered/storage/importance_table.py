@@ -13,8 +13,9 @@ Contracts
   than twice the live pages' records it is rewritten (temporary file + rename, so a crash leaves the old one).
 * Bounded: the log's bytes count against the SSD tier's capacity (`allot(total bytes)` before each append and
   rewrite, False: not written, counted in `dropped`; `settle(bytes)` after a rewrite shrank it); at most `max_pages`
-  pages are known (the least recently updated forgotten first), and pages that leave the SSD tier are forgotten
-  (`forget`, safe to call from any thread and under any lock: applied at the next update).
+  pages are known, the least recently updated forgotten first. What a page's tokens taught is kept when the page
+  leaves the SSD tier: importance placement ranks the page's copies in device and host memory by it, and a page
+  computed again has the same key.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -56,7 +56,6 @@ class ImportanceTable:
         self.page_size, self.alpha = page_size, alpha
         self._allot, self._settle, self.max_pages = allot, settle, max_pages
         self._size = 0  # bytes of the log file
-        self._forgotten: deque[str] = deque()
         self.dropped = 0  # records not written: the SSD tier had no room for them
         self._pages: dict[str, PageImportance] = {}
         self._lock = threading.Lock()
@@ -78,7 +77,6 @@ class ImportanceTable:
         if len(important) != len(keys) * self.page_size:
             raise ValueError(f"{len(important)} verdicts for {len(keys)} pages of {self.page_size} tokens")
         with self._lock:
-            self._apply_forgotten()
             for p, key in enumerate(keys):
                 page = self._page(key)
                 self._observed += int(page.tokens[0] < 0)
@@ -89,7 +87,6 @@ class ImportanceTable:
     def reuse(self, keys: Sequence[str]) -> None:
         """A request reused pages `keys` (loaded them instead of computing them)."""
         with self._lock:
-            self._apply_forgotten()
             for key in keys:
                 page = self._page(key)
                 page.reuses += 1
@@ -118,15 +115,6 @@ class ImportanceTable:
         """Pages known, pages with observed importance, total reuses (for statistics; O(1))."""
         with self._lock:
             return {"pages": len(self._pages), "observed_pages": self._observed, "reuses": self._reuses}
-
-    def forget(self, keys: Iterable[str]) -> None:
-        """Pages that left the store: forgotten at the next update (their next record, if any, starts afresh).
-        Never blocks: callable under any lock."""
-        self._forgotten.extend(keys)
-
-    def _apply_forgotten(self) -> None:
-        while self._forgotten:
-            self._drop(self._forgotten.popleft())
 
     def _drop(self, key: str) -> None:
         page = self._pages.pop(key, None)

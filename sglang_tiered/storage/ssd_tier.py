@@ -103,8 +103,6 @@ class SSDTier:
         self.stats = TierStats()
         self._before_write = before_write
         self.stash: Optional[PayloadStash] = None  # payloads kept for the repacker (`attach_stash`)
-        self.on_leave: Optional[Callable[[list[str]], None]] = None  # page keys that left the tier (evicted, corrupt,
-        #                                                             cleared); called under the tier's lock
         self._index = DiskIndex(self.capacity_bytes, pinned=pinned)
         self._groups: dict[str, group_file.GroupMeta] = {}  # gid -> meta of a committed group
         self._lock = threading.Lock()
@@ -344,21 +342,15 @@ class SSDTier:
     def _path(self, key: str) -> Path:
         return entry_path(self.root, self.dir, key)
 
-    def _delete_locked(self, victims: Sequence[Victim], *, count: bool = True, left: bool = True) -> None:
+    def _delete_locked(self, victims: Sequence[Victim], *, count: bool = True) -> None:
         """Delete the victims' files (lock held: nobody reserves their room before they are gone). `count`: they
-        were evicted (not corrupt, cleared or grouped). `left`: their pages left the tier (not into a group)."""
+        were evicted (not corrupt, cleared or grouped)."""
         if not victims:
             return
-        pages: list[str] = []
         for v in victims:
-            if v.kind == "page":
-                pages.append(v.key)
             if v.key.startswith(GROUP_PREFIX):
-                meta = self._groups.pop(v.key[len(GROUP_PREFIX):], None)
-                pages.extend(meta.keys if meta is not None else ())
+                self._groups.pop(v.key[len(GROUP_PREFIX):], None)
             unlink_quiet(self._path(v.key))
-        if left and pages and self.on_leave is not None:
-            self.on_leave(pages)
         if count:
             self.stats.add(evicted_pages=len(victims), evicted_bytes=sum(v.size for v in victims))
 

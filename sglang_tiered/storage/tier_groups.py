@@ -83,7 +83,7 @@ class TierGroups:
             return False
         with self.tier._lock:
             self.tier._groups[gid] = committed
-            self.tier._delete_locked(self.tier._index.commit_group(entry, written, keys), count=False, left=False)
+            self.tier._delete_locked(self.tier._index.commit_group(entry, written, keys), count=False)
         self.tier.stats.add(repacked_groups=1, repacked_pages=len(keys), bytes_written=written)
         self.tier._publish_gauges()
         return True

@@ -1,38 +1,24 @@
-"""Importance capture and importance-aware placement in live servers (CPU, the embedded SmolLM2).
+"""Importance capture in live servers (CPU, the embedded SmolLM2).
 
 1. Capture is read-only: greedy output with capture on equals capture off (`--tiered-importance-heads 0`), and the
    importance table learns every complete page of every prompt under the keys the SSD tier files the pages under;
    it survives a restart (the log in the namespace directory).
-2. Placement: with a device pool of 2048 tokens, a prompt reused twice, then three other prompts pushing it out.
-   Under `lru` (SGLang's order) the reused prompt, least recently used, would leave device memory first (checked
-   by hand: its next request is a host hit); under `importance` it has the most reuses and stays, the other
-   prompts go. The answers equal LRU's. The test fails if the policy is silently ignored (SGLang's Rust tree core
-   takes no Python strategy).
+Importance-aware placement is tested on the store's server (tests/integration/test_store.py).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
-from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from sglang_tiered.server_process import cached_details, metric_total
 from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.conftest import PROMPT_CHARS
-from tests.integration.helpers import chosen_dtype, tiered_args
-from tests.rounding import SMOLLM2, rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 PAGE = 64
-
-
-def server(tmp: Path, name: str, *extra: str, max_tokens: int = 4096) -> ServerProcess:
-    return ServerProcess(tiered_args(tmp / f"ssd-{name}", "--enable-metrics", *extra, max_tokens=max_tokens),
-                         log_path=tmp / f"{name}.log")
 
 
 def prompt_page_keys(ids: list[int]) -> list[str]:
@@ -83,26 +69,3 @@ def test_capture_is_read_only_and_learns_every_page(essays, shared_server, torch
     assert all(((t >= 0) & (t <= 1)).all() for t in imp)
     share = sum(float(t.sum()) for t in imp) / (len(imp) * PAGE)
     assert 0.05 < share < 0.6, share  # ~ the 20 % ratio (pages observed by two prompts average their verdicts)
-
-
-def test_importance_placement_keeps_the_reused_prompt_on_device(tmp_path, essays, shared_server):
-    """Under LRU (SGLang's order) the popular prompt -- computed once, reused twice, then three other prompts -- is
-    the least recently used when the pool runs out, and leaves device memory first; a policy that were silently
-    ignored (SGLang's Rust tree core takes no Python strategy) would show exactly that. Under `importance` it has
-    the most reuses and stays. The answers equal those of the shared server (LRU placement)."""
-    long = [e for e in essays if len(e) == PROMPT_CHARS]  # about 700 tokens each: three fit in the pool, four do not
-    popular, others = long[30], long[31:34]
-    with server(tmp_path, "importance", "--tiered-placement", "importance", "--tiered-host-size", "2x",
-                "--dtype", chosen_dtype(shared_server), max_tokens=2048) as s:
-        first = [s.generate(popular, max_new_tokens=8) for _ in range(3)]  # computed once, reused twice
-        rest = [s.generate(text, max_new_tokens=8) for text in others]
-        again = s.generate(popular, max_new_tokens=8)
-        assert s.log_lines("tiered placement: importance on SGLang's python tree core")
-    assert cached_details(first[2])["device"] >= 640  # the popular prompt really was reused
-    assert cached_details(again)["device"] >= 640, cached_details(again)  # kept on device
-    lru = [shared_server.generate(t, max_new_tokens=8)["output_ids"] for t in (popular, *others)]
-    assert [r["output_ids"] for r in (first[0], *rest)] == lru
-    assert again["output_ids"] == first[2]["output_ids"]  # device hits of the same pages (a cold prefill's answer
-    # can differ from a hit's on a CPU whose kernels round a batch's rows by its shape: tests/rounding.py)
-    if rows_alone(getattr(torch, chosen_dtype(shared_server)), *SMOLLM2):
-        assert again["output_ids"] == first[0]["output_ids"]

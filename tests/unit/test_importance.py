@@ -158,11 +158,11 @@ def test_the_log_grows_only_as_far_as_the_ssd_tier_allots(tmp_path):
     t.close()
 
 
-def test_pages_that_left_the_store_are_forgotten_and_the_table_is_capped(tmp_path):
+def test_the_table_is_capped_least_recently_updated_first(tmp_path):
     t = ImportanceTable(4, max_pages=2)
     t.observe(MORE[:2], [True] * 8)
-    t.forget([MORE[0]])  # from the SSD tier's eviction, under its lock: applied at the next update
-    t.reuse(MORE[1:2])
-    assert t.get(MORE[0]) is None and t.coverage() == {"pages": 1, "observed_pages": 1, "reuses": 1}
-    t.observe(MORE[2:4], [False] * 8)  # a third and fourth page: the least recently updated goes
-    assert t.get(MORE[1]) is None and len(t) == 2 and t.get(MORE[3]) is not None
+    t.reuse(MORE[0:1])  # the first page is now the most recently updated
+    assert t.coverage() == {"pages": 2, "observed_pages": 2, "reuses": 1}
+    t.observe(MORE[2:3], [False] * 4)  # a third page: the least recently updated (the second) goes
+    assert t.get(MORE[1]) is None and len(t) == 2 and t.get(MORE[0]) is not None and t.get(MORE[2]) is not None
+    assert t.coverage() == {"pages": 2, "observed_pages": 2, "reuses": 1}
