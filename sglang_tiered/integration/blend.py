@@ -8,8 +8,8 @@ separator is removed by blend_prompt.py and the prefill is SGLang's own):
   prefill batch that already has a request and nothing joins its batch (`policy.admission`: it stays queued, and
   holds up no request behind it), so concurrent marked requests are each blended instead of falling back. With
   `--enable-mixed-chunk` decode rows still share its batch: it falls back. A marked request whose cached prefix
-  covers every chunk (a follow-up turn over blended KV) is not blended: SGLang extends it, batched like any request
-  (`Blended`).
+  covers every whole page of its chunks (a follow-up turn over blended KV) is not blended: SGLang extends it,
+  batched like any request (`Blended`).
 * `BlendHandler` on the shared Llama forward hook (model_forward.py): an extend batch of exactly one marked
   request (no prompt-token logprobs, TP = PP = 1, nothing our engine cannot compute: `model_forward.engine_declines`).
   Tokens already in the request's KV slots -- a radix-cache hit, or the earlier pieces of a chunked prefill -- are
@@ -62,22 +62,28 @@ def is_marked(req) -> bool:
 
 class Blended:
     """The prompts this process blended (a hash of the token ids and the tenant's seed), the most recent
-    `capacity`. A forward with chunk tokens left is blended; so is an identical repeat's (the prompt's last partial
-    page after a match on its blended pages: blended as the first ask computed it, so it answers the same); any
-    other forward of a marked request -- a follow-up turn whose match covers every chunk -- is SGLang's own extend
-    over the blended KV, batched like any request."""
+    `capacity`. A forward is blended when chunk tokens are left after its cached prefix beyond the last whole page
+    of the chunks (the radix tree holds whole pages only, so a follow-up turn over a blended prompt matches up to
+    that page and no further: its few chunk tokens left are SGLang's own extend, exact and batched like any
+    request); so are the later pieces of a blended request's chunked prefill, and an identical repeat's forward (the
+    prompt's last partial page after a match on its blended pages: blended as the first ask computed it, so it
+    answers the same)."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
         self._keys: OrderedDict[str, None] = OrderedDict()
 
-    def blends(self, req, prefix: int) -> bool:
+    def blends(self, req, prefix: int, page_size: int) -> bool:
         parts = options(req).chunks
         if parts is None:
             return False
-        return prefix < sum(parts[:-1]) or prompt_key(req) in self._keys
+        if getattr(req, "tiered_blended", False) or prompt_key(req) in self._keys:
+            return True
+        whole_pages = sum(parts[:-1]) // page_size * page_size
+        return prefix == 0 or prefix < whole_pages
 
     def add(self, req) -> None:
+        req.tiered_blended = True
         key = prompt_key(req)
         self._keys[key] = None
         self._keys.move_to_end(key)
@@ -126,7 +132,8 @@ class BlendHandler(model_forward.ForwardHandler):
         if not fb.rids:
             return None
         prefix = dict(zip(fb.rids, fb.extend_prefix_lens_cpu))
-        marked = [r for r in self.rt.forward.batch_requests(fb) if self.blended.blends(r, int(prefix[r.rid]))]
+        page = self.page_size()
+        marked = [r for r in self.rt.forward.batch_requests(fb) if self.blended.blends(r, int(prefix[r.rid]), page)]
         if not marked:
             return None
         req = marked[0]
@@ -145,7 +152,10 @@ class BlendHandler(model_forward.ForwardHandler):
 
     def prefills_alone(self, req) -> bool:
         """The admission predicate: a request whose forward will be blended prefills alone."""
-        return self.blended.blends(req, matched(req))
+        return self.blended.blends(req, matched(req), self.page_size())
+
+    def page_size(self) -> int:
+        return self.rt.store.page_size if self.rt.store is not None else 1
 
     def _unsupported(self, module, req) -> Optional[str]:
         declined = self.declines(req)
