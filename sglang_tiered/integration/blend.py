@@ -65,9 +65,9 @@ class Blended:
     `capacity`. A forward is blended when chunk tokens are left after its cached prefix beyond the last whole page
     of the chunks (the radix tree holds whole pages only, so a follow-up turn over a blended prompt matches up to
     that page and no further: its few chunk tokens left are SGLang's own extend, exact and batched like any
-    request); so are the later pieces of a blended request's chunked prefill, and an identical repeat's forward (the
-    prompt's last partial page after a match on its blended pages: blended as the first ask computed it, so it
-    answers the same)."""
+    request); so are the later pieces of a blended request's chunked prefill (its prompt is recorded after the first
+    piece), and an identical repeat's forward (the prompt's last partial page after a match on its blended pages:
+    blended as the first ask computed it, so it answers the same)."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
@@ -77,13 +77,12 @@ class Blended:
         parts = options(req).chunks
         if parts is None:
             return False
-        if getattr(req, "tiered_blended", False) or prompt_key(req) in self._keys:
+        if prompt_key(req) in self._keys:  # a repeat, or a later piece of a blended chunked prefill
             return True
         whole_pages = sum(parts[:-1]) // page_size * page_size
         return prefix == 0 or prefix < whole_pages
 
     def add(self, req) -> None:
-        req.tiered_blended = True
         key = prompt_key(req)
         self._keys[key] = None
         self._keys.move_to_end(key)
