@@ -22,13 +22,6 @@ from sglang_tiered.server_process import ServerProcess, essay_texts
 from tests.integration.helpers import chosen_dtype, tiered_args
 
 PROMPT_CHARS = 2800  # about 700 tokens = 10 full 64-token pages
-FIRST = ("test_remote.py",)  # run before any session server exists: they start two servers of their own at once
-
-
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """SGLang refuses a host KV pool unless 10 GiB of host memory stay free, so the modules that run several servers
-    at once go first, while no session-scoped server holds memory."""
-    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
