@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-SESSION_SERVERS = frozenset({"shared_server", "fp32_server", "torch_native_server"})
+SESSION_SERVERS = frozenset({"shared_server", "fp32_server"})
 SESSION_GROUP = "session-servers"
 BEFORE_SESSION_SERVERS = ("tests/integration/test_remote.py",)
 

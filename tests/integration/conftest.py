@@ -19,7 +19,7 @@ import pytest
 
 from sglang_tiered.models import default_model_path
 from sglang_tiered.server_process import ServerProcess, essay_texts
-from tests.integration.helpers import chosen_dtype, tiered_args
+from tests.integration.helpers import tiered_args
 
 PROMPT_CHARS = 2800  # about 700 tokens = 10 full 64-token pages
 
@@ -65,15 +65,4 @@ def fp32_server(tmp_path_factory) -> Iterator[ServerProcess]:
                        max_tokens=8192)
     with ServerProcess(args, log_path=tmp / "fp32.log") as server:
         server.ssd = tmp / "ssd"
-        yield server
-
-
-@pytest.fixture(scope="session")
-def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
-    """The shared configuration with SGLang's `torch_native` CPU attention, `--tiered-blend off` and importance
-    capture off, in the dtype the shared server chose (so that their outputs compare token for token)."""
-    tmp = tmp_path_factory.mktemp("torch-native")
-    args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
-                       "--tiered-importance-heads", "0", "--dtype", chosen_dtype(shared_server))
-    with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
         yield server

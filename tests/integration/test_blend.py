@@ -10,8 +10,8 @@ The answer needs facts from two chunks ("Alice works at the Amber Museum." / "Th
 5. marked requests sent together with plain ones each prefill alone and are all blended (counted in /metrics, no
    fallback); with chunked prefill in 128-token pieces a prompt is blended piece by piece; with --enable-mixed-chunk
    a marked request that shares its forward with decode rows gets a normal prefill, logged and counted;
-and `--tiered-blend full` (the blend machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly;
-`--tiered-blend off` leaves the separator in the text.
+and `--tiered-blend full` (the blend machinery, every token recomputed) in fp32 equals SGLang's own prefill exactly
+(`--tiered-blend off`, which leaves the separator in the text: tests/integration/test_torch_native.py).
 """
 
 from __future__ import annotations
@@ -266,14 +266,6 @@ def test_full_mode_equals_sglang_prefill(fp32_server, model_dir):
     lines = blend_lines(s, mark)
     assert len(lines) == 1 and "mode=full" in lines[0], lines
     assert blended["output_ids"] == native["output_ids"]
-
-
-def test_off_leaves_the_separator_alone(shared_server, torch_native_server):
-    """`--tiered-blend off` (the torch_native server runs it): the separator is text, so the prompt is longer than
-    the same prompt with the separators removed (the shared server blends)."""
-    off = torch_native_server.generate(PROMPT, max_new_tokens=1)
-    split = shared_server.generate(PROMPT, max_new_tokens=1)
-    assert off["meta_info"]["prompt_tokens"] > split["meta_info"]["prompt_tokens"]
 
 
 @pytest.fixture(scope="module")

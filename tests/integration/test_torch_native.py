@@ -1,0 +1,119 @@
+"""The shared server against one of the same configuration with SGLang's `torch_native` CPU attention,
+`--tiered-blend off` and importance capture off (`--tiered-importance-heads 0`), in the dtype the shared server chose
+(one server for the module):
+
+1. the prefix-aware CPU attention: greedy tokens identical to `torch_native`'s, cold and on a cache hit, for prompts
+   of several lengths;
+2. importance capture is read-only: greedy output with capture on equals capture off, and the importance table learns
+   every complete page of every prompt under the keys the SSD tier files the pages under; it survives a restart (the
+   log in the namespace directory). Importance-aware placement is tested on the store's server (test_store.py);
+3. `--tiered-blend off` leaves the chunk separator in the text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
+from sglang_tiered.storage.importance_table import ImportanceTable
+from sglang_tiered.storage.page_file import PAGE_SUFFIX
+from tests.integration.helpers import chosen_dtype, tiered_args
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+NEW_TOKENS = 24
+PAGE = 64
+SEP = "<|chunk|>"
+MARKED = "Alice works at the Amber Museum." + SEP + "The Amber Museum is in Lisbon." + SEP + "Where does Alice work?"
+
+
+@pytest.fixture(scope="module")
+def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("torch-native")
+    args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
+                       "--tiered-importance-heads", "0", "--dtype", chosen_dtype(shared_server))
+    with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
+        yield server
+
+
+def run_prompts(server: ServerProcess, prompts: list[str]) -> list[tuple[list[int], dict]]:
+    server.flush_cache()
+    outs = []
+    for text in prompts:
+        for _ in range(2):  # cold, then a device hit
+            r = server.generate(text, max_new_tokens=NEW_TOKENS)
+            outs.append((r["output_ids"], cached_details(r)))
+    return outs
+
+
+def test_prefix_aware_attention_matches_torch_native(shared_server, torch_native_server, essays):
+    prompts = [essays[10][:300], essays[11][:1500], essays[12][:2800] + essays[13][:2000]]
+    ours = run_prompts(shared_server, prompts)
+    theirs = run_prompts(torch_native_server, prompts)
+    for (our_ids, our_cache), (their_ids, their_cache) in zip(ours, theirs, strict=True):
+        assert our_cache == their_cache
+        assert our_ids == their_ids
+    hits = [c["device"] for _, c in ours[1::2]]
+    assert all(h >= 64 for h in hits), hits  # the second send of each prompt really was a cache hit
+    assert [ids for ids, _ in ours[0::2]] == [ids for ids, _ in ours[1::2]]  # hit == cold
+
+
+def prompt_page_keys(ids: list[int]) -> list[str]:
+    """Storage keys of the complete pages of a prompt (SGLang's hash chain, what the SSD tier files pages under)."""
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    n = len(ids) // PAGE * PAGE
+    return list(get_storage_hash_str(RadixKey(array("q", ids[:n])), None, page_size=PAGE)) if n else []
+
+
+def test_capture_is_read_only_and_learns_every_page(essays, shared_server, torch_native_server):
+    """The torch_native server runs with capture off (`--tiered-importance-heads 0`) in the shared server's dtype;
+    the test above shows the two attention paths agree token for token, so equal outputs here mean capture changed
+    nothing."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(shared_server.model_dir)
+    texts = [essays[20], essays[21][:1200], essays[20] + essays[22][:800]]  # the third extends the first
+    prompts = [tok(t)["input_ids"] for t in texts]
+    off = [torch_native_server.generate_ids(p, max_new_tokens=16)["output_ids"] for p in prompts]
+    mark = shared_server.log_mark()
+    shared_server.flush_cache()
+    before = shared_server.get("/metrics")
+    on = [shared_server.generate_ids(p, max_new_tokens=16) for p in prompts]
+    assert [r["output_ids"] for r in on] == off
+    assert not shared_server.log_lines("tiered importance: capture failed", mark)
+    after = shared_server.get("/metrics")
+    scored = metric_total(after, "sglang_tiered:importance_prompts_total") - \
+        metric_total(before, "sglang_tiered:importance_prompts_total")
+    assert scored == len(prompts)
+
+    # every complete page of each prompt is known, under the key the SSD tier files it under
+    keys = {k for p in prompts for k in prompt_page_keys(p)}
+    ns_dir = next(p.parent for p in shared_server.ssd.glob("*/NAMESPACE.json"))
+    deadline = time.monotonic() + 30
+    while not all((ns_dir / k[:2] / f"{k}{PAGE_SUFFIX}").exists() for k in keys) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all((ns_dir / k[:2] / f"{k}{PAGE_SUFFIX}").exists() for k in keys)  # written through under these keys
+    table = ImportanceTable(PAGE, directory=ns_dir, readonly=True)  # a reader of the log, as after a restart
+    assert all(table.get(k) is not None for k in keys)
+    first = prompt_page_keys(prompts[0])
+    assert cached_details(on[2])["device"] >= 640  # the third prompt reused the first one's pages ...
+    assert all(table.get(k).reuses >= 1 for k in first)  # ... and they were counted as reused
+    imp = [table.get(k).tokens for k in keys]
+    assert all(((t >= 0) & (t <= 1)).all() for t in imp)
+    share = sum(float(t.sum()) for t in imp) / (len(imp) * PAGE)
+    assert 0.05 < share < 0.6, share  # ~ the 20 % ratio (pages observed by two prompts average their verdicts)
+
+
+def test_off_leaves_the_separator_alone(shared_server, torch_native_server):
+    """The separator is text under `--tiered-blend off`, so the prompt is longer than the same prompt with the
+    separators removed (the shared server blends)."""
+    off = torch_native_server.generate(MARKED, max_new_tokens=1)
+    split = shared_server.generate(MARKED, max_new_tokens=1)
+    assert off["meta_info"]["prompt_tokens"] > split["meta_info"]["prompt_tokens"]
