@@ -11,10 +11,10 @@ args=()
 for a in "$@"; do
     if [ "$a" = "--quick" ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done
-# Two workers (pytest-xdist; tests/conftest.py groups the tests, the longest group first) and torch on one thread
+# Two workers (pytest-xdist; tests/conftest.py makes the work units, the longest first) and torch on one thread
 # in every process: on 2 cores two servers with torch's two threads each spin against each other (the same requests
 # took 225 s on two servers at once, 30 s on one after the other, 20 s at once with one thread each).
 # TEST_WORKERS=0: one process.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder -ra -p no:cacheprovider \
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --no-loadscope-reorder -ra -p no:cacheprovider \
     --durations=15 "${args[@]}"
