@@ -18,7 +18,6 @@ SESSION_SERVERS = frozenset({"shared_server", "fp32_server"})
 SESSION_MODULES = (
     "tests/integration/test_remote.py",  # first
     "tests/integration/test_blend.py",
-    "tests/integration/test_kvpr.py",
     "tests/integration/test_meet_load.py",
     "tests/integration/test_requests.py",
     "tests/integration/test_runahead.py",

@@ -8,7 +8,7 @@ forced at 0 (every page recomputed from activations), one page, the middle, all 
 page computed from token ids), and with a device-cached prefix ahead of the span: the greedy output is identical
 every time. A corrupt activation page is loaded as KV (counted, identical); a KV page gone from disk makes SGLang
 compute the span (counted, identical). A prompt that SGLang prefills in pieces (longer than `--chunked-prefill-size`)
-is never planned: it keeps SGLang's own load. On the GQA default model no activations are stored, and it says why.
+is never planned: it keeps SGLang's own load.
 Activation pages count against the one SSD capacity: the directory never exceeds it while prompts flood it, and a
 stored prompt still loads exactly.
 """
@@ -130,12 +130,6 @@ def test_a_bad_kvpr_parameter_is_a_400(mha_server):
     status, _ = mha_server.request("/generate", {"text": "hello", "sampling_params": {
         "max_new_tokens": 2, "custom_params": {"tiered_kvpr": -5}}})
     assert status == 400
-
-
-def test_the_gqa_default_model_keeps_l_zero_and_says_why(shared_server):
-    lines = shared_server.log_lines("tiered kvpr: no activations stored for this model")
-    assert lines and "1.50x" in lines[0] and "GQA" in lines[0]
-    assert not list(Path(shared_server.args[shared_server.args.index("--tiered-ssd-dir") + 1]).glob("*/*/*.x.kvp"))
 
 
 def test_kvpr_profile_prints_what_the_server_measured(mha_server, tmp_path, essays):

@@ -6,7 +6,8 @@ SGLang's own L3 prefetch (the reference) and by the two-sided loader with the me
 `custom_params.tiered_kvpr` (tokens computed) at 0, one page, the middle, all but one page and all: greedy output
 identical every time, one log line per load naming the meet point. The same with a device-cached prefix ahead of
 the span. A corrupt page in the loaded half: a counted fallback, SGLang computes the span, the same output. Tokens
-our loader read are reported as SGLang reports its own L3 hits (`cached_tokens_details["storage"]`).
+our loader read are reported as SGLang reports its own L3 hits (`cached_tokens_details["storage"]`). No activations
+are stored for this model (GQA: they would be larger than the KV they replace), and the log says why.
 """
 
 from __future__ import annotations
@@ -129,3 +130,9 @@ def test_meet_points_give_sglangs_load_bit_for_bit_in_the_servers_dtype(shared_s
         out = ask(s, ids, split * PAGE, logprobs=True)
         assert f"met at page {split} of {pages}:" in meet_line(s, out)
         assert_as_sglangs_load(out, native, dtype, rows_alone(getattr(torch, dtype), *SMOLLM2), split)
+
+
+def test_the_gqa_default_model_keeps_l_zero_and_says_why(shared_server):
+    lines = shared_server.log_lines("tiered kvpr: no activations stored for this model")
+    assert lines and "1.50x" in lines[0] and "GQA" in lines[0]
+    assert not list(shared_server.ssd.glob("*/*/*.x.kvp"))
