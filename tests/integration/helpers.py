@@ -19,9 +19,14 @@ def copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, dirs_exist_ok=True)
 
 
+# SGLang's default prefetch policy ("timeout") gives a stored span 1 s + 0.25 s per 1024 tokens and then computes it;
+# on a 2-core machine running two test workers a read can take longer. The tests ask what is loaded, not how fast.
+WAIT_FOR_STORAGE = ("--hicache-storage-prefetch-policy", "wait_complete")
+
+
 def tiered_args(ssd: Path, *extra: str, max_tokens: int = 4096) -> list[str]:
     return ["--kv-backend", "tiered", "--max-total-tokens", str(max_tokens), "--tiered-ssd-dir", str(ssd),
-            "--tiered-stats-interval", "0", *extra]
+            "--tiered-stats-interval", "0", *WAIT_FOR_STORAGE, *extra]
 
 
 def chosen_dtype(server: ServerProcess) -> str:

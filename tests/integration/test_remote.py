@@ -36,12 +36,8 @@ UP = "sglang_tiered:remote_up"
 
 
 def remote_server(tmp: Path, name: str, master, *extra: str) -> ServerProcess:
-    # (SGLang's default prefetch policy, "timeout", gives a stored span 1 s + 0.25 s per 1024 tokens and then computes
-    # it: a fetch of 10 pages, ~30 MB of float32 KV, over TCP on a loaded 2-core machine can take longer. This test
-    # asks what is shared, not how fast, so its servers wait for the fetch.)
     args = tiered_args(tmp / f"ssd-{name}", *master.server_args(), "--tiered-remote-segment", "64M",
-                       "--tiered-host-size", "2x", "--enable-metrics", "--hicache-storage-prefetch-policy",
-                       "wait_complete", *extra, max_tokens=2048)
+                       "--tiered-host-size", "2x", "--enable-metrics", *extra, max_tokens=2048)
     return ServerProcess(args, log_path=tmp / f"{name}.log")
 
 
