@@ -23,7 +23,7 @@ import pytest
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, send_until
 from sglang_tiered.storage.geometry import KVGeometry
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.helpers import WAIT_FOR_STORAGE, answers, chosen_dtype, flip_middle_byte, wait_for_metric
+from tests.integration.helpers import answers, chosen_dtype, flip_middle_byte, tiered_args, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -38,8 +38,7 @@ def page_bytes(dtype: str) -> int:
 
 def tiered_server(tmp: Path, ssd: Path, name: str, *extra: str, model: str = "smollm2",
                   env: Optional[dict] = None) -> ServerProcess:
-    args = ["--kv-backend", "tiered", "--max-total-tokens", str(DEVICE_TOKENS), "--tiered-host-size", "2x",
-            "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0", *WAIT_FOR_STORAGE, *extra]
+    args = tiered_args(ssd, "--tiered-host-size", "2x", *extra, max_tokens=DEVICE_TOKENS)
     return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model, env=env)
 
 
