@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from sglang_tiered.server_process import ServerProcess, metric_total, process_alive
+from tests.integration.helpers import tiered_args
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -33,8 +34,7 @@ TIMEOUT_S = 3
 
 
 def server(tmp: Path, name: str, *extra: str, model_path: str = "smollm2") -> ServerProcess:
-    args = ["--kv-backend", "tiered", "--max-total-tokens", "8192", "--dtype", "float32",
-            "--tiered-ssd-dir", str(tmp / f"ssd-{name}"), "--tiered-stats-interval", "0", *extra]
+    args = tiered_args(tmp / f"ssd-{name}", "--dtype", "float32", *extra, max_tokens=8192)
     return ServerProcess(args, log_path=tmp / f"{name}.log", model_path=model_path)
 
 
