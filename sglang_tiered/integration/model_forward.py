@@ -25,6 +25,7 @@ yields to it (`gate_background_writes`, storage/foreground.py).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -39,6 +40,18 @@ if TYPE_CHECKING:
     from sglang_tiered.integration.runtime import Runtime
 
 logger = logging.getLogger("sglang_tiered")
+
+ADMISSION_ENV = "SGLANG_TIERED_ADMISSION"  # "close": the ablation of passing over solo requests (policy/admission.py)
+
+
+def admission_passes_over() -> bool:
+    """Whether admission passes over a request that prefills alone (the default) or closes the batch at it
+    (`SGLANG_TIERED_ADMISSION=close`, for the ablation in benchmarks/rag_turns.py). Raises ValueError on another
+    value."""
+    value = os.environ.get(ADMISSION_ENV, "pass-over")
+    if value not in ("pass-over", "close"):
+        raise ValueError(f"{ADMISSION_ENV} must be 'pass-over' or 'close', got {value!r}")
+    return value == "pass-over"
 
 
 def engine_declines(req) -> Optional[str]:
@@ -120,6 +133,7 @@ class ForwardHook:
         self.rt = rt
         self.handlers: list[ForwardHandler] = []
         self._alone: list[Callable[[Any], bool]] = []
+        self._pass_over = admission_passes_over()
         self._admission_errors = 0
         self._engines: dict[int, LlamaModel] = {}
         self._batch = threading.local()
@@ -169,7 +183,7 @@ class ForwardHook:
         try:
             faults.check("admission")
             verdict = admit([self.prefills_alone(r) for r in adder.can_run_list], self.prefills_alone(req),
-                            getattr(req, "tiered_yielded", False))
+                            getattr(req, "tiered_yielded", False), self._pass_over)
         except Exception as exc:
             self._admission_errors += 1
             self.rt.events.count("hook_errors")

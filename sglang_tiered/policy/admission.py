@@ -11,6 +11,8 @@ SGLang walks its waiting queue in order and asks for each request whether it joi
   request (a follow-up turn's short extend over cached KV) then never waits behind a solo forward queued ahead of
   it, and the solo request waits at most one round for them (FCFS order keeps it first in line until admitted).
 * `join`: SGLang's own admission decides (token budget, memory).
+With `pass_over=False` (an ablation: `SGLANG_TIERED_ADMISSION=close`) a request that prefills alone is never skipped:
+it closes the batch if the batch has a request, and joins an empty one.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from typing import Literal
 Verdict = Literal["join", "skip", "stop"]
 
 
-def admit(batch: Sequence[bool], alone: bool, yielded: bool) -> Verdict:
+def admit(batch: Sequence[bool], alone: bool, yielded: bool, pass_over: bool = True) -> Verdict:
     """`batch`: for each request already in the batch, whether it prefills alone; `alone`: whether the candidate
     does; `yielded`: whether the candidate has been skipped before (the caller records every `skip`)."""
     if any(batch):
         return "stop"
     if not alone:
         return "join"
+    if not pass_over:
+        return "stop" if batch else "join"
     if batch or not yielded:
         return "skip"
     return "join"

@@ -41,3 +41,10 @@ def test_a_queue_walk_batches_ordinary_requests_past_solo_ones_and_admits_each_s
         queue = [q for q in queue if q not in batch]
         rounds.append([rid for rid, _ in batch])
     assert rounds == [["a1", "a2"], ["b1"], ["b2"]]
+
+
+def test_without_passing_over_a_solo_request_closes_the_batch_or_joins_an_empty_one():
+    assert admit([False], alone=True, yielded=False, pass_over=False) == "stop"
+    assert admit([], alone=True, yielded=False, pass_over=False) == "join"
+    assert admit([True], alone=False, yielded=False, pass_over=False) == "stop"
+    assert admit([False], alone=False, yielded=False, pass_over=False) == "join"
