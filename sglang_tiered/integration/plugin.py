@@ -23,8 +23,8 @@ the process's `runtime.Runtime`):
   2); registered with the first handler, or on CPU-only servers (where every forward is marked as foreground work
   that the SSD write-through waits for).
 * `PrefillAdder.add_one_req` (AROUND, `model_forward.py`): a request marked for blending, or whose stored span a
-  loader took at the door, prefills alone, and is passed over rather than holding up the requests queued behind it
-  (`policy/admission.py`).
+  loader took at the door, prefills alone: it closes a prefill batch that has a request and stays queued for the
+  next round (`policy/admission.py`).
 * `Scheduler._prefetch_kvcache` (AROUND, `door.py`): the one door for stored spans -- which loader (SGLang's L3
   prefetch, sparse, kvpr) serves a request's stored span, decided once per admission into `req.tiered_load` -- and
   retention pins (`custom_params.tiered_retain`).
