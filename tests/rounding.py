@@ -23,6 +23,11 @@ SMOLLM2 = (576, 3 * 64, 1536)  # the embedded model's hidden size, KV width and 
 PARTS = (1, 8, 16, 24, 32, 40, 48, 56, 60, 64, 100, 192, 256, 320, 512, 1024)  # row counts of the parts tried
 SEEDS = 3  # data sets tried by the attention probe (a kernel's difference shows only in some elements)
 
+# |log-prob difference| between two roundings of one computation, where rows do not round alone (measured on Intel
+# Xeons with AMX: KV pages computed apart, fp32 up to 5e-6, bf16 up to 0.17; prefix-aware attention against
+# torch_native, bf16 up to 0.12 -- one to two bf16 steps of a logit between 16 and 32, 0.125 each)
+LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.05}
+
 
 @functools.cache
 def linear_rows_alone(dtype: torch.dtype, shapes: tuple[tuple[int, int], ...]) -> bool:

@@ -7,6 +7,7 @@ import time
 
 from sglang_tiered.engine.llama import LlamaConfig
 from sglang_tiered.server_process import ServerProcess, metric_total
+from tests.rounding import LOGPROB_TOL
 
 MHA = LlamaConfig(hidden=576, layers=6, heads=9, kv_heads=9, head_dim=64, intermediate=1536, vocab=49152)
 PAGE = 64
@@ -34,11 +35,6 @@ def ask(s: ServerProcess, prompt: str | list[int], mode=None, logprobs: bool = F
 def token_logprobs(out: dict) -> list[float]:
     """The output tokens' log-probabilities of a reply to `ask(..., logprobs=True)`."""
     return [row[0] for row in out["meta_info"]["output_token_logprobs"]]
-
-
-# |log-prob difference| allowed where rows do not round alone (measured on an Intel Xeon with AMX: fp32 up to 5e-6,
-# bf16 up to 0.17 -- one to two bf16 steps of a logit between 16 and 32, 0.125 each)
-LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 0.5}
 
 
 def assert_as_sglangs_load(out: dict, native: dict, dtype: str, exact: bool, what) -> None:

@@ -22,14 +22,13 @@ import torch
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
-from tests.integration.helpers import chosen_dtype, tiered_args
-from tests.rounding import attention_rows_alone
+from tests.integration.helpers import SEP, chosen_dtype, tiered_args
+from tests.rounding import LOGPROB_TOL, attention_rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 NEW_TOKENS = 24
 PAGE = 64
-SEP = "<|chunk|>"
 MARKED = "Alice works at the Amber Museum." + SEP + "The Amber Museum is in Lisbon." + SEP + "Where does Alice work?"
 
 
@@ -40,9 +39,6 @@ def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProce
                        "--tiered-importance-heads", "0", "--dtype", chosen_dtype(shared_server))
     with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
         yield server
-
-
-LOGPROB_TOL = {"bfloat16": 0.25, "float16": 0.05, "float32": 0.01}  # two roundings of one computation differ by less
 
 
 def greedy(server: ServerProcess, prompt: str | list[int], max_new_tokens: int = NEW_TOKENS) -> dict:
