@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_tiered.config import TieredConfig
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from tests.rounding import SMOLLM2, rows_alone
 
@@ -18,6 +19,8 @@ from tests.rounding import SMOLLM2, rows_alone
 def copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, dirs_exist_ok=True)
 
+
+SEP = TieredConfig.blend_separator  # the default chunk separator (`--tiered-blend-separator`)
 
 # SGLang's default prefetch policy ("timeout") gives a stored span 1 s + 0.25 s per 1024 tokens and then computes it;
 # on a 2-core machine running two test workers a read can take longer. The tests ask what is loaded, not how fast.

@@ -26,9 +26,8 @@ from pathlib import Path
 import pytest
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
-from tests.integration.helpers import copy_tree, tiered_args
+from tests.integration.helpers import SEP, copy_tree, tiered_args
 
-SEP = "<|chunk|>"
 FILLER = "The weather was mild that spring and the gardens along the river were full of visitors. " * 3
 CHUNK_A = "Alice works at the Amber Museum. " + FILLER
 CHUNK_B = FILLER + "The Amber Museum is in Lisbon."

@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
+from tests.integration.helpers import SEP
+
 pytestmark = pytest.mark.server
 
-SEP = "<|chunk|>"
 GOOD = "The gardens along the river were full of visitors because"
 CHAT = "/v1/chat/completions"
 
