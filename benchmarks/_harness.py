@@ -311,8 +311,13 @@ def plot(results: dict, path: Path, title: str) -> None:
 def bootstrap(xs: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
     """95 % percentile interval of the mean of `xs` (seeded): of paired differences, the paired interval."""
     rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(draws))
-    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
+    return interval95([statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(draws)])
+
+
+def interval95(values: list[float]) -> list[float]:
+    """The 95 % percentile interval [low, high] of bootstrap values."""
+    v = sorted(values)
+    return [v[int(0.025 * len(v))], v[int(0.975 * len(v)) - 1]]
 
 
 def describe_run() -> dict:

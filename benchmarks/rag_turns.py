@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, auto_dtype, machine, machine_class, save  # noqa: E402
+from _harness import RESULTS, auto_dtype, interval95, machine, machine_class, save  # noqa: E402
 from hotpotqa import SYSTEM, load_questions, prompt, stream  # noqa: E402
 
 from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm  # noqa: E402
@@ -123,8 +123,7 @@ def ratio_draws(p: dict, b: dict, turns: str, draws: int = 2000, seed: int = 0) 
 
 def interval(values: list[float]) -> list[float]:
     """The 95 % percentile interval of bootstrap values, rounded."""
-    v = sorted(values)
-    return [round(v[int(0.025 * len(v))], 3), round(v[int(0.975 * len(v)) - 1], 3)]
+    return [round(x, 3) for x in interval95(values)]
 
 
 def geomean(xs: list[float]) -> float:
@@ -149,15 +148,14 @@ def summary(results: dict, dtype: str, conversations: int) -> dict:
             continue
         later, later_draws = ratio("later_ratio", p, b, "later")
         first, first_draws = ratio("first_speedup", p, b, "first", invert=True)
-        row = {"clients": c, "prefix_first_s": round(p["first_ttft_s"], 3),
-               "blend_first_s": round(b["first_ttft_s"], 3), "first_speedup": round(first, 2),
-               "first_speedup_ci": interval(first_draws), "prefix_later_s": round(p["later_ttft_s"], 3),
-               "blend_later_s": round(b["later_ttft_s"], 3), "later_ratio": round(later, 3),
-               "later_ratio_ci": interval(later_draws), "prefix_turns_per_s": round(p["turns_per_s"], 3),
-               "blend_turns_per_s": round(b["turns_per_s"], 3), "prefix_cached": p["cached_tokens"],
-               "blend_cached": b["cached_tokens"], "blend_chunk_reused": b["blended_reused_tokens"],
-               "prompt_tokens": p["prompt_tokens"]}
-        table.append(row)
+        table.append({"clients": c, "prefix_first_s": round(p["first_ttft_s"], 3),
+                      "blend_first_s": round(b["first_ttft_s"], 3), "first_speedup": round(first, 2),
+                      "first_speedup_ci": interval(first_draws), "prefix_later_s": round(p["later_ttft_s"], 3),
+                      "blend_later_s": round(b["later_ttft_s"], 3), "later_ratio": round(later, 3),
+                      "later_ratio_ci": interval(later_draws), "prefix_turns_per_s": round(p["turns_per_s"], 3),
+                      "blend_turns_per_s": round(b["turns_per_s"], 3), "prefix_cached": p["cached_tokens"],
+                      "blend_cached": b["cached_tokens"], "blend_chunk_reused": b["blended_reused_tokens"],
+               "prompt_tokens": p["prompt_tokens"]})
     out = {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table, "results": results}
     if not table:
         return {**out, "verdict": "no point measured in both modes"}
