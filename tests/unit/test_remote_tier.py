@@ -279,7 +279,8 @@ def test_a_refused_put_keeps_the_store_up_and_is_retried(tmp_path):
         assert b.fetch([(first[0], out)]) == [True] and joined(out) == joined(page(1))
         store.refuse_puts = False
         assert until(lambda: b.leading_hits(first + refused) == 2), "the refused page was not published"
-        assert a.stats.remote_published_pages == 2 and a.stats.remote_dropped_pages == 0
+        # (the page is visible to b as soon as the put returns; a counts it just after)
+        assert until(lambda: a.stats.remote_published_pages == 2) and a.stats.remote_dropped_pages == 0
     finally:
         for r in (a, b):
             r.close()
