@@ -21,6 +21,7 @@ compare token for token).
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -30,6 +31,7 @@ from sglang_tiered.integration.sparse import LOG_PATTERN
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
 from sglang_tiered.storage.group_file import read_meta
 from tests.integration.helpers import tiered_args, wait_for_metric
+from tests.integration.kvpr_helpers import PAGE
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -63,11 +65,17 @@ def ask(s: ServerProcess, text: str, mode: str | None = None, gate: str | None =
     return body
 
 
-def wait_for_repack(s: ServerProcess, since: int = 0) -> None:
+def wait_for_repack(s: ServerProcess, since: int = 0, pages: int = 1) -> None:
+    """Until a repack of at least `pages` pages is logged after `since` (a smaller one can be an earlier test's
+    pages, stored again)."""
+    def done() -> bool:
+        return any(int(m.group(1)) >= pages for line in s.log_lines("tiered repack:", since)
+                   if (m := re.search(r"tiered repack: (\d+) pages", line)))
+
     deadline = time.monotonic() + 60
-    while not s.log_lines("tiered repack:", since) and time.monotonic() < deadline:
+    while not done() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert s.log_lines("tiered repack:", since), "the prompt's pages were never repacked"
+    assert done(), f"the prompt's {pages} pages were never repacked"
 
 
 def test_repacked_pages_load_exactly_and_gated_loads_read_less(gated_server, essays):
@@ -195,7 +203,7 @@ def test_a_prompt_longer_than_one_extend_keeps_sglangs_load(gated_server, essays
     before = metric_total(s.get("/metrics"), "sglang_tiered:sparse_too_long_total")
     cold = ask(s, prompt)
     assert cold["meta_info"]["prompt_tokens"] > PIECE
-    wait_for_repack(s, mark)
+    wait_for_repack(s, mark, pages=cold["meta_info"]["prompt_tokens"] // PAGE)
     s.flush_cache()
     again = ask(s, prompt)
     too_long = s.log_lines("not loaded sparsely", mark)
