@@ -27,11 +27,15 @@ Per configuration: F1 and exact match with HotpotQA's official answer normalisat
 articles removed), bootstrap 95 % intervals; paired F1 difference to `prefix` with its interval; agreement with
 `prefix` (identical normalised answers, and identical first token); first-token KL(prefix || mode) over the union
 of the two top-20 sets (a token missing from one side's top 20 takes that side's 20th log-probability: a bound);
-TTFT median. Verdict: blend F1 >= prefix F1 - 0.02 at >= 2.5x lower TTFT.
+TTFT median. Verdict: blend F1 >= prefix F1 - 0.02 at >= 2.5x lower TTFT; and the selection that should be the
+default: position selection (`position K`, paired against deviation selection at the default ratio) only if it
+agrees with `prefix` at least as often at equal or lower TTFT -- of several K that do, the smallest -- else
+deviation.
 
     .venv/bin/python benchmarks/hotpotqa.py [--start 1000] [--questions 300] [--ratios 0.05 0.15 0.3]
 
-Writes benchmarks/results/hotpotqa.json and .png (TTFT against F1 per configuration) and prints one verdict line.
+Writes benchmarks/results/hotpotqa-<machine class>.json and .png (TTFT against F1 per configuration) and prints one
+verdict line.
 `--finish` summarises a run stopped early from the rows it saved after each configuration (naming what it lacks);
 `--resume` runs only the configurations the saved results lack, `--configs NAME...` only those named (the others'
 saved rows kept; the results record when each configuration was measured).
@@ -52,9 +56,10 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, auto_dtype, bootstrap, machine, save  # noqa: E402
+from _harness import RESULTS, auto_dtype, bootstrap, machine, machine_class, save  # noqa: E402
 
 from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm  # noqa: E402
 
@@ -276,6 +281,17 @@ def importance_vs_deviation(results: dict[str, list[dict]], default_ratio: float
     return out
 
 
+def default_select(versus: dict) -> Optional[str]:
+    """The selection the measured `position K` configurations make the default (None if none was measured):
+    `position K` for the smallest K that agrees with prefix at least as often as deviation selection at equal or
+    lower TTFT, else `deviation`."""
+    position = {int(n.split()[1]): v for n, v in versus.items() if n.startswith("position ")}
+    if not position:
+        return None
+    passing = sorted(k for k, v in position.items() if v["agreement_diff"] >= 0 and v["ttft_ratio"] <= 1)
+    return f"position {passing[0]}" if passing else "deviation"
+
+
 def plot(summary: dict, path: Path) -> None:
     import matplotlib
 
@@ -352,17 +368,22 @@ def main() -> int:
             if not warm:
                 results[name] = rows
                 measured[name] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-                save("hotpotqa", {"machine": machine(), "dtype": dtype, "start": a.start, "questions": len(questions),
-                                  "summary": summarize(results), "measured": measured, "rows": results,
-                                  "verdict": "partial"})
+                save(results_name(), {"machine": machine(), "dtype": dtype, "start": a.start,
+                                      "questions": len(questions), "summary": summarize(results),
+                                      "measured": measured, "rows": results, "verdict": "partial"})
     finish(results, a.default_ratio, dtype, a.start, len(questions), [], measured)
     return 0
+
+
+def results_name() -> str:
+    """The results file's name: one per machine class."""
+    return f"hotpotqa-{machine_class()}"
 
 
 def resumed(start: int, questions: int, dtype: str) -> tuple[dict[str, list[dict]], dict[str, str]]:
     """The rows of the saved run and when each configuration was measured, refused unless it asked the same
     questions in the same dtype."""
-    path = RESULTS / "hotpotqa.json"
+    path = RESULTS / f"{results_name()}.json"
     if not path.exists():  # nothing saved: only the configurations asked for
         return {}, {}
     saved = json.loads(path.read_text())
@@ -377,7 +398,7 @@ def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, sta
     """Summary, paired importance-vs-deviation comparison, plot and verdict of the measured configurations.
     `measured_on`: the machine the rows were measured on (default: this one)."""
     summary = summarize(results)
-    plot(summary, RESULTS / "hotpotqa.png")
+    plot(summary, RESULTS / f"{results_name()}.png")
     blend = summary[f"blend {default_ratio:g}"]
     ttft = blend.get("ttft_stored_s", blend["ttft_s"])  # the asks that found every chunk stored
     ok = blend["f1"] >= summary["prefix"]["f1"] - 0.02 and summary["prefix"]["ttft_s"] >= 2.5 * ttft
@@ -393,18 +414,23 @@ def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, sta
                     f"{v['f1_diff_ci'][1]:+.3f}), agreement with prefix {v['agreement_diff']:+.3f} (95 % "
                     f"{v['agreement_diff_ci'][0]:+.3f} .. {v['agreement_diff_ci'][1]:+.3f}), TTFT "
                     f"{v['ttft_ratio']:.2f}x")
+    default = default_select(versus)
+    if default is not None:
+        verdict += f"; default selection by the rule (position only if it agrees at least as often at equal or " \
+                   f"lower TTFT): {default}"
     if not_measured:
         verdict += f"; not measured in this run: {', '.join(not_measured)}"
-    save("hotpotqa", {"machine": measured_on or machine(), "dtype": dtype, "start": start, "questions": questions,
-                      "summary": summary, "importance_vs_deviation": versus, "not_measured": not_measured,
+    save(results_name(), {"machine": measured_on or machine(), "dtype": dtype, "start": start, "questions": questions,
+                      "summary": summary, "importance_vs_deviation": versus, "default_select": default,
+                          "not_measured": not_measured,
                       "measured": measured, "rows": results, "verdict": verdict})
     print("verdict:", verdict)
 
 
 def finish_saved(default_ratio: float, planned: list[str], logs: Path | None) -> None:
-    """`--finish`: summarise a run that was stopped early from the rows it saved (benchmarks/results/hotpotqa.json);
+    """`--finish`: summarise a run that was stopped early from the rows it saved (results_name());
     with `logs` (a copy of its server logs, `<configuration>.log`), each ask's count of chunks not stored."""
-    saved = json.loads((RESULTS / "hotpotqa.json").read_text())
+    saved = json.loads((RESULTS / f"{results_name()}.json").read_text())
     results = saved["rows"]
     for name, rows in results.items():
         log = logs / f"{name}.log" if logs else None
