@@ -54,7 +54,7 @@ from sglang_tiered.policy.loading import DEFAULT_RATIO, LoadingController
 
 MODES = ("full", "prefix", "reuse", "single", "blend")
 SELECTS = ("deviation", "importance", "position")
-POSITION_TOKENS = 16  # EPIC's LegoLink-16: the first tokens of each chunk recomputed under `select="position"`
+POSITION_TOKENS = 32  # the first tokens of each chunk recomputed under `select="position"` (EPIC's k <= 32)
 
 # (layer, span index) -> that stored span's KV of that layer, [span tokens, 2, kv_heads, head_dim], computed at
 # positions offset .. offset + length - 1. Called only for spans with `stored=True`, possibly from a loader thread.

@@ -85,7 +85,9 @@ def test_answer_from_two_chunks_then_from_the_store_and_from_ssd(tmp_path, share
     lines = blend_lines(s, mark)
     assert len(lines) == 3, lines
     assert "chunks=3 (new 3)" in lines[0] and "extend=[128," in lines[1], lines
-    assert re.search(r"computed=0\.[1-3]\d\d", lines[0]), lines[0]  # 2 full layers of 30 + ~15 % of the rest
+    # the default selection: the first 32 tokens of each chunk on every layer, the rest of each chunk reused
+    assert "select=position" in lines[0], lines[0]
+    assert 0.0 < float(re.search(r"computed=(\d\.\d+)", lines[0]).group(1)) < 1.0, lines[0]
     namespace = next(s.ssd.glob("*/NAMESPACE.json")).parent  # chunk KV lives in the server's one SSD tier:
     chunks = namespace / "chunks"  # one file per chunk, a segment per layer
     deadline = time.monotonic() + 30  # written through on a background thread
