@@ -287,13 +287,14 @@ FLAG_HELP: dict[str, str] = {
     "cpu_attention": "Without CUDA: 'prefix_aware' computes attention for the new tokens only (a cache hit costs the "
     "new tokens); 'torch_native' keeps SGLang's full-sequence attention. Default: prefix_aware.",
     "blend": "Prompts whose text marks chunks with --tiered-blend-separator reuse each chunk's stored KV wherever "
-    "it appears: 'blend' recomputes the most deviating tokens with gradual filtering (CacheBlend), 'single' selects "
+    "it appears: 'blend' recomputes some tokens of every chunk (which: --tiered-blend-select), 'single' selects "
     "them at one check layer (LMCache's scheme), 'reuse' recomputes none, 'full' recomputes all; 'prefix' and 'off' "
     "leave the prompt to SGLang's radix cache (the separator is still removed with 'prefix'). Default: blend.",
     "blend_separator": "Text that marks chunk boundaries; every part before the last separator is a reusable chunk, "
     "the part after it (the question) is always computed. Default: <|chunk|>.",
-    "blend_ratio": "Fraction of reused tokens recomputed per layer, the quality floor; the loading controller raises "
-    "it when loading is slower than recomputing. Default: 0.15.",
+    "blend_ratio": "Under --tiered-blend-select deviation or importance: the fraction of reused tokens recomputed "
+    "per layer, the quality floor; the loading controller raises it when loading is slower than recomputing. "
+    "Default: 0.15.",
     "blend_select": "How 'blend' and 'single' rank the reused tokens they recompute: 'deviation' (CacheBlend: how far "
     "a token's stored KV is from its fresh KV) or 'importance' (that and the attention the prompt's last "
     "--tiered-importance-window tokens give it, each as a share of its total), or 'position' (EPIC's LegoLink: no "
