@@ -421,9 +421,8 @@ def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, sta
     if not_measured:
         verdict += f"; not measured in this run: {', '.join(not_measured)}"
     save(results_name(), {"machine": measured_on or machine(), "dtype": dtype, "start": start, "questions": questions,
-                      "summary": summary, "importance_vs_deviation": versus, "default_select": default,
-                          "not_measured": not_measured,
-                      "measured": measured, "rows": results, "verdict": verdict})
+                          "summary": summary, "importance_vs_deviation": versus, "default_select": default,
+                          "not_measured": not_measured, "measured": measured, "rows": results, "verdict": verdict})
     print("verdict:", verdict)
 
 

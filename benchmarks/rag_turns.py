@@ -155,7 +155,7 @@ def summary(results: dict, dtype: str, conversations: int) -> dict:
                       "later_ratio_ci": interval(later_draws), "prefix_turns_per_s": round(p["turns_per_s"], 3),
                       "blend_turns_per_s": round(b["turns_per_s"], 3), "prefix_cached": p["cached_tokens"],
                       "blend_cached": b["cached_tokens"], "blend_chunk_reused": b["blended_reused_tokens"],
-               "prompt_tokens": p["prompt_tokens"]})
+                      "prompt_tokens": p["prompt_tokens"]})
     out = {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table, "results": results}
     if not table:
         return {**out, "verdict": "no point measured in both modes"}
