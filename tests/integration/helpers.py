@@ -21,6 +21,7 @@ def copy_tree(src: Path, dst: Path) -> None:
 
 
 SEP = TieredConfig.blend_separator  # the default chunk separator (`--tiered-blend-separator`)
+GOOD = "The gardens along the river were full of visitors because"  # a plain prompt that is served
 
 # SGLang's default prefetch policy ("timeout") gives a stored span 1 s + 0.25 s per 1024 tokens and then computes it;
 # on a 2-core machine running two test workers a read can take longer. The tests ask what is loaded, not how fast.

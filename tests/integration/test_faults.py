@@ -9,11 +9,10 @@ import time
 import pytest
 
 from sglang_tiered.server_process import ServerProcess, metric_total
-from tests.integration.helpers import SEP, tiered_args
+from tests.integration.helpers import GOOD, SEP, tiered_args
 
 pytestmark = pytest.mark.server
 
-GOOD = "The gardens along the river were full of visitors because"
 
 
 @pytest.mark.slow

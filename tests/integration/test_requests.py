@@ -9,11 +9,10 @@ import threading
 
 import pytest
 
-from tests.integration.helpers import SEP
+from tests.integration.helpers import GOOD, SEP
 
 pytestmark = pytest.mark.server
 
-GOOD = "The gardens along the river were full of visitors because"
 CHAT = "/v1/chat/completions"
 
 BAD = [  # (path, body, words the error message must contain)
