@@ -86,13 +86,6 @@ def observe(controller: LoadingController, result: BlendResult, reused_tokens: i
     controller.observe_compute(max(elapsed_s - result.load_wait_s, 1e-9), sum(result.computed))
 
 
-def rerotate_keys(model: LlamaModel, k: torch.Tensor, delta: int) -> torch.Tensor:
-    """Keys [n, H, D] that were RoPE-rotated at positions p, rotated to positions p + delta."""
-    if delta == 0:
-        return k
-    return model.rope(k, torch.full((k.shape[0],), delta, dtype=torch.int64))
-
-
 def filter_schedule(ratio: float, layers: int, check_layer: int, spread: float = 0.3) -> list[float]:
     """Fractions of reused tokens selected at layers check_layer .. layers-2 (the selection made at layer l is
     recomputed at layer l+1). Linear from ratio*(1+spread) down to ratio*(1-spread); the mean is `ratio`."""
@@ -129,8 +122,14 @@ def shares(*scores: torch.Tensor) -> torch.Tensor:
 
 
 def stored_kv_fetch(model: LlamaModel, spans: Sequence[Span], loader: SpanLoader) -> Callable[[int], torch.Tensor]:
-    """layer -> KV of all stored spans' tokens at that layer, in prompt order, keys re-rotated to their positions."""
+    """layer -> KV of all stored spans' tokens at that layer, in prompt order, keys re-rotated to their positions
+    (all spans' keys in one rotation, by rows computed once: 1,340 keys of 10 spans, bf16, two CPU threads:
+    0.38 ms per layer, 0.9 ms span by span)."""
     stored = [(i, s) for i, s in enumerate(spans) if s.stored]
+    if not stored:
+        return lambda layer: model.empty_kv(0)[0]
+    shift = torch.cat([torch.full((s.length,), s.start - s.offset, dtype=torch.int64) for _, s in stored])
+    rows = model.rope_rows(shift.to(model.device))
 
     def fetch(layer: int) -> torch.Tensor:
         parts = []
@@ -138,9 +137,10 @@ def stored_kv_fetch(model: LlamaModel, spans: Sequence[Span], loader: SpanLoader
             kv = loader(layer, i)
             if kv.shape[0] != span.length:
                 raise ValueError(f"stored KV has {kv.shape[0]} tokens for a span of {span.length}")
-            kv = kv.to(device=model.device, dtype=model.dtype)  # (stored KV is read into host memory)
-            parts.append(torch.stack([rerotate_keys(model, kv[:, 0], span.start - span.offset), kv[:, 1]], 1))
-        return torch.cat(parts) if parts else model.empty_kv(0)[0]
+            parts.append(kv)
+        kv = torch.cat(parts).to(device=model.device, dtype=model.dtype)  # (stored KV is read into host memory)
+        kv[:, 0] = model.rotate(kv[:, 0], rows)
+        return kv
 
     return fetch
 
@@ -243,6 +243,7 @@ def blend_prefill(
     kv = model.empty_kv(n)
     x = model.embed(ids[active])
     computed: list[int] = []
+    masks: dict = {}  # the attention masks of the current `active`, kept over layers while it stays the same
     with LayerLoader(stored_kv_fetch(model, spans, loader), layers, first=first_loaded, overlap=overlap,
                      name="blend-load") as stored:
         for layer in range(layers):
@@ -252,7 +253,7 @@ def blend_prefill(
                 kv[layer, reused_idx] = stored.get(layer)
             computed.append(active.shape[0])
             x, active = _layer(model, layer, x, active, kv[layer], reused_mask, reused_idx.shape[0],
-                               selection.fraction(layer), selection.window, p, trace)
+                               selection.fraction(layer), selection.window, p, masks, trace)
     if active[-1] != n - 1:
         raise AssertionError("the last prompt token must stay active (it is never part of a stored span)")
     return BlendResult(model.logits(x[-1:])[0], kv, computed, stored.wait_s, stored.load_s, hidden=x[-1])
@@ -260,13 +261,14 @@ def blend_prefill(
 
 def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor, kv: torch.Tensor,
            reused_mask: torch.Tensor, n_reused: int, fraction: Optional[float], window: int, prefix: int,
-           trace: Optional[Trace]) -> tuple[torch.Tensor, torch.Tensor]:
+           masks: dict, trace: Optional[Trace]) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer over the `active` tokens (hidden states `x`); `kv` [tokens, 2, H, D] holds this layer's stored
     and prefix KV and receives the active tokens' fresh KV. If `fraction` is set, the active reused tokens are
     re-ranked (by KV deviation; with `window` > 0 also by the attention the last `window` tokens give them) and
     only `fraction` of all reused tokens stay active (fresh tokens always do). A token that leaves has its fresh KV
     of this layer written, and nothing more: its attention and MLP here would only feed a hidden state no later
-    layer reads. Returns the next layer's (x, active)."""
+    layer reads. `masks` keeps the attention masks of `active` over layers (`positioned_attention`; emptied when
+    `active` shrinks). Returns the next layer's (x, active)."""
     q, k, v = model.qkv(layer, x, active)
     if fraction is not None:
         is_reused = reused_mask[active]
@@ -283,12 +285,13 @@ def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor,
         keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values  # rows of `active` kept
         if keep.shape[0] < active.shape[0]:
             q, x, active = q[keep], x[keep], active[keep]
+            masks.clear()
     if active.shape[0] == kv.shape[0] - prefix:
         attn = causal_attention(q, kv[:, 0], kv[:, 1], prefix)
     else:
         # selected tokens are spread over the prompt: small blocks keep the masked-out keys few
         # (460 of 3078 tokens, CPU: 17 ms per layer in blocks of 64, 20 ms in blocks of 256)
-        attn = positioned_attention(q, kv[:, 0], kv[:, 1], active, block=64)
+        attn = positioned_attention(q, kv[:, 0], kv[:, 1], active, block=64, masks=masks)
     if trace is not None:
         trace(layer, active, attn)
     return model.finish_layer(layer, x, attn), active

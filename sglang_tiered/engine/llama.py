@@ -161,14 +161,24 @@ class LlamaModel:
         return self.embed_tokens[ids].float()
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate [n, H, D] by absolute `positions` (Hugging Face's rotate-half convention). The cos/sin rows come
-        from a table (the same fp32 values as computing them per call), grown here for positions on the CPU; on
-        another device the caller reserves them first (`reserve_positions`: reading the largest position back
-        would wait for the device at every layer)."""
+        """Rotate [n, H, D] by absolute `positions` (Hugging Face's rotate-half convention): `rotate` by
+        `rope_rows(positions)`."""
+        return self.rotate(x, self.rope_rows(positions))
+
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, 1, head_dim] (fp32) of `positions`, for `rotate` (a caller rotating the same positions on
+        every layer keeps them). They come from a table (the same fp32 values as computing them per call), grown
+        here for positions on the CPU; on another device the caller reserves them first (`reserve_positions`:
+        reading the largest position back would wait for the device at every layer)."""
         table = self._rope_table  # (one read: a loader thread may swap in a grown table meanwhile)
         if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= table[0].shape[0]:
             table = self._rope_table = self._rope_rows(int(positions.max()) + 1)
-        cos, sin = table[0][positions][:, None, :], table[1][positions][:, None, :]
+        return table[0][positions][:, None, :], table[1][positions][:, None, :]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [n, H, D] rotated by `rows` (`rope_rows`), computed in fp32, rounded once to x's dtype."""
+        cos, sin = rows
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)

@@ -198,10 +198,13 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
         sp, ref = spans[j], refs[j]
         return store.layer(ref.key, layer, ref.length)[sp.offset : sp.offset + sp.length]
 
+    # a loader thread hides reads from the SSD and copies to a GPU; with every chunk in memory on a CPU it only
+    # takes cores from the layers' compute (a 1,355-token HotpotQA prompt, two threads: 0.21 s with it, 0.18 s without)
+    overlap = eng.device.type != "cpu" or not all(store.in_memory(r.key) for r in refs if r is not None)
     t1 = time.perf_counter()
     res = blend_prefill(eng, ids, spans, load, mode=rt.mode, ratio=ratio, prefix_len=prefix,
                         prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
-                        select=rt.select, window=rt.window, position_tokens=rt.position_tokens)
+                        select=rt.select, window=rt.window, position_tokens=rt.position_tokens, overlap=overlap)
     t_blend = time.perf_counter() - t1
     observe(rt.controller, res, reused, rt.token_layer_bytes, t_blend)
 

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from sglang_tiered.engine import blend as blend_engine
 from sglang_tiered.engine.blend import (
     MODES,
     Span,
     blend_prefill,
     filter_schedule,
     greedy_continue,
-    rerotate_keys,
     shares,
     top_deviation,
     top_rows,
@@ -64,16 +64,16 @@ def gqa():
 
 
 def test_rerotated_keys_equal_keys_computed_at_the_target_position(gqa):
+    """What blending relies on: keys rotated at positions p, rotated again by delta, are the keys at p + delta."""
     x = torch.randn(11, GQA.kv_heads, GQA.head_dim, generator=torch.Generator().manual_seed(0))
     at_zero = gqa.rope(x, torch.arange(11))
     for delta in (1, 37, 4000):
-        moved = rerotate_keys(gqa, at_zero, delta)
+        moved = gqa.rope(at_zero, torch.full((11,), delta))
         direct = gqa.rope(x, torch.arange(delta, delta + 11))
         exact = rope64(x, torch.arange(delta, delta + 11), GQA.rope_theta)
         # fp32 angles at position p are off by ~p * 2**-24 rad in both computations: compare against fp64
         direct_err = (direct.double() - exact).abs().max().item()
         assert (moved.double() - exact).abs().max().item() <= 2 * direct_err + 1e-5
-    assert rerotate_keys(gqa, at_zero, 0) is at_zero
 
 
 @pytest.mark.parametrize("mode", ["blend", "single"])
@@ -102,7 +102,7 @@ def test_full_reuse_computes_only_fresh_tokens_and_keeps_stored_kv(gqa):
     assert blended.computed == [13] * GQA.layers
     # the third span's stored keys, moved from position 0 to position 25, on every layer
     for layer in range(GQA.layers):
-        want_k = rerotate_keys(gqa, kvs[2][layer, :, 0], 25)
+        want_k = gqa.rope(kvs[2][layer, :, 0], torch.full((21,), 25))
         assert torch.equal(blended.kv[layer, 25:46, 0], want_k)
         assert torch.equal(blended.kv[layer, 25:46, 1], kvs[2][layer, :, 1])
     # layer 0 depends on the token alone: the fresh tokens' layer-0 KV equals full prefill's
@@ -213,6 +213,19 @@ def test_overlapped_loading_gives_the_same_result(gqa):
     a = run(gqa, ids, spans, mode="blend", ratio=0.2, overlap=True)
     b = run(gqa, ids, spans, mode="blend", ratio=0.2, overlap=False)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.kv, b.kv)
+
+
+@pytest.mark.parametrize("select", ["deviation", "position"])
+def test_attention_masks_kept_over_layers_change_no_bit(gqa, select, monkeypatch):
+    """The masks kept while the computed tokens stay the same (emptied when the selection shrinks) give what masks
+    built at every call give."""
+    ids, spans = prompt([70, 60, 80, 9], [True, True, True, False], GQA.vocab, seed=6)
+    kept = run(gqa, ids, spans, mode="blend", ratio=0.3, select=select)
+    per_call = blend_engine.positioned_attention
+    monkeypatch.setattr(blend_engine, "positioned_attention", lambda *a, masks, **kw: per_call(*a, **kw))
+    built = run(gqa, ids, spans, mode="blend", ratio=0.3, select=select)
+    assert len(set(kept.computed)) > 1 if select == "deviation" else min(kept.computed) > 64  # shrinks; >1 block
+    assert torch.equal(kept.logits, built.logits) and torch.equal(kept.kv, built.kv)
 
 
 def test_bad_inputs_are_rejected(gqa):

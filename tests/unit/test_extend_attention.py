@@ -104,6 +104,20 @@ def test_positioned_attention_blocks_and_gaps_match_a_dense_masked_softmax(block
     assert (causal_attention(q, k, v, 300) - positioned_attention(q, k, v, torch.arange(300, 700))).abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_positioned_attention_with_kept_masks_is_bit_for_bit_the_same(dtype):
+    """Masks built at the first call and kept for the next ones (other queries and keys, the same positions)."""
+    g = torch.Generator().manual_seed(9)
+    q_pos = torch.randperm(700, generator=g)[:150].sort().values
+    masks: dict = {}
+    for _ in range(2):
+        q = torch.randn(150, 6, 16, generator=g).to(dtype)
+        k, v = (torch.randn(700, 2, 16, generator=g).to(dtype) for _ in range(2))
+        got = positioned_attention(q, k, v, q_pos, block=64, masks=masks)
+        assert torch.equal(got, positioned_attention(q, k, v, q_pos, block=64))
+    assert len(masks) == 3
+
+
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (9, 3)])
 @pytest.mark.parametrize("n,total", [(5, 5), (7, 40), (64, 300)])
 def test_chunk_attention_is_causal_attention_of_the_last_queries(hq, hkv, n, total):
