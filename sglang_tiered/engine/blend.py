@@ -129,7 +129,7 @@ def stored_kv_fetch(model: LlamaModel, spans: Sequence[Span], loader: SpanLoader
     if not stored:
         return lambda layer: model.empty_kv(0)[0]
     shift = torch.cat([torch.full((s.length,), s.start - s.offset, dtype=torch.int64) for _, s in stored])
-    rows = model.rope_rows(shift.to(model.device))
+    rows = model.rope_rows(shift)  # (host positions: the table grows to them; a GPU model gets its rows there)
 
     def fetch(layer: int) -> torch.Tensor:
         parts = []
