@@ -23,12 +23,12 @@ from sglang_tiered.server_process import ServerProcess, cached_details, metric_t
 from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
 from tests.integration.helpers import SEP, chosen_dtype, tiered_args
+from tests.integration.kvpr_helpers import PAGE
 from tests.rounding import LOGPROB_TOL, attention_rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 NEW_TOKENS = 24
-PAGE = 64
 MARKED = "Alice works at the Amber Museum." + SEP + "The Amber Museum is in Lisbon." + SEP + "Where does Alice work?"
 
 
