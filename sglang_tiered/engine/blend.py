@@ -281,7 +281,7 @@ def _layer(model: LlamaModel, layer: int, x: torch.Tensor, active: torch.Tensor,
             w = active >= kv.shape[0] - window  # the window's rows (the question: fresh, always active)
             heard = window_scores(q[w], kv[:, 0], active[w], range(q.shape[1]))
             score = shares(score, heard[at])
-        chosen = rows[top_rows(score, math.ceil(fraction * n_reused))]
+        chosen = rows[top_rows(score, math.ceil(fraction * n_reused)).to(rows.device)]  # (scores on the model's device)
         keep = torch.cat([(~is_reused).nonzero().squeeze(1), chosen]).sort().values  # rows of `active` kept
         if keep.shape[0] < active.shape[0]:
             q, x, active = q[keep], x[keep], active[keep]

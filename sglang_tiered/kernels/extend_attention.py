@@ -72,7 +72,7 @@ def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
         if mask is None:
             if pos is None:
                 pos = q_pos.tolist() if host_positions is None else host_positions
-            mask = torch.arange(pos[j - 1] + 1, device=q.device)[None, :] <= q_pos[i:j, None]
+            mask = torch.arange(pos[j - 1] + 1, device=q.device)[None, :] <= q_pos[i:j, None].to(q.device)
             if masks is not None:
                 mask = masks[(i, q.dtype)] = torch.where(
                     mask, 0.0, torch.tensor(float("-inf"), dtype=q.dtype, device=q.device))
