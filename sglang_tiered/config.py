@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sglang_tiered.policy.importance import GATES
+from sglang_tiered.policy.loading import DEFAULT_RATIO, POSITION_TOKENS
 
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
@@ -80,9 +81,9 @@ class TieredConfig:
     cpu_attention: str = "prefix_aware"  # without CUDA: "prefix_aware" (ours) or "torch_native" (SGLang's)
     blend: str = "blend"  # blending of chunk KV for prompts marked with the separator; BLEND_CHOICES
     blend_separator: str = "<|chunk|>"  # marks chunk boundaries in a text prompt; removed before the model
-    blend_ratio: float = 0.15  # recompute ratio floor r* (the loading controller may go higher, never lower)
+    blend_ratio: float = DEFAULT_RATIO  # recompute ratio floor r* (the loading controller may go higher, never lower)
     blend_select: str = "position"  # how recomputed tokens are chosen; BLEND_SELECT_CHOICES
-    blend_position_tokens: int = 32  # `position` selection: the first tokens of each chunk recomputed
+    blend_position_tokens: int = POSITION_TOKENS  # `position` selection: the first tokens of each chunk recomputed
     blend_memory: str = "1G"  # bytes of chunk KV kept in host memory (then the SSD directory)
     runahead_ranks: int = 1  # chained prefill (KV-Runahead) over this many CPU ranks; 1 = off
     runahead_min_tokens: int = 2048  # new prompt tokens from which a prefill goes through the chain

@@ -50,11 +50,10 @@ from sglang_tiered.engine.layer_loader import LayerLoader
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.kernels.extend_attention import causal_attention, positioned_attention
 from sglang_tiered.kernels.importance import window_scores
-from sglang_tiered.policy.loading import DEFAULT_RATIO, LoadingController
+from sglang_tiered.policy.loading import DEFAULT_RATIO, POSITION_TOKENS, LoadingController
 
 MODES = ("full", "prefix", "reuse", "single", "blend")
 SELECTS = ("deviation", "importance", "position")
-POSITION_TOKENS = 32  # the first tokens of each chunk recomputed under `select="position"` (EPIC's k <= 32)
 
 # (layer, span index) -> that stored span's KV of that layer, [span tokens, 2, kv_heads, head_dim], computed at
 # positions offset .. offset + length - 1. Called only for spans with `stored=True`, possibly from a loader thread.

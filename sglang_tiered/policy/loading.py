@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_RATIO = 0.15  # the quality floor r*: fraction of reused tokens recomputed per layer
+POSITION_TOKENS = 32  # the first tokens of each chunk recomputed under position selection (EPIC's k <= 32)
 
 
 @dataclass

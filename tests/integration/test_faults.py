@@ -14,7 +14,6 @@ from tests.integration.helpers import GOOD, SEP, tiered_args
 pytestmark = pytest.mark.server
 
 
-
 @pytest.mark.slow
 def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
     """Every hook of ours that runs in a forward raises (SGLANG_TIERED_TEST_FAULTS): marked and plain requests are
