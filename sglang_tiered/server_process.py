@@ -1,12 +1,11 @@
 """Start and stop an SGLang server in its own process group on 127.0.0.1 (demo, tests, benchmarks).
 
 `ServerProcess` is a context manager: the server is stopped on exit, also when the body raises, by SIGKILL to its
-process group, so nothing survives. Nothing graceful is lost: SIGTERM to the group (what this did before) killed the
-scheduler just as abruptly, and then cost 5 s (the launcher saw its scheduler die and waited for "GPU activity" to
-settle); SIGTERM to the launcher alone shuts down in 0-5 s (it polls for the signal every 5 s). Whatever must be on
-disk before a stop is waited for by the caller. A wrapped server (e.g. under slow-disk) gets SIGTERM first, so that
-the wrapper can clean up after its child. Every server started here has bounded memory: `--max-total-tokens` is
-required.
+process group, so nothing survives. Nothing graceful is lost: SIGTERM to the group would kill the scheduler just as
+abruptly, and then cost 5 s (the launcher sees its scheduler die and waits for "GPU activity" to settle); SIGTERM
+to the launcher alone shuts down in 0-5 s (it polls for the signal every 5 s). Whatever must be on disk before a
+stop is waited for by the caller. A wrapped server (e.g. under slow-disk) gets SIGTERM first, so that the wrapper
+can clean up after its child. Every server started here has bounded memory: `--max-total-tokens` is required.
 """
 
 from __future__ import annotations
@@ -49,6 +48,11 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             out.append(int(stat.split("/")[2]))
     return out
+
+
+# in the log of a launcher that exited over a port it picked for itself: torch's TCPStore error (the scheduler's
+# torch.distributed store), SGLang's own check of the ports it derives from --port
+INTERNAL_PORT_TAKEN = ("EADDRINUSE", "Port is already in use.")
 
 
 def free_port() -> int:
@@ -97,29 +101,34 @@ class ServerProcess:
         ]
 
     def start(self, attempts: int = 3) -> None:
-        """Start and wait for /health. `free_port` can race with other processes (SGLang picks its own internal
-        ports too): if the HTTP port turns out to be taken, the server is stopped and started again on a new free
-        port (unless the caller fixed the port). A failed or interrupted start (Ctrl-C, SIGTERM turned into an
-        exception) leaves no server behind. Raises RuntimeError if this server is running already (a second start
-        would orphan the first)."""
+        """Start and wait for /health. `free_port` can race with other processes, and so can the ports SGLang picks
+        for itself (the scheduler's torch.distributed store: a random free port, bound seconds later): if a port
+        turns out to be taken, the server is stopped and started again on a new free port (on the same one where
+        the caller fixed it, unless that port itself is taken; SGLang picks its own anew). A failed or
+        interrupted start (Ctrl-C, SIGTERM turned into an exception) leaves no server behind. Raises RuntimeError if
+        this server is running already (a second start would orphan the first)."""
         if self.proc is not None:
             raise RuntimeError(f"server on port {self.port} is already started; stop it first")
         for attempt in range(attempts):
             try:
-                healthy = self._start_once()
+                taken = self._start_once()
             except BaseException:
                 self.stop()
                 raise
-            if healthy:
+            if taken is None:
                 return
             self.stop()
-            if self.fixed_port or attempt == attempts - 1:
+            if taken == "http" and (self.fixed_port or attempt == attempts - 1):
                 raise RuntimeError(f"port {self.port} is in use; log: {self.log_path}")
-            self._use_port(free_port())
+            if attempt == attempts - 1:
+                raise RuntimeError(f"a port SGLang picked for itself was in use at each of {attempts} starts; "
+                                   f"log: {self.log_path}")
+            if not self.fixed_port:  # SGLang derives some of its ports from ours
+                self._use_port(free_port())
 
-    def _start_once(self) -> bool:
-        """True when healthy, False when the HTTP port was taken; raises on any other failure (`start` stops the
-        launcher then)."""
+    def _start_once(self) -> Optional[str]:
+        """None when healthy; which port was taken when one was ("http": ours, "internal": one SGLang picked, the
+        launcher exited over it); raises on any other failure (`start` stops the launcher then)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log_start = log.tell()
@@ -130,19 +139,22 @@ class ServerProcess:
         bound = f"Uvicorn running on {self.url}"
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during startup; log: {self.log_path}\n"
-                                   + self.log_tail())
+            exited = self.proc.poll() is not None
             logged = self.log_since(log_start)
             if bind_error in logged:
-                return False
+                return "http"
+            if exited:
+                if any(marker in logged for marker in INTERNAL_PORT_TAKEN):
+                    return "internal"
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup; log: {self.log_path}\n"
+                                   + self.log_tail())
             # once the log says the port is ours, a ready server's /health generates one token and answers in 1-2 s
             # (SGLang polls it every 1 s, for up to 20 s): a shorter timeout gave up on every first healthy answer
             # and asked again. Before that, whatever listens on the port is not our server: do not wait on it.
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=30 if bound in logged else 2) as r:
                     if r.status == 200:
-                        return True
+                        return None
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)

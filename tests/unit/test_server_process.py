@@ -1,6 +1,7 @@
 """ServerProcess, the helper every test, benchmark and the demo use to run servers: a taken HTTP port at startup is
-retried on a new one. Against a stand-in launcher (a real process that binds the port it is given, as SGLang's HTTP
-server does, and fails with uvicorn's message when the port is taken), so that no SGLang server start is spent on it."""
+retried on a new one, and so is a port SGLang picked for itself (its launcher exits over it). Against a stand-in
+launcher (a real process that binds the port it is given, as SGLang's HTTP server does, and fails with uvicorn's
+message when the port is taken), so that no SGLang server start is spent on it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ from sglang_tiered import server_process
 from sglang_tiered.server_process import ServerProcess
 
 STANDIN = textwrap.dedent("""
-    import http.server, socket, sys, time
+    import http.server, os, socket, sys, time
     port = int(sys.argv[sys.argv.index("--port") + 1])
+    collisions = os.environ.get("STANDIN_COLLISIONS")  # a file: the internal port collisions still to happen
+    if collisions and int(open(collisions).read()) > 0:
+        left = int(open(collisions).read())
+        open(collisions, "w").write(str(left - 1))
+        print("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+              "address. port: 25611, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+              flush=True)
+        sys.exit(1)
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
@@ -112,3 +121,44 @@ def test_a_second_start_is_refused_and_orphans_nothing(tmp_path, standin):
     finally:
         s.stop()
     assert not server_process.process_alive(first)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_port_sglang_picked_for_itself_that_was_taken_is_started_again(tmp_path, standin, fixed):
+    """The scheduler's torch.distributed store binds a random port seconds after SGLang found it free: when another
+    process took it meanwhile, the launcher exits, and the start is repeated (on a new port unless it was fixed)."""
+    collisions = tmp_path / "collisions"
+    collisions.write_text("1")
+    port = server_process.free_port() if fixed else None
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", wrapper=standin, port=port,
+                      env={"STANDIN_COLLISIONS": str(collisions)})
+    first = s.port
+    try:
+        s.start()
+        assert collisions.read_text() == "0" and "EADDRINUSE" in s.log_path.read_text()
+        assert (s.port == first) == fixed
+        assert s.get("/health") == ""
+    finally:
+        s.stop()
+    assert s.proc is None
+
+
+def test_an_internal_port_taken_at_every_start_is_an_error(tmp_path, standin):
+    collisions = tmp_path / "collisions"
+    collisions.write_text("3")
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", wrapper=standin,
+                      env={"STANDIN_COLLISIONS": str(collisions)})
+    with pytest.raises(RuntimeError, match="a port SGLang picked for itself was in use at each of 3 starts"):
+        s.start()
+    assert s.proc is None and collisions.read_text() == "0"
+
+
+def test_a_launcher_that_exits_for_another_reason_is_not_started_again(tmp_path, standin):
+    """Only a taken port is retried: any other exit during startup is an error at once, with the log's tail."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\nprint('ValueError: --tiered-blend: no such mode', flush=True)\nsys.exit(1)\n")
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "broken.log",
+                      wrapper=[sys.executable, str(broken)])
+    with pytest.raises(RuntimeError, match="exited with 1 during startup(.|\n)*no such mode"):
+        s.start()
+    assert s.proc is None and s.log_path.read_text().count("no such mode") == 1
