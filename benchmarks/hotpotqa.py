@@ -412,7 +412,8 @@ def finish(results: dict[str, list[dict]], default_ratio: float, dtype: str, sta
     `measured_on`: the machine the rows were measured on (default: this one)."""
     summary = summarize(results)
     plot(summary, RESULTS / f"{results_name()}.png")
-    headline = server_default() if server_default() in summary else f"blend {default_ratio:g}"
+    served = server_default()
+    headline = served if served in summary else f"blend {default_ratio:g}"
     blend = summary[headline]
     ttft = blend.get("ttft_stored_s", blend["ttft_s"])  # the asks that found every chunk stored
     ok = blend["f1"] >= summary["prefix"]["f1"] - 0.02 and summary["prefix"]["ttft_s"] >= 2.5 * ttft

@@ -74,8 +74,7 @@ def positioned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
                 pos = q_pos.tolist() if host_positions is None else host_positions
             mask = torch.arange(pos[j - 1] + 1, device=q.device)[None, :] <= q_pos[i:j, None].to(q.device)
             if masks is not None:
-                mask = masks[(i, q.dtype)] = torch.where(
-                    mask, 0.0, torch.tensor(float("-inf"), dtype=q.dtype, device=q.device))
+                mask = masks[(i, q.dtype)] = _additive(mask, q.dtype)
         keys = mask.shape[1]
         out[i:j] = _sdpa(q[i:j], k[:keys], v[:keys], mask, False, scale)
     return out
@@ -125,9 +124,14 @@ def _part_mask(q: torch.Tensor, first: int, need: int, keys: int, masks: Optiona
     if mask is None:
         mask = torch.arange(keys, device=q.device)[None, :] <= torch.arange(first, need, device=q.device)[:, None]
         if masks is not None:
-            mask = masks[(first, need, keys, q.dtype)] = torch.where(
-                mask, 0.0, torch.tensor(float("-inf"), dtype=q.dtype, device=q.device))
+            mask = masks[(first, need, keys, q.dtype)] = _additive(mask, q.dtype)
     return mask
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask SDPA makes of the boolean `mask` (0 where True, -inf where False) in `dtype`: built once
+    and kept, it gives bit for bit what the boolean one gives."""
+    return torch.where(mask, 0.0, torch.tensor(float("-inf"), dtype=dtype, device=mask.device))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,

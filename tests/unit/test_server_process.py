@@ -19,8 +19,8 @@ STANDIN = textwrap.dedent("""
     import http.server, os, socket, sys, time
     port = int(sys.argv[sys.argv.index("--port") + 1])
     collisions = os.environ.get("STANDIN_COLLISIONS")  # a file: the internal port collisions still to happen
-    if collisions and int(open(collisions).read()) > 0:
-        left = int(open(collisions).read())
+    left = int(open(collisions).read()) if collisions else 0
+    if left > 0:
         open(collisions, "w").write(str(left - 1))
         print("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
               "address. port: 25611, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
@@ -153,7 +153,7 @@ def test_an_internal_port_taken_at_every_start_is_an_error(tmp_path, standin):
     assert s.proc is None and collisions.read_text() == "0"
 
 
-def test_a_launcher_that_exits_for_another_reason_is_not_started_again(tmp_path, standin):
+def test_a_launcher_that_exits_for_another_reason_is_not_started_again(tmp_path):
     """Only a taken port is retried: any other exit during startup is an error at once, with the log's tail."""
     broken = tmp_path / "broken.py"
     broken.write_text("import sys\nprint('ValueError: --tiered-blend: no such mode', flush=True)\nsys.exit(1)\n")
