@@ -1,7 +1,8 @@
 """Importance capture and placement (IMPRESS) through the server (CPU, the embedded SmolLM2).
 
-Part `capture`: what scoring costs. Cold TTFT of 2048-token prompts on a server with importance capture on (the
-default, 3 sampled heads) and off (`--tiered-importance-heads 0`), same prompts, same run. Target: <= 5 %.
+Part `capture`: what scoring costs. Cold TTFT of 2048-token prompts on a server with importance capture on (3
+sampled heads, as importance placement and gated loading run it) and off (`--tiered-importance-heads 0`, as under LRU
+placement without gated loading), same prompts, same run. Target: <= 5 %.
 
 Part `placement`: a shared-document workload whose KV does not fit in device + host memory. `--docs` documents of
 `--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x,
@@ -80,7 +81,7 @@ from _harness import (  # noqa: E402
     stream_generate,
 )
 
-from sglang_tiered.config import TieredConfig  # noqa: E402
+from sglang_tiered.config import CAPTURE_HEADS, TieredConfig  # noqa: E402
 from sglang_tiered.integration.sparse import LOG_PATTERN as SPARSE_LOAD_LINE  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total  # noqa: E402
 
@@ -502,7 +503,7 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
     def probe_share(bits: int) -> float:
         layout = GroupMeta(ns="", gid="", keys=(), page_size=64, tokens=1, layers=1, heads=c.kv_heads,
                            dim=c.head_dim, itemsize=2, perm=(0,), chunk=16, probe_crc=(), data_crc=(),
-                           probe_heads=tuple(probed_kv_heads(c.heads, c.kv_heads, default.importance_heads)),
+                           probe_heads=tuple(probed_kv_heads(c.heads, c.kv_heads, CAPTURE_HEADS)),
                            probe_bits=bits)
         return layout.probe_layer_bytes / layout.data_layer_bytes
 

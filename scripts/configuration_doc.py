@@ -42,7 +42,8 @@ def render() -> str:
             if f.name in CHOICES:
                 flag += " {" + ",".join(str(c) for c in CHOICES[f.name]) + "}"
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            default = {"ssd_dir": "~/.cache/sglang-tiered/ssd", "ssd_capacity": "16G"}.get(f.name, default)
+            default = {"ssd_dir": "~/.cache/sglang-tiered/ssd", "ssd_capacity": "16G",
+                       "importance_heads": "3 or 0"}.get(f.name, default)
             default = "(none)" if default == "" else default
             text = FLAG_HELP.get(f.name, "").replace("%(default)s", str(default)).replace("|", "\\|")
             out.append(f"| `{flag}` | `{default}` | {text} |")

@@ -155,7 +155,7 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
     chunks = ChunkStore(layers=namespace.layer_num, kv_heads=namespace.kv_heads, head_dim=namespace.head_dim,
                         dtype=mem_pool_host.dtype, memory_bytes=current.blend_memory_bytes, ssd=tier)
     importance = stash = repacker = remote = None
-    if cfg.importance_heads > 0:
+    if cfg.capture_heads > 0:
         log = f"{namespace.id}/{LOG_NAME}"
         importance = ImportanceTable(page_size, directory=tier.dir, max_pages=max(1024, 4 * capacity // page_bytes),
                                      allot=lambda n: tier.meta.reserve(log, n),
@@ -165,7 +165,7 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
             raise NotImplementedError(f"--tiered-importance-load gated: needs the layer_first host layout and a "
                                       f"16/32-bit KV dtype, got {layout} / {namespace.dtype}")
         heads = current.attention_heads or namespace.kv_heads
-        probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.importance_heads, heads))
+        probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.capture_heads, heads))
         stash = PayloadStash(parse_size(cfg.importance_repack_memory))
         tier.attach_stash(stash)
         repacker = Repacker(tier, importance, probe, before_repack=rt.foreground.wait_idle,

@@ -39,6 +39,7 @@ logger = logging.getLogger("sglang_tiered")
 
 STORAGE_MODULE = "sglang_tiered.integration.storage_backend"
 STORAGE_CLASS = "TieredSSDStorage"
+FLAG_TYPES = {"ssd_capacity": str, "importance_heads": int}  # where a field's default does not show its flag's type
 
 
 def _flag(name: str) -> str:
@@ -61,9 +62,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     defaults = TieredConfig()
     for f in fields(TieredConfig):
         default = getattr(defaults, f.name)
-        kind = {int: int, float: float}.get(type(default), str)
-        if f.name == "ssd_capacity":
-            kind = str
+        kind = FLAG_TYPES.get(f.name) or {int: int, float: float}.get(type(default), str)
         group.add_argument(
             _flag(f.name),
             dest=f"tiered_{f.name}",

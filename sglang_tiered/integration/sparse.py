@@ -194,7 +194,7 @@ class SparseHandler(SpanHandler):
         skip = history.skip() if mode != "full" else frozenset()
         res = sparse_prefill(engine, ids, prefix_len=prefix, span=span,
                              prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
-                             heads=cfg.importance_heads, window=cfg.importance_window, ratio=ratio,
+                             heads=cfg.capture_heads, window=cfg.importance_window, ratio=ratio,
                              alpha=cfg.importance_alpha, gate=gate, max_drop=cfg.importance_max_drop,
                              force="fail" if mode == "full" else None, skip=skip)
         if mode != "full":

@@ -1,13 +1,14 @@
 """The shared server against one of the same configuration with SGLang's `torch_native` CPU attention,
-`--tiered-blend off` and importance capture off (`--tiered-importance-heads 0`), in the dtype the shared server chose
-(one server for the module):
+`--tiered-blend off` and `--tiered-placement importance` (which reads importance scores, so its prefills are
+captured; the shared server's are not), in the dtype the shared server chose (one server for the module):
 
 1. the prefix-aware CPU attention: greedy tokens identical to `torch_native`'s, cold and on a cache hit, for prompts
    of several lengths (where this CPU's attention rounds a call's rows otherwise by the call's length -- an Intel
    Xeon with AMX -- identical up to a near-tie of the reference, `assert_same_greedy`);
 2. importance capture is read-only: greedy output with capture on equals capture off, and the importance table learns
    every complete page of every prompt under the keys the SSD tier files the pages under; it survives a restart (the
-   log in the namespace directory). Importance-aware placement is tested on the store's server (test_store.py);
+   log in the namespace directory); a server whose placement and loading read no scores captures nothing.
+   Importance-aware placement is tested on the store's server (test_store.py);
 3. `--tiered-blend off` leaves the chunk separator in the text.
 """
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
-from sglang_tiered.storage.importance_table import ImportanceTable
+from sglang_tiered.storage.importance_table import LOG_NAME, ImportanceTable
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
 from tests.integration.helpers import SEP, chosen_dtype, tiered_args
 from tests.integration.kvpr_helpers import PAGE
@@ -36,8 +37,9 @@ MARKED = "Alice works at the Amber Museum." + SEP + "The Amber Museum is in Lisb
 def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("torch-native")
     args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
-                       "--tiered-importance-heads", "0", "--dtype", chosen_dtype(shared_server))
+                       "--tiered-placement", "importance", "--enable-metrics", "--dtype", chosen_dtype(shared_server))
     with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
+        server.ssd = tmp / "ssd"
         yield server
 
 
@@ -102,30 +104,32 @@ def prompt_page_keys(ids: list[int]) -> list[str]:
 
 
 def test_capture_is_read_only_and_learns_every_page(essays, shared_server, torch_native_server):
-    """The torch_native server runs with capture off (`--tiered-importance-heads 0`) in the shared server's dtype;
-    the test above shows the two attention paths agree token for token, so equal outputs here mean capture changed
+    """The torch_native server captures, the shared server does not (its placement and loading read no scores); the
+    test above shows the two attention paths agree token for token, so equal outputs here mean capture changed
     nothing."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(shared_server.model_dir)
     texts = [essays[20], essays[21][:1200], essays[20] + essays[22][:800]]  # the third extends the first
     prompts = [tok(t)["input_ids"] for t in texts]
-    off = [greedy(torch_native_server, p, max_new_tokens=16) for p in prompts]
-    mark = shared_server.log_mark()
-    shared_server.flush_cache()
-    before = shared_server.get("/metrics")
-    on = [greedy(shared_server, p, max_new_tokens=16) for p in prompts]
-    for i, (our, their) in enumerate(zip(on, off)):
-        assert_same_greedy(our, their, chosen_dtype(shared_server), f"prompt {i}")
-    assert not shared_server.log_lines("tiered importance: capture failed", mark)
-    after = shared_server.get("/metrics")
-    scored = metric_total(after, "sglang_tiered:importance_prompts_total") - \
-        metric_total(before, "sglang_tiered:importance_prompts_total")
-    assert scored == len(prompts)
+    counted = "sglang_tiered:importance_prompts_total"
+    shared_before = metric_total(shared_server.get("/metrics"), counted)
+    off = [greedy(shared_server, p, max_new_tokens=16) for p in prompts]
+    assert metric_total(shared_server.get("/metrics"), counted) == shared_before == 0  # nothing reads: no capture
+    assert not list(shared_server.ssd.glob(f"*/{LOG_NAME}"))
+    mark = torch_native_server.log_mark()
+    torch_native_server.flush_cache()
+    before = torch_native_server.get("/metrics")
+    on = [greedy(torch_native_server, p, max_new_tokens=16) for p in prompts]
+    for i, (captured, plain) in enumerate(zip(on, off)):
+        assert_same_greedy(captured, plain, chosen_dtype(shared_server), f"prompt {i}")
+    assert not torch_native_server.log_lines("tiered importance: capture failed", mark)
+    after = torch_native_server.get("/metrics")
+    assert metric_total(after, counted) - metric_total(before, counted) == len(prompts)
 
     # every complete page of each prompt is known, under the key the SSD tier files it under
     keys = {k for p in prompts for k in prompt_page_keys(p)}
-    ns_dir = next(p.parent for p in shared_server.ssd.glob("*/NAMESPACE.json"))
+    ns_dir = next(p.parent for p in torch_native_server.ssd.glob("*/NAMESPACE.json"))
     deadline = time.monotonic() + 30
     while not all((ns_dir / k[:2] / f"{k}{PAGE_SUFFIX}").exists() for k in keys) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sglang_tiered.config import ConfigError, TieredConfig, cuda_refusal, parse_size
+from sglang_tiered.config import CAPTURE_HEADS, ConfigError, TieredConfig, cuda_refusal, parse_size
 from sglang_tiered.integration.metrics import StatsReporter, format_stats, read_stats_files
 from sglang_tiered.storage.stats import TierStats
 
@@ -63,6 +63,29 @@ def test_validate_names_the_flag(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="^--tiered-ssd-dir"):
         TieredConfig(ssd_dir=str(blocker / "sub")).validate()
+
+
+@pytest.mark.parametrize(("fields", "heads"), [
+    ({}, 0),  # LRU placement, no gated loading: nothing reads the scores
+    ({"placement": "importance"}, CAPTURE_HEADS),
+    ({"importance_load": "gated"}, CAPTURE_HEADS),
+    ({"importance_heads": 3}, 3),  # learning before either is turned on
+    ({"placement": "importance", "importance_heads": 5}, 5),
+    ({"importance_heads": 0}, 0),
+])
+def test_importance_capture_runs_where_its_scores_are_read(tmp_path, fields, heads):
+    cfg = TieredConfig(ssd_dir=str(tmp_path), **fields)
+    cfg.validate()
+    assert cfg.capture_heads == heads
+    assert TieredConfig.from_dict(json.loads(cfg.to_json())).capture_heads == heads
+
+
+@pytest.mark.parametrize("fields", [{"placement": "importance"}, {"importance_load": "gated"}])
+def test_a_reader_of_importance_scores_needs_capture(tmp_path, fields):
+    with pytest.raises(ConfigError, match="needs importance capture"):
+        TieredConfig(ssd_dir=str(tmp_path), importance_heads=0, **fields).validate()
+    with pytest.raises(ConfigError, match="^--tiered-importance-heads"):
+        TieredConfig(ssd_dir=str(tmp_path), importance_heads=-1).validate()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write to a read-only directory")
