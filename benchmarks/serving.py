@@ -17,8 +17,8 @@ Configurations (same run, same dtype, `--max-total-tokens 4096`, host memory 3x 
   hicache-file   SGLang HiCache with its `file` storage backend
   tiered         --kv-backend tiered (prefix-aware CPU attention)
   tiered-native  --kv-backend tiered --tiered-cpu-attention torch_native (SGLang's attention: isolates the store)
-  tiered-overlap tiered with SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=0: SGLang's overlap of consecutive prefills,
-                 which CPU servers turn off by default (docs/cpu.md); not in the default set
+  tiered-overlap tiered with SGLANG_TIERED_CPU_OVERLAP=1: SGLang's overlap loop, which CPU servers turn off by
+                 default (docs/cpu.md); not in the default set
 and for `rag` (`--rag-configs`): `blend` (--tiered-blend blend: chunk KV reused in any order) against `prefix`
 (--tiered-blend prefix: the separators removed, SGLang's exact prefill and radix cache), and `prefix-alone`: `prefix`
 with SGLang admitting one request per prefill batch (chunked prefill off, a 1,024-token prefill budget: a second
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _harness import RESULTS, auto_dtype, machine, save  # noqa: E402
 from hotpotqa import SEP, load_questions, prompt  # noqa: E402
 
-from sglang_tiered.integration.server_flags import CONSECUTIVE_PREFILL_ENV  # noqa: E402 (CPU servers set it to 1)
+from sglang_tiered.integration.server_flags import CPU_OVERLAP_ENV  # noqa: E402 (1: SGLang's overlap loop)
 from sglang_tiered.models import default_model_path  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, exit_cleanly_on_sigterm, metric_total  # noqa: E402
 
@@ -125,7 +125,7 @@ def measure(config: str, workload: list[str], concurrency: int, tmp: Path, dtype
     store = tmp / f"store-{tag}"
     store.mkdir()
     where = logs or tmp
-    env = {CONSECUTIVE_PREFILL_ENV: "0"} if config == "tiered-overlap" else None
+    env = {CPU_OVERLAP_ENV: "1"} if config == "tiered-overlap" else None
     with ServerProcess(server_args(config, store, dtype), log_path=where / f"{tag}.log", env=env) as s:
         t0 = time.monotonic()
         r = run_client(s, workload, concurrency, tmp / f"{tag}.jsonl", where / f"{tag}.client.log")

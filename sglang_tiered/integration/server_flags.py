@@ -259,7 +259,7 @@ def _claim_directory(ssd_dir: str) -> None:
         raise ConfigError(f"--tiered-ssd-dir: cannot claim {ssd_dir}: {exc.strerror or exc}") from None
 
 
-CONSECUTIVE_PREFILL_ENV = "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
+CPU_OVERLAP_ENV = "SGLANG_TIERED_CPU_OVERLAP"  # "1": a CPU-only server keeps SGLang's overlap loop
 
 
 def _cpu_settings(ns: argparse.Namespace) -> None:
@@ -275,11 +275,11 @@ def _cpu_settings(ns: argparse.Namespace) -> None:
     ns.hicache_io_backend = cpu_shims.CPU_IO_BACKEND
     ns.hicache_mem_layout = cpu_shims.CPU_MEM_LAYOUT
     # SGLang's overlap loop handles a batch's result after launching the next batch; on a CPU the launch is the whole
-    # forward, so a prefill's first token waited for the next prefill's forward too (docs/cpu.md). SGLang's own switch
-    # handles a prefill's result first when two prefills follow each other; an operator's setting of it stands.
-    if os.environ.setdefault(CONSECUTIVE_PREFILL_ENV, "1") == "1":
-        logger.info("sglang-tiered: %s=1 (CPU: a prefill's first token does not wait for the next prefill's forward)",
-                    CONSECUTIVE_PREFILL_ENV)
+    # forward, so every result waited for the next batch's forward: a first token for a decode step (docs/cpu.md).
+    if os.environ.get(CPU_OVERLAP_ENV) != "1" and not ns.disable_overlap_schedule:
+        ns.disable_overlap_schedule = True
+        logger.info("sglang-tiered: --disable-overlap-schedule (CPU: a batch's result does not wait for the next "
+                    "batch's forward; %s=1 keeps SGLang's overlap loop)", CPU_OVERLAP_ENV)
 
 
 def _runahead_settings(ns: argparse.Namespace, cfg: TieredConfig, hf: dict | None) -> tuple[int, str]:

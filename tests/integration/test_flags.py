@@ -155,7 +155,7 @@ def test_a_real_launch_with_a_bad_value_exits_2_with_one_line(launches):
     assert "Traceback" not in r.stderr
 
 
-def test_translation_into_sglang_fields(tmp_path):
+def test_translation_into_sglang_fields(tmp_path, monkeypatch):
     """SGLang's own parser and ServerArgs.from_cli_args, with the plugin's hooks applied in this process; our
     settings reach SGLang's processes through one channel (integration/settings.py)."""
     import json
@@ -164,6 +164,7 @@ def test_translation_into_sglang_fields(tmp_path):
     from sglang.srt.server_args import ServerArgs
 
     from sglang_tiered.integration import settings
+    from sglang_tiered.integration.server_flags import CPU_OVERLAP_ENV
 
     load_plugins()
     parser = argparse.ArgumentParser()
@@ -177,6 +178,7 @@ def test_translation_into_sglang_fields(tmp_path):
     assert args.model_path.endswith("SmolLM2-135M-Instruct") and args.tokenizer_path == args.model_path
     assert (args.device, args.dtype, args.hicache_mem_layout, args.hicache_io_backend) == (
         "cpu", "bfloat16", "layer_first", "direct")
+    assert args.disable_overlap_schedule  # CPU: a batch's result does not wait for the next batch's forward
     extra = json.loads(args.hicache_storage_backend_extra_config)
     assert extra["class_name"] == "TieredSSDStorage" and extra["interface_v1"] == 1
     assert extra["prefetch_threshold"] == 64 and "tiered" not in extra  # only what SGLang reads
@@ -192,8 +194,14 @@ def test_translation_into_sglang_fields(tmp_path):
     assert current.config.runahead_ranks == 2 and current.config.runahead_min_tokens == 512
     assert current.runahead_threads >= 1 and current.model_path == args.model_path
 
+    monkeypatch.setenv(CPU_OVERLAP_ENV, "1")  # the operator keeps SGLang's overlap loop
+    kept = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered",
+                                                       "--tiered-ssd-dir", str(tmp_path)]))
+    assert not kept.disable_overlap_schedule
+
     plain = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2"]))
     assert not plain.enable_hierarchical_cache and plain.radix_cache_backend is None  # default backend untouched
+    assert not plain.disable_overlap_schedule
     assert settings.current() is None  # and no tiered settings reach its processes
 
 
