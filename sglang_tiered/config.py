@@ -310,7 +310,7 @@ FLAG_HELP: dict[str, str] = {
     "a token's stored KV is from its fresh KV) or 'importance' (that and the attention the prompt's last "
     "--tiered-importance-window tokens give it, each as a share of its total), or 'position' (EPIC's LegoLink: no "
     "ranking, the first --tiered-blend-position-tokens tokens of every chunk recomputed on every layer, no deviation "
-    "pass; on HotpotQA it agreed with the exact prefill as often as 'deviation' at 0.76x its TTFT). Default: "
+    "pass; on HotpotQA it agreed with the exact prefill as often as 'deviation' at 0.70x its TTFT). Default: "
     "position.",
     "blend_position_tokens": "Under --tiered-blend-select position: the first tokens of each reused chunk recomputed "
     "on every layer (where a chunk computed on its own put its attention sink). Default: 32.",
