@@ -12,7 +12,8 @@ Workloads:
     question; every question is asked `--rag-repeats` times (retrieval returns the same paragraphs in another
     order). 16 output tokens, at 1, 4 and 8 concurrent clients, a fresh server and store per point.
 
-Configurations (same run, same dtype, `--max-total-tokens 4096`, host memory 3x the device pool):
+Configurations (same run, same dtype, `--max-total-tokens 4096`, host memory 3x the device pool, SGLang's loop
+without overlap in every one but `tiered-overlap`, as a CPU server with `--kv-backend tiered` runs it; docs/cpu.md):
   radix          SGLang's radix cache alone
   hicache-file   SGLang HiCache with its `file` storage backend
   tiered         --kv-backend tiered (prefix-aware CPU attention)
@@ -69,10 +70,11 @@ WORKLOADS = {
 
 def server_args(config: str, store: Path, dtype: str) -> list[str]:
     common = ["--max-total-tokens", str(DEVICE_TOKENS), "--dtype", dtype, "--enable-metrics"]
+    sglang = common + ["--disable-overlap-schedule"]  # the loop a CPU server with --kv-backend tiered runs
     if config == "radix":
-        return common
+        return sglang
     if config == "hicache-file":
-        return common + ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-storage-backend", "file",
+        return sglang + ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-storage-backend", "file",
                          "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(store)}),
                          "--page-size", "64", "--hicache-io-backend", "direct", "--hicache-mem-layout",
                          "layer_first", "--device", "cpu"]
