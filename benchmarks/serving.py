@@ -32,8 +32,8 @@ server's /metrics the mean time requests waited in the queue (`sglang:queue_time
 
     bash scripts/bench-env.sh && .venv/bin/python benchmarks/serving.py [--workloads gsp gsp-multiturn rag]
 
-Writes benchmarks/results/serving.json (workloads not run keep their last results; `--name` another name) and .png
-and prints one verdict line; `--logs DIR` keeps the servers' and clients' logs.
+Writes benchmarks/results/serving-<machine class>.json and .png (workloads not run keep their last results; `--name`
+another name) and prints one verdict line; `--logs DIR` keeps the servers' and clients' logs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, auto_dtype, machine, save  # noqa: E402
+from _harness import RESULTS, auto_dtype, machine, machine_class, save  # noqa: E402
 from hotpotqa import SEP, load_questions, prompt  # noqa: E402
 
 from sglang_tiered.integration.server_flags import CPU_OVERLAP_ENV  # noqa: E402 (1: SGLang's overlap loop)
@@ -66,6 +66,7 @@ WORKLOADS = {
     "gsp": GSP + ["--gsp-prompts-per-group", "6", "--num-prompts", "96"],
     "gsp-multiturn": GSP + ["--gsp-prompts-per-group", "1", "--gsp-num-turns", "3", "--num-prompts", "16"],
 }
+SGLANG_CONFIGS = ("radix", "hicache-file")  # SGLang's own caches, without the plugin
 
 
 def server_args(config: str, store: Path, dtype: str) -> list[str]:
@@ -197,9 +198,11 @@ def main() -> int:
                     choices=["prefix", "blend", "prefix-alone"])
     ap.add_argument("--dtype", default=None, help="default: what --dtype auto picks on this machine")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each gsp point, the configurations alternating")
-    ap.add_argument("--name", default="serving", help="results under benchmarks/results/NAME.json and .png")
+    ap.add_argument("--name", default=None,
+                    help="results under benchmarks/results/NAME.json and .png (default: serving-<machine class>)")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' and clients' logs in this directory")
     a = ap.parse_args()
+    a.name = a.name or f"serving-{machine_class()}"
     if not CLIENT.exists():
         raise SystemExit("the benchmark client's environment is missing: bash scripts/bench-env.sh")
     exit_cleanly_on_sigterm()
@@ -255,16 +258,21 @@ def main() -> int:
     return 0
 
 
+def shown(point: dict) -> str:
+    return f"{point['request_throughput']:.2f} req/s, TTFT median {point['median_ttft_ms'] / 1e3:.2f} s"
+
+
 def verdict(results: dict) -> str:
+    """Per workload: `tiered` against the best of SGLang's own configurations (by req/s), then `tiered-native`
+    (the store at SGLang's attention); per rag point: blend against prefix."""
     parts = []
     for name in ("gsp", "gsp-multiturn"):
         r = results.get(name, {})
-        if "tiered" in r:
-            best = max((c for c in r if c != "tiered"), key=lambda c: r[c]["request_throughput"], default=None)
-            if best is not None:
-                parts.append(f"{name}: tiered {r['tiered']['request_throughput']:.2f} req/s (TTFT median "
-                             f"{r['tiered']['median_ttft_ms'] / 1e3:.2f} s) vs best other {best} "
-                             f"{r[best]['request_throughput']:.2f} req/s ({r[best]['median_ttft_ms'] / 1e3:.2f} s)")
+        best = max((c for c in r if c in SGLANG_CONFIGS), key=lambda c: r[c]["request_throughput"], default=None)
+        if "tiered" in r and best is not None:
+            parts.append(f"{name}: tiered {shown(r['tiered'])} vs SGLang's best {best} {shown(r[best])}")
+            if "tiered-native" in r:
+                parts[-1] += f"; at SGLang's attention (tiered-native) {shown(r['tiered-native'])}"
     rag = results.get("rag", {})
     for key in sorted({k.split(" x")[1] for k in rag}, key=int):
         b, p = rag.get(f"blend x{key}"), rag.get(f"prefix x{key}")
