@@ -272,12 +272,12 @@ def default_partitions_path() -> Path:
 
 def check_writable_dir(path: str, flag: str) -> None:
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag}: {path} is not a directory")
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"{flag}: cannot create {path}: {exc.strerror or exc}") from None
-    if not p.is_dir():
-        raise ConfigError(f"{flag}: {path} is not a directory")
     try:
         with tempfile.NamedTemporaryFile(dir=p, prefix=".write-check-"):
             pass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -88,12 +87,15 @@ def test_a_reader_of_importance_scores_needs_capture(tmp_path, fields):
         TieredConfig(ssd_dir=str(tmp_path), importance_heads=-1).validate()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write to a read-only directory")
-def test_unwritable_dir(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir(mode=0o500)
-    with pytest.raises(ConfigError, match="not writable"):
-        TieredConfig(ssd_dir=str(ro)).validate()
+def test_an_unusable_ssd_dir_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="/proc is not writable"):  # procfs takes no new file, not even root's
+        TieredConfig(ssd_dir="/proc").validate()
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        TieredConfig(ssd_dir=str(plain)).validate()
+    with pytest.raises(ConfigError, match="cannot create"):
+        TieredConfig(ssd_dir=str(plain / "ssd")).validate()
 
 
 def test_config_json_round_trip_rejects_unknown():
