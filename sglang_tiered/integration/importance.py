@@ -3,17 +3,16 @@ tokens by the attention they receive from the prompt's last tokens, in a few sam
 from it per KV page (`storage/importance_table.py`).
 
 Seam (listed in plugin.py): `layers.radix_attention.RadixAttention.forward` (AROUND, scheduler processes of a server
-whose `--tiered-placement importance` or `--tiered-importance-load gated` reads the scores, with
-`--tiered-importance-heads` >= 1; elsewhere capture would cost every prefill 7-11 ms on 2 CPU cores for nothing). After
-SGLang's own attention has run (and written this layer's K into the pool), for each request of an extend batch whose
-forward reaches the end of its prompt (the last piece of a chunked prefill), the window -- the prompt's last
-`--tiered-importance-window` tokens (32 by default: the question and the turn header, which is what the answer will
-attend from; SnapKV observes with the same window) -- is scored against every key of the request (cached prefix and new
-tokens) in the sampled query heads (`kernels.importance.sampled_heads`: spread over the KV-head groups). Scores are
-summed over layers; after the last layer the top `--tiered-importance-ratio` of the prompt's tokens count as important,
-and every complete page of the prompt gets that verdict folded into its tokens' moving averages, keyed by the page's
-storage key (SGLang's hash chain, the key the SSD tier files the page under). The prompt's pages that came from a cache
-(`req.cached_tokens`) are counted as reused.
+with `TieredConfig.capture_heads` >= 1: by default where `--tiered-placement importance` or `--tiered-importance-load
+gated` reads the scores). After SGLang's own attention has run (and written this layer's K into the pool), for each
+request of an extend batch whose forward reaches the end of its prompt (the last piece of a chunked prefill), the window
+-- the prompt's last `--tiered-importance-window` tokens (32 by default: the question and the turn header, which is what
+the answer will attend from; SnapKV observes with the same window) -- is scored against every key of the request (cached
+prefix and new tokens) in the sampled query heads (`kernels.importance.sampled_heads`: spread over the KV-head groups).
+Scores are summed over layers; after the last layer the top `--tiered-importance-ratio` of the prompt's tokens count as
+important, and every complete page of the prompt gets that verdict folded into its tokens' moving averages, keyed by the
+page's storage key (SGLang's hash chain, the key the SSD tier files the page under). The prompt's pages that came from a
+cache (`req.cached_tokens`) are counted as reused.
 
 Read-only: nothing the forward computes changes (greedy output with capture on equals capture off, tested); a
 failure is logged, counted in `sglang_tiered:hook_errors_total` and drops that batch's capture only. Prefills that
