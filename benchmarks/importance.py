@@ -8,7 +8,7 @@ Part `placement`: a shared-document workload whose KV does not fit in device + h
 `--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x,
 `--chunked-prefill-size 8192` so that every prompt is one extend), each request one document + a new question (Zipf
 popularity, s = 1.1, the same seeded sequence for every configuration), sent by `--clients` concurrent clients.
-Configurations, the paper's ablation: LRU (SGLang's order, today's default) -> importance placement -> + gated
+Configurations, the paper's ablation: LRU (SGLang's order, the default) -> importance placement -> + gated
 sparse loading (`--tiered-importance-load gated`, groups in prompt order) -> + reordering (groups in importance
 order, the default); and SGLang's own hierarchical cache with its `file` storage backend (`sglang-file`, its
 torch_native CPU attention: compare its tokens by tier, not its TTFT); and, outside the chain, the last step with
@@ -19,8 +19,6 @@ TTFT median and p90, bytes the server read from storage, sparse loads and their 
 from device / host / SSD (a sparse load's span counts as SSD: SGLang reports it as not cached) / computed, and the
 same weighted by token importance (the moving averages the importance server learned, read from its SSD directory
 under SGLang's page keys: the share of the important tokens each tier served).
-(The results recorded before 2026-11-23 04:30 dropped the whole OS page cache before
-every request instead, which made every configuration re-read its code pages too.)
 
     .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
 

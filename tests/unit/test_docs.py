@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TEXT = (".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".json", ".yml", ".yaml", "")
 # development-process words: numbered stops of the work, step numbers in result names, issue numbers
 HISTORY = re.compile(r"\bstops? \d|\bstop-\d|-s\d{2}-|\bissue #?\d|#\d{2,} ?\b(?:item|asks)|\bearlier we\b|"
-                     r"\bwe tried\b", re.IGNORECASE)
+                     r"\bwe tried\b|\b(?:before|since|until) 20\d\d-\d\d-\d\d", re.IGNORECASE)
 
 
 def tracked() -> list[Path]:
@@ -45,7 +45,8 @@ def test_no_tracked_text_speaks_of_how_it_was_made():
 
 def test_the_scan_finds_what_it_looks_for():
     step, stops = "st" + "op", "st" + "ops"  # (assembled here, so this file holds no such phrase itself)
-    examples = (f"({step} 1)", f"{stops} 1-2's code", "name-" + "s00-x", "iss" + "ue #0, item 1", f"S{step[1:]} 0 took")
+    examples = (f"({step} 1)", f"{stops} 1-2's code", "name-" + "s00-x", "iss" + "ue #0, item 1", f"S{step[1:]} 0 took",
+                "results recorded bef" + "ore 2000-01-01")
     for line in examples:
         assert HISTORY.search(line), line
     for line in ("the loader stops at its next page", "non-stop", "multi-turn chat", "scope='session'"):
