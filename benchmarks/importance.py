@@ -143,7 +143,7 @@ def ssd_hits(rows: list[dict]) -> dict:
 
 
 GATED = ["--tiered-importance-load", "gated"]
-# the paper's ablation, one step per configuration: LRU + full load (today's default) -> + importance placement ->
+# the paper's ablation, one step per configuration: LRU + full load (the default) -> + importance placement ->
 # + gated sparse loading (groups in prompt order) -> + reordering (groups in importance order); then SGLang's own
 ABLATION: dict[str, list[str]] = {
     "lru": ["--tiered-placement", "lru"],

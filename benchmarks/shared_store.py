@@ -7,7 +7,7 @@ Workload: `docs` documents of `doc-tokens` tokens, each followed by `questions` 
 (document, question) requests in a fixed shuffled order, sent by one client round-robin over the replicas (request i
 to replica i mod R), one at a time, greedy, one new token (TTFT = client-side latency). Every configuration starts
 from empty stores. Configurations (R servers each, started together):
-  private          --kv-backend tiered, each replica its own SSD directory (today's default)
+  private          --kv-backend tiered, each replica its own SSD directory (the default)
   shared           the same plus --tiered-remote on one mooncake_master (our shared tier)
   shared-torch-native  the same with SGLang's torch_native CPU attention (what SGLang's own backend runs with), to
                    tell the store's share of a TTFT difference from the prefix-aware attention's
