@@ -39,6 +39,19 @@ exit_cleanly_on_sigterm()  # benchmarks are scripts: a terminated run still stop
 RESULTS = Path(__file__).parent / "results"
 SLOW_DISK = Path(__file__).resolve().parents[2] / "shared" / "tools" / "slow-disk"  # a kernel I/O throttle
 STEPS = ("cold", "device", "device_settled", "host", "ssd", "restart")
+# SGLang's own configurations run the loop a CPU server with --kv-backend tiered runs (server_flags.py: without
+# overlap), so that a comparison measures the cache, not the scheduler loop
+SGLANG_CPU_LOOP = ["--disable-overlap-schedule"]
+
+
+def hicache_args(backend: str, extra_config: dict, ratio: int) -> list[str]:
+    """SGLang's own hierarchical cache on a CPU server with storage `backend` (its `--hicache-storage-backend`,
+    configured by `extra_config`) and a host pool `ratio` times the device pool, as every benchmark runs it: 64-token
+    pages, direct I/O into a layer-first host layout, SGLang's loop as ours runs on a CPU."""
+    return ["--enable-hierarchical-cache", "--hicache-ratio", str(ratio), "--hicache-storage-backend", backend,
+            "--hicache-storage-backend-extra-config", json.dumps(extra_config), "--page-size", "64",
+            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--device", "cpu",
+            *SGLANG_CPU_LOOP]
 
 
 class PromptSource:

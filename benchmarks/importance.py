@@ -73,6 +73,7 @@ from _harness import (  # noqa: E402
     PromptSource,
     auto_dtype,
     evict_from_page_cache,
+    hicache_args,
     machine,
     save,
     server_read_bytes,
@@ -174,9 +175,7 @@ def placement_args(config: str, store: str, dtype: str, device: int) -> list[str
     common = ["--max-total-tokens", str(device), "--dtype", dtype, "--chunked-prefill-size", str(CHUNKED_PREFILL),
               "--enable-metrics"]
     if config == "sglang-file":  # SGLang's own L3 (its torch_native CPU attention: compare its SSD tokens, not TTFT)
-        return [*common, "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "file",
-                "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": store}), "--page-size",
-                "64", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--device", "cpu"]
+        return [*common, *hicache_args("file", {"file_storage_path": store}, ratio=2)]
     return [*common, "--kv-backend", "tiered", "--tiered-host-size", "2x", "--tiered-ssd-dir", store,
             "--tiered-stats-interval", "0", *ABLATION[config]]
 

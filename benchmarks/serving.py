@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, auto_dtype, machine, machine_class, save  # noqa: E402
+from _harness import RESULTS, SGLANG_CPU_LOOP, auto_dtype, hicache_args, machine, machine_class, save  # noqa: E402
 from hotpotqa import SEP, load_questions, prompt  # noqa: E402
 
 from sglang_tiered.integration.server_flags import CPU_OVERLAP_ENV  # noqa: E402 (1: SGLang's overlap loop)
@@ -71,14 +71,10 @@ SGLANG_CONFIGS = ("radix", "hicache-file")  # SGLang's own caches, without the p
 
 def server_args(config: str, store: Path, dtype: str) -> list[str]:
     common = ["--max-total-tokens", str(DEVICE_TOKENS), "--dtype", dtype, "--enable-metrics"]
-    sglang = common + ["--disable-overlap-schedule"]  # the loop a CPU server with --kv-backend tiered runs
     if config == "radix":
-        return sglang
+        return common + SGLANG_CPU_LOOP
     if config == "hicache-file":
-        return sglang + ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-storage-backend", "file",
-                         "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(store)}),
-                         "--page-size", "64", "--hicache-io-backend", "direct", "--hicache-mem-layout",
-                         "layer_first", "--device", "cpu"]
+        return common + hicache_args("file", {"file_storage_path": str(store)}, ratio=3)
     tiered = common + ["--kv-backend", "tiered", "--tiered-ssd-dir", str(store), "--tiered-host-size", "3x",
                        "--tiered-ssd-capacity", "8G", "--tiered-stats-interval", "0"]
     if config in ("tiered", "tiered-overlap"):

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, PromptSource, auto_dtype, evict_from_page_cache, machine, save  # noqa: E402
+from _harness import RESULTS, PromptSource, auto_dtype, evict_from_page_cache, hicache_args, machine, save  # noqa: E402
 
 from sglang_tiered.mooncake_master import MooncakeMaster  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details, start_all  # noqa: E402
@@ -56,9 +56,7 @@ def server_args(config: str, store: Path, master: MooncakeMaster, dtype: str, de
         return [*tiered, *master.server_args(), "--tiered-remote-segment", "512M", *attention]
     extra = {"master_server_address": f"127.0.0.1:{master.rpc_port}", "metadata_server": master.metadata_url,
              "protocol": "tcp", "device_name": "", "local_hostname": "127.0.0.1", "global_segment_size": 512 << 20}
-    return ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-storage-backend", "mooncake",
-            "--hicache-storage-backend-extra-config", json.dumps(extra), "--page-size", "64",
-            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--device", "cpu", *common]
+    return [*hicache_args("mooncake", extra, ratio=2), *common]
 
 
 def run_config(config: str, requests: list[tuple[int, int]], prompts: list[str], replicas: int, work: Path,

@@ -12,7 +12,6 @@ Writes benchmarks/results/tier_hits.json and .png and prints a one-line verdict.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ from _harness import (  # noqa: E402
     PromptSource,
     auto_dtype,
     disk_read_bandwidth,
+    hicache_args,
     kv_bytes_per_token,
     machine,
     plot,
@@ -42,10 +42,7 @@ def tiered(attention: str):
 
 
 def sglang_file(store: Path, length: int) -> list[str]:
-    return ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-storage-backend", "file",
-            "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(store)}),
-            "--page-size", "64", "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-            "--dtype", DTYPE[0], "--device", "cpu"]
+    return [*hicache_args("file", {"file_storage_path": str(store)}, ratio=3), "--dtype", DTYPE[0]]
 
 
 CONFIGS = {
