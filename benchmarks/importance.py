@@ -143,6 +143,7 @@ def ssd_hits(rows: list[dict]) -> dict:
     return {"requests": len(ttft), "median_s": statistics.median(ttft) if ttft else None}
 
 
+PARTS = ("capture", "placement", "sparse", "quality")
 GATED = ["--tiered-importance-load", "gated"]
 # the paper's ablation, one step per configuration: LRU + full load (the default) -> + importance placement ->
 # + gated sparse loading (groups in prompt order) -> + reordering (groups in importance order); then SGLang's own
@@ -598,10 +599,28 @@ def plot(data: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def headline(data: dict) -> str:
+    """The results file's one-line verdict, from the parts it holds (each from whichever run measured it)."""
+    out = []
+    r, slow = data.get("placement"), f"{data.get('workload', {}).get('slow_mbps')} MB/s"
+    if r:
+        lru, imp, gated = (r[f"{n}, disk {slow}"] for n in ("lru", "importance", "importance + gated + reordering"))
+        hits = (lru["ssd_hits"]["median_s"], gated["ssd_hits"]["median_s"])
+        if None not in hits:
+            out.append(f"Zipf workload at {slow}: SSD hits {hits[0] / hits[1]:.2f}x lower median TTFT and "
+                       f"{lru['read_mib'] / gated['read_mib']:.2f}x fewer bytes read than LRU + full load")
+        x = imp["median_s"] / lru["median_s"]
+        out.append("placement alone ties LRU" if abs(x - 1) < 0.1 else f"placement alone {x:.2f}x LRU's median TTFT")
+    q = data.get("quality", {}).get("summary", {}).get(f"gated {TieredConfig().importance_ratio:.2f}, chunks")
+    if q:
+        out.append(f"answers equal a full load's in {q['answer']:.2f} of requests (target 0.95: "
+                   f"{'met' if q['answer'] >= 0.95 else 'missed'})")
+    return "; ".join(out)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["capture", "placement", "sparse", "quality"],
-                   choices=["capture", "placement", "sparse", "quality"])
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--quality-docs", type=int, default=24)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.15, 0.2, 0.3, 0.5, 0.7])
     p.add_argument("--sparse-ratios", type=float, nargs="*", default=[0.15],
@@ -634,12 +653,15 @@ def main() -> int:
     source = PromptSource()
     path = RESULTS / "importance.json"
     data: dict = json.loads(path.read_text()) if path.exists() else {}  # parts not run keep their last results
-    # where each part was measured: parts run on different days may come from different machines (`machine` and
-    # `dtype` at the top level: the parts measured before this record existed)
+    # where each part was measured (`runs`): parts run on different days may come from different machines
     here = {"machine": machine(), "dtype": dtype, "date": time.strftime("%Y-%m-%d", time.gmtime())}
-    data.setdefault("machine", here["machine"])
-    data.setdefault("dtype", dtype)
-    data.setdefault("runs", {}).update({part: here for part in a.parts})
+    runs = data.setdefault("runs", {})
+    for part in PARTS:  # a part without its own record: measured on the machine the file names
+        if part in data and part not in runs:
+            runs[part] = {"machine": data.get("machine"), "dtype": data.get("dtype")}
+    runs.update({part: here for part in a.parts})
+    headline_run = runs.get("placement", here)  # the file's machine and dtype: its headline's
+    data["machine"], data["dtype"] = headline_run["machine"], headline_run["dtype"]
     verdicts = []
     if "capture" in a.parts:
         data["capture"] = capture_cost(source, dtype, 2048, a.repeats)
@@ -728,6 +750,7 @@ def main() -> int:
                         + (f"cheapest setting reaching 0.95: {reach[0]} (loading {q[reach[0]]['loaded']:.2f} of the "
                            f"token-layers, reading {q[reach[0]]['read']:.2f} of a full load's bytes with the probe)"
                            if reach else "no setting reaches 0.95"))
+    data["verdict"] = headline(data)
     save("importance", data)
     plot(data, RESULTS / "importance.png")
     for v in verdicts:

@@ -39,8 +39,20 @@ def table(rows: list[dict]) -> list[str]:
             ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in rows])
 
 
+def measured_on(data: dict) -> str:
+    """Machine and dtype of a run, or of each part where a file's parts (`runs`: part -> its run's machine and
+    dtype) come from different runs."""
+    runs = data.get("runs")
+    by: dict[str, list[str]] = {}
+    for part, run in (runs.items() if isinstance(runs, dict) else []):
+        by.setdefault(f"{machine(run)}; dtype: {run.get('dtype') or 'not recorded'}", []).append(part)
+    if len(by) < 2:
+        return f"Machine: {machine(data)}; dtype: {data.get('dtype') or 'not recorded'}."
+    return "Measured in parts: " + "; ".join(f"{', '.join(parts)} on {where}" for where, parts in by.items()) + "."
+
+
 def entry(path: Path, data: dict) -> list[str]:
-    lines = [f"### `{path.stem}`", "", f"Machine: {machine(data)}; dtype: {data.get('dtype') or 'not recorded'}.", ""]
+    lines = [f"### `{path.stem}`", "", measured_on(data), ""]
     if data.get("verdict"):
         lines += [f"**Verdict:** {data['verdict']}", ""]
     rows = data.get("table")
