@@ -8,16 +8,15 @@ Part `placement`: a shared-document workload whose KV does not fit in device + h
 `--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x,
 `--chunked-prefill-size 8192` so that every prompt is one extend), each request one document + a new question (Zipf
 popularity, s = 1.1, the same seeded sequence for every configuration), sent by `--clients` concurrent clients.
-Configurations, the paper's ablation: LRU (SGLang's order, the default) -> importance placement -> + gated
-sparse loading (`--tiered-importance-load gated`, groups in prompt order) -> + reordering (groups in importance
-order, the default); and SGLang's own hierarchical cache with its `file` storage backend (`sglang-file`, its
-torch_native CPU attention: compare its tokens by tier, not its TTFT); and, outside the chain, the last step with
-the opt-in mass gate (`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). Each at the disk's own speed and with the
-server's block-device reads throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle; the
-SSD files are evicted from the page cache before every request so that SSD hits really read the device). Reported:
-TTFT median and p90, bytes the server read from storage, sparse loads and their read amplification, tokens served
-from device / host / SSD (a sparse load's span counts as SSD: SGLang reports it as not cached) / computed, and the
-same weighted by token importance (the moving averages the importance server learned, read from its SSD directory
+Configurations, the paper's ablation: LRU (SGLang's order, the default) -> importance placement -> + gated sparse
+loading (`--tiered-importance-load gated`); and SGLang's own hierarchical cache with its `file` storage backend
+(`sglang-file`, its torch_native CPU attention: compare its tokens by tier, not its TTFT); and, outside the chain, the
+last step with the opt-in mass gate (`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). Each at the disk's own
+speed and with the server's block-device reads throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O
+throttle; the SSD files are evicted from the page cache before every request so that SSD hits really read the device).
+Reported: TTFT median and p90, bytes the server read from storage, sparse loads and their read amplification, tokens
+served from device / host / SSD (a sparse load's span counts as SSD: SGLang reports it as not cached) / computed, and
+the same weighted by token importance (the moving averages the importance server learned, read from its SSD directory
 under SGLang's page keys: the share of the important tokens each tier served).
 
     .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
@@ -27,8 +26,7 @@ Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-toke
 tokens and gets the pages repacked; then 4 gated loads of that question give the server's gate history its steady
 state), then -- device and host flushed, page cache dropped -- asked for the code three ways on the same
 `--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading everything (`full`) and
-the gated load; the gated load on a second server whose groups keep prompt order (`--tiered-importance-order
-position`: the reordering ablation); and the gated load on one more server per `--alphas` value
+the gated load; and the gated load on one more server per `--alphas` value
 (`--tiered-importance-alpha`: the gate's trade of bytes against agreement) and per `--sparse-ratios` value
 (`--tiered-importance-ratio`), and one with the mass gate (`--tiered-importance-gate mass`) at the last
 `--mass-ratios` value per `--sparse-max-drops` bound. The SSD tier's files are evicted from the page cache before
@@ -37,8 +35,7 @@ storage (/proc/<pid>/io: what reached the block device, readahead included), whe
 agreement with the full load: the answer (the first sentence of the 8-token greedy continuation, see `answer`) and
 all 8 tokens; natively, at `--slow-mbps`, and at `--slow-mbps` with at most `--slow-iops` read I/Os per second
 (`benchmarks/iops-limit`, the kernel's blkio IOPS throttle: network block storage limits both; a gp3-class volume
-gives 125 MB/s and 3000 IOPS) -- where reordering should show, since a group in importance order serves a sparse
-load in a few long reads and one in prompt order in many short ones.
+gives 125 MB/s and 3000 IOPS), where a sparse load's many short reads may cost more than their bytes.
 
 Part `quality`: the same kind of documents (its own: the first `--quality-docs` of the essay stream, whichever
 other parts run) through the engine alone (fp32): the code question after a full prefill vs gated sparse loads at
@@ -147,20 +144,19 @@ def ssd_hits(rows: list[dict]) -> dict:
 PARTS = ("capture", "placement", "sparse", "quality")
 GATED = ["--tiered-importance-load", "gated"]
 # the paper's ablation, one step per configuration: LRU + full load (the default) -> + importance placement ->
-# + gated sparse loading (groups in prompt order) -> + reordering (groups in importance order); then SGLang's own
+# + gated sparse loading; then SGLang's own
 ABLATION: dict[str, list[str]] = {
     "lru": ["--tiered-placement", "lru"],
     "importance": ["--tiered-placement", "importance"],
-    "importance + gated": ["--tiered-placement", "importance", *GATED, "--tiered-importance-order", "position"],
-    "importance + gated + reordering": ["--tiered-placement", "importance", *GATED],
+    "importance + gated": ["--tiered-placement", "importance", *GATED],
     "sglang-file": [],
     # not in the paper's chain: the last step with the opt-in mass gate at the setting that met the per-request
     # targets in part sparse (ratio 0.3 also makes capture count 30 % of a prompt's tokens as important)
-    "importance + gated (mass gate) + reordering": ["--tiered-placement", "importance", *GATED,
+    "importance + gated (mass gate)": ["--tiered-placement", "importance", *GATED,
                                                     "--tiered-importance-gate", "mass", "--tiered-importance-ratio",
                                                     "0.3", "--tiered-importance-max-drop", "0.2"],
 }
-CHAIN = ["lru", "importance", "importance + gated", "importance + gated + reordering"]  # the paper's ablation
+CHAIN = ["lru", "importance", "importance + gated"]  # the paper's ablation
 
 
 # every prompt in one extend (SGLang's CPU default, 4096, would prefill the longest in pieces, which gated loading
@@ -390,8 +386,7 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
            slow_iops: int = 0, ratios: tuple[float, ...] = (),
            mass: tuple[tuple[float, float], ...] = ()) -> dict:
     """SSD hits of documents with a planted fact, asked after a different first question: SGLang's full load (off),
-    the sparse path loading everything (full) and the gated load, same server; the gated load from groups kept in
-    prompt order (`--tiered-importance-order position`, a second server: the reordering ablation); the gated load
+    the sparse path loading everything (full) and the gated load, same server; the gated load
     with each gate exponent of `alphas`, each `--tiered-importance-ratio` of `ratios`, and the mass gate
     (`--tiered-importance-gate mass`) at each (ratio, bound) of `mass` (one server each). On every disk of
     `disks`."""
@@ -407,12 +402,8 @@ def sparse(source: PromptSource, dtype: str, docs: int, tokens: int, slow_mbps: 
         for n, (disk, wrapper) in enumerate(disks(tmp, slow_mbps, slow_iops).items()):
             args = ["--kv-backend", "tiered", "--max-total-tokens", str(2 * tokens + 1024), "--dtype", dtype,
                     "--tiered-stats-interval", "0", "--tiered-importance-load", "gated"]
-            rows, log = _sparse_server(Path(tmp), f"reordered-{n}", wrapper, args, texts, codes,
+            rows, log = _sparse_server(Path(tmp), f"gated-{n}", wrapper, args, texts, codes,
                                        {"off": "off", "full": "full", "gated": "gated"})
-            prompt_order, _ = _sparse_server(
-                Path(tmp), f"prompt-order-{n}", wrapper, [*args, "--tiered-importance-order", "position"], texts,
-                codes, {"gated, prompt order": "gated"})
-            rows.update(prompt_order)
             variants = [(alpha_label(x), f"alpha-{x}", ["--tiered-importance-alpha", str(x)]) for x in alphas]
             variants += [(ratio_label(x), f"ratio-{x}", ["--tiered-importance-ratio", str(x)]) for x in ratios]
             variants += [(mass_server_label(x, d), f"mass-{x}-{d}", [
@@ -605,7 +596,7 @@ def headline(data: dict) -> str:
     out = []
     r, slow = data.get("placement"), f"{data.get('workload', {}).get('slow_mbps')} MB/s"
     if r:
-        lru, imp, gated = (r[f"{n}, disk {slow}"] for n in ("lru", "importance", "importance + gated + reordering"))
+        lru, imp, gated = (r[f"{n}, disk {slow}"] for n in ("lru", "importance", "importance + gated"))
         hits = (lru["ssd_hits"]["median_s"], gated["ssd_hits"]["median_s"])
         if None not in hits:
             out.append(f"Zipf workload at {slow}: SSD hits with gated loading {hits[1]:.3f} s (median) against "
@@ -694,7 +685,7 @@ def main() -> int:
         chain = [(n, r[f"{n}, disk {slow}"]) for n in CHAIN]
         verdicts.append(f"ablation at {slow} (median / p90 TTFT, MiB read): " + " -> ".join(
             f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))
-        gated = r[f"importance + gated + reordering, disk {slow}"]
+        gated = r[f"importance + gated, disk {slow}"]
         hit_s = (lru["ssd_hits"]["median_s"], gated["ssd_hits"]["median_s"])
         if None in hit_s:  # a configuration without SSD hits: no verdict, and the JSON below is still saved
             verdicts.append(f"SSD hits at {slow}: none in some configuration, see the table")
@@ -703,7 +694,7 @@ def main() -> int:
             verdicts.append(f"SSD hits at {slow}, gated (default) vs LRU + full load: median TTFT {hit_s[1]:.3f} vs "
                             f"{hit_s[0]:.3f} s = {ttft_x:.2f}x (target >= 1.5x: {'PASS' if ttft_x >= 1.5 else 'MISS'})"
                             f", {bytes_x:.2f}x fewer bytes read (target >= 2x: {'PASS' if bytes_x >= 2 else 'MISS'})")
-        mass = r[f"importance + gated (mass gate) + reordering, disk {slow}"]
+        mass = r[f"importance + gated (mass gate), disk {slow}"]
         verdicts.append(f"mass gate (ratio 0.3, bound 0.2) on the same workload at {slow}: median "
                         f"{mass['median_s']:.3f} s ({lru['median_s'] / mass['median_s']:.2f}x lower than LRU + full "
                         f"load), {mass['read_mib']:.0f} MiB read ({lru['read_mib'] / mass['read_mib']:.2f}x fewer)")
@@ -725,10 +716,8 @@ def main() -> int:
                         f"{gated['identical_to_off']:.2f}")
         for disk, d in data["sparse"].items():
             if disk != "native":
-                ordered, prompt = d["gated"]["median_s"], d["gated, prompt order"]["median_s"]
-                verdicts.append(f"reordering at {disk}: gated from groups in importance order {ordered:.3f} s vs "
-                                f"prompt order {prompt:.3f} s ({prompt / ordered:.2f}x); SGLang's full load "
-                                f"{d['off']['median_s']:.3f} s")
+                verdicts.append(f"gated sparse load at {disk}: {d['gated']['median_s']:.3f} s vs SGLang's full "
+                                f"load {d['off']['median_s']:.3f} s")
         for flags, label in [(f"--tiered-importance-alpha {x:g}", alpha_label(x)) for x in a.alphas] + [
                 (f"--tiered-importance-ratio {x:g}", ratio_label(x)) for x in a.sparse_ratios] + [
                 (f"--tiered-importance-gate mass --tiered-importance-ratio {a.mass_ratios[-1]:g} "

@@ -21,14 +21,13 @@ BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiere
 BLEND_SELECT_CHOICES = ("deviation", "importance", "position")  # --tiered-blend-select (see engine/blend.py)
 PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
-IMPORTANCE_ORDER_CHOICES = ("importance", "position")  # --tiered-importance-order (see storage/repacker.py)
 IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
 CAPTURE_HEADS = 3  # query heads per layer importance capture samples unless --tiered-importance-heads says
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "blend_select": BLEND_SELECT_CHOICES,
            "placement": PLACEMENT_CHOICES,
-           "importance_load": IMPORTANCE_LOAD_CHOICES, "importance_order": IMPORTANCE_ORDER_CHOICES,
+           "importance_load": IMPORTANCE_LOAD_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
            "kvpr": KVPR_CHOICES}
 DEFAULT_PAGE_SIZE = 64  # tokens; SGLang's default (1) makes one file per token, which is slower than recompute
@@ -101,7 +100,6 @@ class TieredConfig:
     importance_max_drop: float = 0.15  # the mass gate's bound, a share of the window's attention
     importance_min_tokens: int = 256  # shortest stored span worth a sparse load
     importance_probe_skip: int = 4  # a layer whose gate failed on its last N measured loads skips the probe; 0 = off
-    importance_order: str = "importance"  # chunk order in a repacked group; IMPORTANCE_ORDER_CHOICES
     importance_probe_bits: int = 4  # bits per value of a repacked group's probe; PROBE_BITS_CHOICES
     importance_repack_memory: str = "512M"  # bytes of written pages kept for the repacker (0 = read them back)
     kvpr: str = "auto"  # compute-or-load of SSD prefixes (engine/meet.py); KVPR_CHOICES
@@ -335,7 +333,7 @@ FLAG_HELP: dict[str, str] = {
     "important. Default: 32.",
     "importance_ratio": "Fraction of a prompt's tokens that count as important; also the fraction of a stored "
     "prefix each sampled head picks in a gated sparse load. Default: 0.2.",
-    "importance_load": "'gated': prefixes on SSD are repacked in importance order in the background, and a request "
+    "importance_load": "'gated': prefixes on SSD are repacked with a probe in the background, and a request "
     "whose prefix must come from SSD loads, layer by layer, only the tokens its sampled heads pick when they agree "
     "(Jaccard gate), everything otherwise -- approximate, opt-in. On such a server a request opts out with "
     "custom_params.tiered_importance = 'off', or takes the same path loading everything (exact) with 'full'. "
@@ -354,9 +352,6 @@ FLAG_HELP: dict[str, str] = {
     "importance_probe_skip": "A layer whose gate failed on each of its last N measured sparse loads loads the whole "
     "stored span without reading its probe first (what a failed gate loads anyway, less the probe's bytes); every "
     "8th load measures every layer again. 0: always probe. Default: 4.",
-    "importance_order": "Order of the 16-token chunks in a prefix repacked for gated loading: 'importance' (the "
-    "chunk with the most important tokens first, so a sparse load's picks are a few dense reads) or 'position' "
-    "(prompt order, the same chunks; for comparison). Default: importance.",
     "importance_probe_bits": "Bits per value of the probe a repacked prefix stores for gated loading (the sampled "
     "heads' keys): 4 (rotated by a Hadamard matrix first; half the bytes of 8) or 8. Fewer probe bytes per sparse "
     "load; the gate and the picks see slightly noisier keys. Default: 4.",

@@ -1,18 +1,16 @@
 """A stored span served from a repacked group on the SSD tier: the `StoredSpan` that `sparse_prefill` reads.
 
-The span is the logical tokens [first * page_size, (first + pages) * page_size) of the group (its member pages
-first .. first + pages - 1). `probe` dequantizes the group's probe into logical order; `load` maps the wanted
-logical tokens to storage slots, reads only the chunks that hold them (importance order puts the usual picks in the
-first chunks) and returns their K and V. Every read is checksummed by the tier; a miss raises `SpanMiss`. Bytes read
-are counted in `bytes_read` (what was asked of the file system; the tier reads groups without readahead, so the
-block device reads the same bytes, rounded out to 4 KiB pages).
+The span is the tokens [first * page_size, (first + pages) * page_size) of the group (its member pages first ..
+first + pages - 1). `probe` dequantizes the group's probe; `load` reads only the chunks that hold the wanted tokens
+and returns their K and V. Every read is checksummed by the tier; a miss raises `SpanMiss`. Bytes read are counted
+in `bytes_read` (what was asked of the file system; the tier reads groups without readahead, so the block device
+reads the same bytes, rounded out to 4 KiB pages).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from sglang_tiered.engine.span_miss import SpanMiss
@@ -30,11 +28,8 @@ class GroupSpan:
         self.start = first * meta.page_size
         self.tokens = pages * meta.page_size
         self.dtype = _TORCH[meta.itemsize][tier.namespace.dtype]
-        perm = np.asarray(meta.perm, dtype=np.int64)
-        inv = np.empty_like(perm)
-        inv[perm] = np.arange(len(perm))
-        self.slots = torch.from_numpy(inv[self.start : self.start + self.tokens])  # span token -> storage slot
-        self.units = self.slots // meta.chunk  # the I/O unit: a chunk of slots
+        self.slots = torch.arange(self.start, self.start + self.tokens)  # span token -> token of the group
+        self.units = self.slots // meta.chunk  # the I/O unit: a chunk of the group's tokens
         self.bytes_read = 0
 
     def probe(self, layer: int, kv_heads: Sequence[int]) -> torch.Tensor:

@@ -168,9 +168,8 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.capture_heads, heads))
         stash = PayloadStash(parse_size(cfg.importance_repack_memory))
         tier.attach_stash(stash)
-        repacker = Repacker(tier, importance, probe, before_repack=rt.foreground.wait_idle,
-                            by_importance=cfg.importance_order == "importance",
-                            probe_bits=cfg.importance_probe_bits, stash=stash)
+        repacker = Repacker(tier, probe, before_repack=rt.foreground.wait_idle, probe_bits=cfg.importance_probe_bits,
+                            stash=stash)
     remote_cfg = cfg.remote_settings()
     if remote_cfg is not None:
         address, segment = remote_cfg

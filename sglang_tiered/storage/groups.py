@@ -1,8 +1,9 @@
-"""Repacking pages into an importance-ordered group, and reading pages back out of one (numpy, no torch/SGLang).
+"""Repacking pages into a group, and reading pages back out of one (numpy, no torch/SGLang).
 
 Pages are in SGLang's `layer_first` host layout: 2 x layers segments per page, K of layer 0, V of layer 0, K of
-layer 1, ... each [page_size, kv_heads, head_dim] elements. A group holds the same bytes per token, reordered
-(`group_file.py`); `pages_from_group` turns a group's data back into that page layout, token-identical.
+layer 1, ... each [page_size, kv_heads, head_dim] elements. A group holds the same bytes per token, in prompt
+order, per layer in chunks (`group_file.py`); `pages_from_group` turns a group's data back into that page layout,
+token-identical.
 """
 
 from __future__ import annotations
@@ -39,26 +40,22 @@ def group_id(keys: Sequence[str]) -> str:
     return hashlib.sha256("".join(keys).encode()).hexdigest()[:32]
 
 
-def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], order: Sequence[int],
-             probe_heads: Sequence[int], chunk: int = 16, probe_bits: int = PROBE_BITS) -> tuple[dict, list, list]:
-    """(meta, probes, data) for `group_file.write_group` from the member pages' payloads (logical order).
-    `order[i]` = the logical token stored in slot i (a permutation; repacker.importance_order)."""
+def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], probe_heads: Sequence[int],
+             chunk: int = 16, probe_bits: int = PROBE_BITS) -> tuple[dict, list, list]:
+    """(meta, probes, data) for `group_file.write_group` from the member pages' payloads (in prompt order)."""
     size, layers, ps = itemsize(ns), ns.layer_num, ns.page_size
     h, d = ns.kv_heads, ns.head_dim
     tokens = len(keys) * ps
-    if sorted(order) != list(range(tokens)):
-        raise ValueError(f"order is not a permutation of {tokens} tokens")
     raw = np.stack([np.frombuffer(p, dtype=_RAW[size]).reshape(layers, 2, ps, h, d) for p in payloads])
-    raw = raw.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, tokens, h, d)  # [layer, k/v, logical token, h, d]
-    perm = np.asarray(order, dtype=np.int64)
+    raw = raw.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, tokens, h, d)  # [layer, k/v, token, h, d]
     bits = probe_bits if d % 2 == 0 else 8  # 4-bit probes pack two values per byte
     probes, data = [], []
     for layer in range(layers):
-        k, v = raw[layer, 0, perm], raw[layer, 1, perm]
+        k, v = raw[layer, 0], raw[layer, 1]
         probes.append(quantize_probe(as_float(k[:, list(probe_heads)], ns.dtype), bits))
         data.append((k, v))
     meta = {"ns": ns.id, "gid": group_id(keys), "keys": list(keys), "page_size": ps, "tokens": tokens,
-            "layers": layers, "heads": h, "dim": d, "itemsize": size, "perm": [int(i) for i in order],
+            "layers": layers, "heads": h, "dim": d, "itemsize": size,
             "probe_heads": [int(x) for x in probe_heads], "chunk": chunk, "probe_bits": bits}
     return meta, probes, data
 
@@ -68,8 +65,6 @@ def pages_from_group(meta: GroupMeta, layers: Sequence[dict[int, tuple[bytes, by
     """Page payloads (layer_first bytes) of the member pages `wanted` (indices into meta.keys), from every chunk of
     every layer (`layers[l]` = `group_file.read_chunks` of all chunks of layer l)."""
     raw_t = _RAW[meta.itemsize]
-    inv = np.empty(meta.tokens, dtype=np.int64)
-    inv[np.asarray(meta.perm, dtype=np.int64)] = np.arange(meta.tokens)  # logical token -> slot
     ps, shape = meta.page_size, (meta.heads, meta.dim)
     per_layer = []
     for chunks in layers:
@@ -78,6 +73,6 @@ def pages_from_group(meta: GroupMeta, layers: Sequence[dict[int, tuple[bytes, by
         per_layer.append((k.reshape(meta.tokens, *shape), v.reshape(meta.tokens, *shape)))
     out = []
     for j in wanted:
-        slots = inv[j * ps : (j + 1) * ps]
-        out.append(b"".join(k[slots].tobytes() + v[slots].tobytes() for k, v in per_layer))
+        out.append(b"".join(k[j * ps : (j + 1) * ps].tobytes() + v[j * ps : (j + 1) * ps].tobytes()
+                            for k, v in per_layer))
     return out

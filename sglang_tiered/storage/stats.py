@@ -12,7 +12,7 @@ class TierStats:
     sparse_bytes_read: int = 0  # bytes sparse loads read from groups (probe + chunks)
     sparse_bytes_needed: int = 0  # bytes of the K and V of the tokens those loads used
     group_reads: int = 0  # reads from repacked groups (a probe layer, or chunks of one layer)
-    repacked_groups: int = 0  # groups committed (importance-ordered rewrites of a run of pages)
+    repacked_groups: int = 0  # groups committed (a run of pages rewritten as one file)
     repacked_pages: int = 0  # pages rewritten into groups
     repack_pages_kept: int = 0  # pages a repack took from the copy kept at their write (stash.py): no read
     repack_pages_read: int = 0  # pages a repack read back from their files

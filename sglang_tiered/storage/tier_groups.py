@@ -1,5 +1,5 @@
-"""The SSD tier's group files: a run of stored pages rewritten as one importance-ordered file (`repack`), read by
-layer -- its probe, or chosen chunks -- by gated loading, and page by page through the group's map (`read_pages`).
+"""The SSD tier's group files: a run of stored pages rewritten as one file in chunks with a probe (`repack`), read by
+layer -- its probe, or chosen chunks -- by gated loading, and page by page (`read_pages`).
 A group is committed by its rename; only then are its member pages' files removed, so a crash at any point leaves
 either the old pages or the group. With a stash attached (`stash.py`) a repack takes its pages' payloads from the
 copies kept at their write and reads only the others back."""
@@ -31,10 +31,10 @@ class TierGroups:
     def __init__(self, tier: SSDTier) -> None:
         self.tier = tier
 
-    def repack(self, keys: Sequence[str], order: Sequence[int], probe_heads: Sequence[int], chunk: int = 16,
+    def repack(self, keys: Sequence[str], probe_heads: Sequence[int], chunk: int = 16,
                probe_bits: int = group_file.PROBE_BITS) -> bool:
-        """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, logical order) as one group whose
-        slot i holds logical token order[i]. True when committed; False (nothing changed) if a page is missing,
+        """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, in prompt order) as one group.
+        True when committed; False (nothing changed) if a page is missing,
         unreadable or already grouped, or the space is not there. Blocking; call from a background thread."""
         with self.tier._lock:
             if any(self.tier._index.kind(k) != "page" or self.tier._index.writing(k) for k in keys):
@@ -55,7 +55,7 @@ class TierGroups:
                 return False
             self.tier.stats.add(repack_pages_read=1, repack_bytes_read=n)
             payloads.append(b"".join(bufs))
-        meta, probes, data = assemble(self.tier.namespace, keys, payloads, order, probe_heads, chunk, probe_bits)
+        meta, probes, data = assemble(self.tier.namespace, keys, payloads, probe_heads, chunk, probe_bits)
         gid, entry = meta["gid"], GROUP_PREFIX + meta["gid"]
         path = self.tier._path(entry)
         tokens, chunks = meta["tokens"], -(-meta["tokens"] // chunk)  # + a bound of the metadata's size:

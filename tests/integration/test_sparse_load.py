@@ -1,10 +1,10 @@
 """Gated sparse loading (`--tiered-importance-load gated`) in a live server (CPU, SmolLM2 in fp32 so that exact paths
 compare token for token).
 
-1. A prompt is served cold; its pages reach the SSD tier and are repacked in importance order (logged).
+1. A prompt is served cold; its pages reach the SSD tier and are repacked into a group (logged).
 2. With device and host flushed (the prompt only on the SSD tier, as a group):
-   * `tiered_importance: off` -- SGLang loads the repacked pages through the group's map: output identical to the
-     cold run (reordering is exact);
+   * `tiered_importance: off` -- SGLang loads the repacked pages out of the group: output identical to the cold run
+     (repacking is exact);
    * `full` -- the sparse path with every token loaded (the gate forced to fail): identical too;
    * `gated` -- the gate decides per layer: answered, fewer bytes read than `full`, token-layers skipped,
      counted; and kept out of the radix tree (the same request again is a sparse load again, not a device hit),

@@ -1,11 +1,10 @@
-"""Repacked groups in the SSD tier (real files, no SGLang): pages come back token-identical through the group's map,
+"""Repacked groups in the SSD tier (real files, no SGLang): pages come back token-identical from their group,
 the probe ranks like the keys it quantizes, corrupt chunks are misses, and a repack killed at any moment leaves
 every page readable after a restart."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -58,16 +57,10 @@ def filled(tmp_path, pages: int = 4) -> SSDTier:
     return tier
 
 
-def order(tokens: int, seed: int = 0) -> list[int]:
-    o = list(range(tokens))
-    random.Random(seed).shuffle(o)
-    return o
-
-
 def test_pages_come_back_token_identical_through_the_map(tmp_path):
     tier = filled(tmp_path)
     keys = [key(i) for i in range(4)]
-    assert tier.groups.repack(keys[:3], order(3 * PS), probe_heads=[0, 1])
+    assert tier.groups.repack(keys[:3], probe_heads=[0, 1])
     assert not list((tmp_path / ns().id).glob(f"*/{keys[0]}{PAGE_SUFFIX}"))  # the member files are gone
     assert tier.group_of(keys[1]) is not None and tier.group_of(keys[3]) is None and len(tier) == 4
     outs = [empty() for _ in range(4)]
@@ -87,19 +80,18 @@ def test_pages_come_back_token_identical_through_the_map(tmp_path):
     check_integrity(again)
 
 
-def test_slots_follow_the_order_and_the_probe_ranks_like_the_keys(tmp_path):
+def test_a_group_keeps_the_prompt_order_in_chunks_and_the_probe_ranks_like_the_keys(tmp_path):
     tier = filled(tmp_path, 2)
-    o = order(2 * PS, seed=3)
-    assert tier.groups.repack([key(0), key(1)], o, probe_heads=[1])
+    assert tier.groups.repack([key(0), key(1)], probe_heads=[1])
     meta = tier.group_of(key(0))
-    assert list(meta.perm) == o and meta.chunks == 2 * PS // meta.chunk
+    assert meta.chunks == 2 * PS // meta.chunk
     q, scale = tier.groups.read_probe(meta.gid, 2)
     assert meta.probe_bits == group_file.PROBE_BITS == 4 and q.shape == (2 * PS, 1, DIM // 2)
-    approx = group_file.dequantize_probe(q, scale, meta.probe_bits)  # [tokens, 1, DIM] in slot order
+    approx = group_file.dequantize_probe(q, scale, meta.probe_bits)  # [tokens, 1, DIM] in prompt order
     raw = np.frombuffer(joined(bf16_page(0)) + joined(bf16_page(1)), dtype=np.uint16)
     pages = raw.reshape(2, LAYERS, 2, PS, HEADS, DIM)
     k2 = as_float(pages[:, 2, 0].reshape(2 * PS, HEADS, DIM), "torch.bfloat16")[:, 1:2]  # layer 2, head 1
-    exact = k2[o]
+    exact = k2
     # rounding moves each rotated value by at most half a step (max |rotated key| / 7), and the rotation back keeps
     # the error's length
     step = np.abs(exact[:, 0] @ group_file.rotation(DIM)).max(-1) / 7
@@ -108,8 +100,12 @@ def test_slots_follow_the_order_and_the_probe_ranks_like_the_keys(tmp_path):
     top_exact = set(np.argsort(-(exact[:, 0] @ query))[:8].tolist())
     top_probe = set(np.argsort(-(approx[:, 0] @ query))[:8].tolist())
     assert len(top_exact & top_probe) >= 7
-    chunks = tier.groups.read_chunks(meta.gid, 0, [1])
-    assert list(chunks) == [1] and len(chunks[1][0]) == meta.chunk * HEADS * DIM * 2
+    chunks = tier.groups.read_chunks(meta.gid, 0, [1])  # chunk 1 of layer 0: the group's tokens C..2C-1
+    c = meta.chunk
+    assert list(chunks) == [1] and len(chunks[1][0]) == c * HEADS * DIM * 2
+    tokens = pages.transpose(1, 2, 0, 3, 4, 5).reshape(LAYERS, 2, 2 * PS, HEADS, DIM)  # [layer, k/v, token, h, d]
+    assert bytes(chunks[1][0]) == tokens[0, 0, c : 2 * c].tobytes()
+    assert bytes(chunks[1][1]) == tokens[0, 1, c : 2 * c].tobytes()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -132,7 +128,7 @@ def test_probe_quantization_round_trip(bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_repack_writes_the_probe_with_the_bits_asked_for(tmp_path, bits):
     tier = filled(tmp_path, 2)
-    assert tier.groups.repack([key(0), key(1)], order(2 * PS, seed=2), probe_heads=[0, 1], probe_bits=bits)
+    assert tier.groups.repack([key(0), key(1)], probe_heads=[0, 1], probe_bits=bits)
     meta = tier.group_of(key(0))
     q, scale = tier.groups.read_probe(meta.gid, 0)
     assert meta.probe_bits == bits and q.nbytes + scale.nbytes == meta.probe_layer_bytes == 2 * PS * 2 * (
@@ -146,41 +142,29 @@ def test_an_odd_head_dim_gets_the_8_bit_probe():
                     kv_heads=HEADS, head_dim=7)
     payloads = [np.random.default_rng(i).integers(0, 1 << 14, LAYERS * 2 * PS * HEADS * 7, dtype=np.uint16).tobytes()
                 for i in range(2)]
-    meta, probes, _ = assemble(odd, [key(0), key(1)], payloads, list(range(2 * PS)), [0], probe_bits=4)
+    meta, probes, _ = assemble(odd, [key(0), key(1)], payloads, [0], probe_bits=4)
     assert meta["probe_bits"] == 8 and probes[0][0].shape == (2 * PS, 1, 7)
 
 
-def test_a_group_of_the_first_format_int8_probe_without_probe_bits_is_still_read(tmp_path):
-    tier = filled(tmp_path, 2)
-    assert tier.groups.repack([key(0), key(1)], order(2 * PS, seed=1), probe_heads=[0])
-    new = tier.group_of(key(0))
+def test_a_group_of_another_format_is_removed_at_startup_and_its_pages_are_misses(tmp_path):
+    tier = filled(tmp_path, 3)
+    assert tier.groups.repack([key(0), key(1)], probe_heads=[0])
     (path,) = tmp_path.rglob(f"*{group_file.GROUP_SUFFIX}")
-    with open(path, "rb") as f:
-        fd = f.fileno()
-        probes = [group_file.dequantize_probe(*group_file.read_probe(fd, new, layer), new.probe_bits)
-                  for layer in range(LAYERS)]
-        data = [[group_file.read_chunks(fd, new, layer, range(new.chunks))[c] for c in range(new.chunks)]
-                for layer in range(LAYERS)]
-    dt = np.uint16
-    kv = [(np.frombuffer(b"".join(bytes(c[0]) for c in layer), dt).reshape(-1, HEADS, DIM),
-           np.frombuffer(b"".join(bytes(c[1]) for c in layer), dt).reshape(-1, HEADS, DIM)) for layer in data]
-    meta = {"ns": new.ns, "gid": new.gid, "keys": list(new.keys), "page_size": PS, "tokens": new.tokens,
-            "layers": LAYERS, "heads": HEADS, "dim": DIM, "itemsize": 2, "perm": list(new.perm),
-            "probe_heads": [0], "chunk": new.chunk}  # no "probe_bits": the first format
-    group_file.write_group(str(path), meta, [group_file.quantize_probe(p, 8) for p in probes], kv)
-    again = SSDTier(tmp_path, ns(), 1 << 24)  # a restart reads the rewritten group
-    old = again.group_of(key(0))
-    assert old.probe_bits == 8 and old.probe_layer_bytes == new.tokens * (DIM + 2)
-    q, scale = again.groups.read_probe(old.gid, 1)
-    assert np.allclose(group_file.dequantize_probe(q, scale, 8), probes[1], atol=np.abs(probes[1]).max() / 100)
-    outs = [empty(), empty()]
-    assert again.read_pages([(key(0), outs[0]), (key(1), outs[1])]) == [True, True]
-    assert joined(outs[0]) == joined(bf16_page(0)) and joined(outs[1]) == joined(bf16_page(1))
+    other = bytearray(path.read_bytes())
+    other[: len(group_file.MAGIC)] = b"SGTKG\x00\x01\x00"  # the same bytes under another format's magic
+    path.write_bytes(bytes(other))
+    again = SSDTier(tmp_path, ns(), 1 << 24)  # a restart: the group is unreadable
+    assert not path.exists() and again.group_of(key(0)) is None
+    assert not again.contains(key(0)) and not again.contains(key(1)) and again.contains(key(2))
+    assert again.read_pages([(key(0), empty())]) == [False]
+    out = empty()
+    assert again.read_pages([(key(2), out)]) == [True] and joined(out) == joined(bf16_page(2))
+    check_integrity(again)
 
 
 def test_a_corrupt_chunk_is_a_counted_miss_never_data(tmp_path):
     tier = filled(tmp_path, 2)
-    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], probe_heads=[0])
     path = next((tmp_path / ns().id / "groups").glob("*.kvg"))
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x01  # last chunk of the last layer
@@ -194,20 +178,18 @@ def test_a_corrupt_chunk_is_a_counted_miss_never_data(tmp_path):
     check_integrity(tier)
 
 
-def test_repack_refuses_missing_or_grouped_pages_and_bad_orders(tmp_path):
+def test_repack_refuses_missing_or_grouped_pages(tmp_path):
     tier = filled(tmp_path, 2)
-    assert not tier.groups.repack([key(0), key(7)], order(2 * PS), probe_heads=[0])
-    with pytest.raises(ValueError, match="permutation"):
-        tier.groups.repack([key(0), key(1)], [0] * (2 * PS), probe_heads=[0])
-    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
-    assert not tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])  # already a group
+    assert not tier.groups.repack([key(0), key(7)], probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], probe_heads=[0])
+    assert not tier.groups.repack([key(0), key(1)], probe_heads=[0])  # already a group
 
 
 def test_groups_are_evicted_as_one_unit_within_capacity(tmp_path):
     one = 2 * LAYERS * SEG
     tier = SSDTier(tmp_path, ns(), 8 * one)  # during a repack, old pages and the new group coexist
     assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4)]))
-    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], probe_heads=[0])
     assert tier.read_pages([(key(2), empty()), (key(3), empty())]) == [True, True]  # the group is now the LRU
     assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4, 8)]))  # needs room: the group goes
     assert not tier.contains(key(0)) and not tier.contains(key(1)) and tier.contains(key(7))
@@ -219,12 +201,12 @@ REPACKER = textwrap.dedent(
     """
     import sys, random
     sys.path.insert(0, {root!r})
-    from tests.unit.test_groups import filled, key, order
+    from tests.unit.test_groups import filled, key
     from pathlib import Path
     tier = filled(Path(sys.argv[1]), 24)
     print("filled", flush=True)
     for g in range(0, 24, 3):
-        tier.groups.repack([key(g + j) for j in range(3)], order(48, g), probe_heads=[0, 1])
+        tier.groups.repack([key(g + j) for j in range(3)], probe_heads=[0, 1])
         print("group", g, flush=True)
     """
 )
@@ -246,44 +228,22 @@ def test_a_repack_killed_at_any_moment_loses_nothing(tmp_path, delay):
     check_integrity(tier)
 
 
-def test_the_repack_order_puts_the_most_important_runs_of_chunk_tokens_first():
-    from sglang_tiered.storage.importance_table import ImportanceTable
-    from sglang_tiered.storage.repacker import importance_order
-
-    table = ImportanceTable(PS, alpha=1.0)
-    verdicts = [False] * (3 * PS)
-    for t in (20, 21, 22, 40):  # chunk 2 of 4 tokens (16..23 in chunks of 8) holds three important tokens
-        verdicts[t] = True
-    table.observe([key(0), key(1), key(2)], verdicts)
-    got = importance_order(table, [key(0), key(1), key(2), key(3)], PS, chunk=8)  # key(3): never observed
-    assert got[:8] == list(range(16, 24))  # mean 3/8
-    assert got[8:16] == list(range(40, 48))  # mean 1/8
-    rest = [c for c in range(0, 4 * PS, 8) if c not in (16, 40)]
-    assert got[16:] == [t for c in rest for t in range(c, c + 8)]  # ties by position, each run in order
-    assert sorted(got) == list(range(4 * PS))
-
-
-
-@pytest.mark.parametrize("by_importance", [True, False])
-def test_the_repacker_writes_groups_in_importance_or_prompt_order(tmp_path, by_importance):
-    from sglang_tiered.storage.importance_table import ImportanceTable
-    from sglang_tiered.storage.repacker import Repacker, importance_order
+def test_the_repacker_writes_an_offers_pages_as_one_group_in_chunks(tmp_path):
+    from sglang_tiered.storage.repacker import Repacker
 
     tier = filled(tmp_path, pages=4)
     keys = [key(i) for i in range(4)]
-    table = ImportanceTable(PS, alpha=1.0)
-    table.observe(keys, [t in (50, 51, 52) for t in range(4 * PS)])  # the chunk 48..55 is the important one
-    repacker = Repacker(tier, table, probe_heads=[0], chunk=8, by_importance=by_importance)
+    repacker = Repacker(tier, probe_heads=[0], chunk=8)
     try:
         repacker.offer(keys)
         repacker.flush()
     finally:
         repacker.close()
     meta = tier.group_of(keys[0])
-    assert meta is not None and meta.keys == tuple(keys)
-    expected = importance_order(table, keys, PS, 8) if by_importance else list(range(4 * PS))
-    assert list(meta.perm) == expected
-    assert list(meta.perm[:8]) == (list(range(48, 56)) if by_importance else list(range(8)))
+    assert meta is not None and meta.keys == tuple(keys) and meta.chunk == 8 and meta.chunks == 4 * PS // 8
+    outs = [empty() for _ in range(4)]
+    assert tier.read_pages([(keys[i], outs[i]) for i in range(4)]) == [True] * 4
+    assert all(joined(outs[i]) == joined(bf16_page(i)) for i in range(4))
 
 
 def test_a_repack_takes_the_pages_kept_at_their_write_and_reads_none_back(tmp_path):
@@ -291,7 +251,7 @@ def test_a_repack_takes_the_pages_kept_at_their_write_and_reads_none_back(tmp_pa
 
     keys = [key(i) for i in range(4)]
     plain = filled(tmp_path / "plain")  # the same pages, repacked from their files
-    assert plain.groups.repack(keys, order(4 * PS), probe_heads=[0, 1])
+    assert plain.groups.repack(keys, probe_heads=[0, 1])
     tier = SSDTier(tmp_path / "kept", ns(), 1 << 24)
     stash = PayloadStash(1 << 20)
     tier.attach_stash(stash)
@@ -300,7 +260,7 @@ def test_a_repack_takes_the_pages_kept_at_their_write_and_reads_none_back(tmp_pa
     for k in keys[:3]:  # damage the kept pages' files: a repack that read them would find them corrupt
         (path,) = (tmp_path / "kept").glob(f"*/*/{k}{PAGE_SUFFIX}")
         path.write_bytes(path.read_bytes()[:-1] + b"?")
-    assert tier.groups.repack(keys, order(4 * PS), probe_heads=[0, 1])
+    assert tier.groups.repack(keys, probe_heads=[0, 1])
     s = tier.stats.snapshot()
     assert (s["repack_pages_kept"], s["repack_pages_read"], s["corrupt_pages"]) == (3, 1, 0)
     assert s["repack_bytes_read"] == 2 * LAYERS * SEG and s["bytes_read"] == 0  # a repack read is no request's hit
@@ -313,7 +273,6 @@ def test_a_repack_takes_the_pages_kept_at_their_write_and_reads_none_back(tmp_pa
 
 
 def test_the_repacker_keeps_an_offers_pages_and_leaves_nothing_behind(tmp_path):
-    from sglang_tiered.storage.importance_table import ImportanceTable
     from sglang_tiered.storage.repacker import Repacker
     from sglang_tiered.storage.stash import PayloadStash
 
@@ -321,7 +280,7 @@ def test_the_repacker_keeps_an_offers_pages_and_leaves_nothing_behind(tmp_path):
     stash = PayloadStash(2 * 2 * LAYERS * SEG)  # room for two of the four pages
     tier.attach_stash(stash)
     keys = [key(i) for i in range(4)]
-    repacker = Repacker(tier, ImportanceTable(PS), probe_heads=[0], chunk=8, stash=stash)
+    repacker = Repacker(tier, probe_heads=[0], chunk=8, stash=stash)
     try:
         repacker.offer(keys)  # before the write-through, as capture offers a prompt's pages
         assert all(tier.write_pages([(key(i), bf16_page(i)) for i in range(4)]))
@@ -350,7 +309,7 @@ def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_i
     rng = np.random.default_rng(0)
     assert all(tier.write_pages([(k, [memoryview(rng.integers(0, 1 << 14, seg // 2, dtype=np.uint16).tobytes())
                                       for _ in range(16)]) for k in keys]))
-    assert tier.groups.repack(keys, list(range(1024)), probe_heads=[0])
+    assert tier.groups.repack(keys, probe_heads=[0])
     meta = tier.group_of(keys[0])
     (path,) = list(tmp_path.glob("*/groups/*.kvg"))
     drop_from_page_cache(path)
@@ -368,7 +327,7 @@ def test_a_chunk_read_reads_the_chunk_from_the_device_not_the_readahead_around_i
 
 def test_a_refused_readahead_advice_still_reads_the_group(tmp_path, monkeypatch):
     tier = filled(tmp_path)
-    assert tier.groups.repack([key(0), key(1)], order(2 * PS), probe_heads=[0])
+    assert tier.groups.repack([key(0), key(1)], probe_heads=[0])
     meta = tier.group_of(key(0))
 
     def refuse(*args):

@@ -177,8 +177,8 @@ def test_bad_arguments(setup):
 
 
 # ---------------------------------------------------------------------------------------------- from a repacked group
-def stored_group(tmp_path, kv: torch.Tensor, order: list[int], page_size: int = 16):
-    """Write the KV [layers, T, 2, H, D] (fp32) as layer_first pages, repack them in `order`; (tier, group meta)."""
+def stored_group(tmp_path, kv: torch.Tensor, page_size: int = 16):
+    """Write the KV [layers, T, 2, H, D] (fp32) as layer_first pages and repack them; (tier, group meta)."""
     from sglang_tiered.storage.namespace import Namespace
     from sglang_tiered.storage.ssd_tier import SSDTier
 
@@ -192,7 +192,7 @@ def stored_group(tmp_path, kv: torch.Tensor, order: list[int], page_size: int = 
         segs = [memoryview(rows[layer, :, kv_i].contiguous().numpy().tobytes()) for layer in range(layers)
                 for kv_i in (0, 1)]
         assert tier.write_pages([(key, segs)]) == [True]
-    assert tier.groups.repack(keys, order, probe_heads=list(range(heads)))
+    assert tier.groups.repack(keys, probe_heads=list(range(heads)))
     return tier, tier.group_of(keys[0])
 
 
@@ -200,15 +200,17 @@ def test_a_group_span_serves_the_exact_kv_and_reads_only_the_chunks_it_needs(tmp
     from sglang_tiered.engine.group_span import GroupSpan
 
     model, ids, full = setup
-    order = list(range(96))[::-1]  # slots in reverse: the last tokens first
-    tier, meta = stored_group(tmp_path, full.kv[:, :96], order)
+    tier, meta = stored_group(tmp_path, full.kv[:, :96])
     span = GroupSpan(tier, meta, first=0, pages=6)
     exact = sparse_prefill(model, ids[96:], prefix_len=0, span=span, force="fail")
     assert (exact.logits - full.logits).abs().max().item() <= TOL
     assert torch.equal(span.load(2, torch.tensor([0, 5, 95])), full.kv[2, [0, 5, 95]])
     before = span.bytes_read
-    span.load(1, torch.tensor([94, 95]))  # both in slots 0..1: one 16-token chunk
+    span.load(1, torch.tensor([94, 95]))  # both in the last 16-token chunk: one chunk read
     assert span.bytes_read - before == 2 * 16 * GQA.kv_heads * GQA.head_dim * 4
+    before = span.bytes_read
+    span.load(1, torch.tensor([15, 16]))  # on both sides of a chunk boundary: two chunks
+    assert span.bytes_read - before == 2 * 2 * 16 * GQA.kv_heads * GQA.head_dim * 4
     probe = span.probe(3, [1])
     assert probe.shape == (96, 1, GQA.head_dim)
     exact_keys = full.kv[3, :96, 0, 1:2]
