@@ -3,7 +3,7 @@ hierarchical cache with its `file` storage backend, same prompts, same run (prot
 
     .venv/bin/python benchmarks/tier_hits.py [--lengths 512 1024 2048 4096] [--repeats 5]
 
-Writes benchmarks/results/tier_hits.json and .png and prints a one-line verdict. Configurations:
+Writes benchmarks/results/tier_hits-<machine class>.json and .png and prints a one-line verdict. Configurations:
   tiered              --kv-backend tiered (prefix-aware CPU attention, the default)
   tiered-torch-native --kv-backend tiered --tiered-cpu-attention torch_native (isolates the store from attention)
   sglang-file         --enable-hierarchical-cache --hicache-storage-backend file (SGLang's own L3, torch_native)
@@ -25,6 +25,7 @@ from _harness import (  # noqa: E402
     hicache_args,
     kv_bytes_per_token,
     machine,
+    machine_class,
     plot,
     run_config,
     save,
@@ -73,11 +74,13 @@ def main() -> int:
         make_args, pattern = CONFIGS[name]
         results[name] = run_config(name, make_args, a.lengths, a.repeats, work, prompts,
                                    stored=lambda store, pat=pattern: sum(1 for _ in store.rglob(pat)))
+    name = f"tier_hits-{machine_class()}"
     payload = {"machine": machine(), "disk": disk, "dtype": DTYPE[0], "kv_bytes_per_token": kv_bytes,
-               "repeats": a.repeats, "model": "SmolLM2-135M-Instruct", "results": results}
-    save("tier_hits", payload)
-    plot(results, RESULTS / "tier_hits.png", "TTFT by cache tier (median), SmolLM2-135M, CPU")
-    print(verdict(results, disk, kv_bytes))
+               "repeats": a.repeats, "model": "SmolLM2-135M-Instruct", "results": results,
+               "verdict": verdict(results, disk, kv_bytes)}
+    save(name, payload)
+    plot(results, RESULTS / f"{name}.png", "TTFT by cache tier (median), SmolLM2-135M, CPU")
+    print(payload["verdict"])
     return 0
 
 
