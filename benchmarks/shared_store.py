@@ -17,8 +17,9 @@ request is sent again with 8 new tokens to the replica that served it; the answe
 configurations (a wrong page served would change them). Then the per-page latency of the shared tier (Mooncake get
 over TCP) is measured against a local SSD page read (page cache dropped for the file), on the shared run's pages.
 
-Writes benchmarks/results/shared_store.json and .png and prints a one-line verdict (target: the shared tier computes
->= 40 % fewer prefill tokens than private tiers with two replicas, median TTFT lower, no differing answers).
+Writes benchmarks/results/shared_store-<machine class>.json and .png and prints a one-line verdict (target: the
+shared tier computes >= 40 % fewer prefill tokens than private tiers with two replicas, median TTFT lower, no
+differing answers).
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import RESULTS, PromptSource, auto_dtype, evict_from_page_cache, hicache_args, machine, save  # noqa: E402
+from _harness import (  # noqa: E402
+    RESULTS,
+    PromptSource,
+    auto_dtype,
+    evict_from_page_cache,
+    hicache_args,
+    machine,
+    machine_class,
+    save,
+)
 
 from sglang_tiered.mooncake_master import MooncakeMaster  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details, start_all  # noqa: E402
@@ -232,11 +242,12 @@ def main() -> int:
     ok = {k: v for k, v in results.items() if "error" not in v}
     payload = {"machine": machine(), "dtype": dtype, "model": "SmolLM2-135M-Instruct", "replicas": a.replicas,
                "docs": a.docs, "questions": a.questions, "doc_tokens": a.doc_tokens, "device_tokens": device_tokens,
-               "results": results}
-    save("shared_store", payload)
+               "results": results, "verdict": verdict(results)}
+    name = f"shared_store-{machine_class()}"
+    save(name, payload)
     if ok:
-        plot(ok, RESULTS / "shared_store.png")
-    print(verdict(results))
+        plot(ok, RESULTS / f"{name}.png")
+    print(payload["verdict"])
     return 0
 
 
