@@ -11,7 +11,7 @@ Part `overhead`: the tree core retention needs. SGLang's Rust tree core cannot r
 on (the default) the cache runs on SGLang's Python tree core; `--tiered-max-retain 0` keeps the Rust core. The same
 Zipf workload on both (12 documents x 1024 tokens + a question each, 2 concurrent clients, device pool 4096 tokens),
 the two servers alternated twice: TTFT median / p90 and requests per second.
-Writes benchmarks/results/retention.json and .png and prints a one-line verdict.
+Writes benchmarks/results/retention-<machine class>.json and .png and prints a one-line verdict.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from _harness import (  # noqa: E402
     auto_dtype,
     evict_from_page_cache,
     machine,
+    machine_class,
     save,
     stream_generate,
 )
@@ -163,8 +164,9 @@ def main() -> int:
                        f"{py['ttft_median_s'] / rust['ttft_median_s']:.2f}x, throughput "
                        f"{py['requests_per_s'] / rust['requests_per_s']:.2f}x")
     data["verdict"] = "; ".join(verdict)
-    save("retention", data)
-    plot(data, RESULTS / "retention.png")
+    name = f"retention-{machine_class()}"
+    save(name, data)
+    plot(data, RESULTS / f"{name}.png")
     print("verdict:", data["verdict"])
     return 0
 
