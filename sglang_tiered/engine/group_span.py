@@ -28,8 +28,7 @@ class GroupSpan:
         self.start = first * meta.page_size
         self.tokens = pages * meta.page_size
         self.dtype = _TORCH[meta.itemsize][tier.namespace.dtype]
-        self.slots = torch.arange(self.start, self.start + self.tokens)  # span token -> token of the group
-        self.units = self.slots // meta.chunk  # the I/O unit: a chunk of the group's tokens
+        self.units = torch.arange(self.start, self.start + self.tokens) // meta.chunk  # the I/O unit: a chunk
         self.bytes_read = 0
 
     def probe(self, layer: int, kv_heads: Sequence[int]) -> torch.Tensor:
@@ -39,13 +38,13 @@ class GroupSpan:
         q, scale = got
         self.bytes_read += q.nbytes + scale.nbytes
         cols = [self.meta.probe_heads.index(h) for h in kv_heads]
-        keys = torch.from_numpy(dequantize_probe(q, scale, self.meta.probe_bits))[self.slots]
+        keys = torch.from_numpy(dequantize_probe(q, scale, self.meta.probe_bits))[self.start : self.start + self.tokens]
         return keys[:, cols]
 
     def load(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         m = self.meta
-        slots = self.slots[idx]
-        wanted = torch.unique(slots // m.chunk)  # ascending
+        tokens = idx + self.start  # the span's tokens `idx` as tokens of the group
+        wanted = torch.unique(tokens // m.chunk)  # ascending
         chunks = wanted.tolist()
         got = self.tier.groups.read_chunks(m.gid, layer, chunks)
         if got is None:
@@ -56,7 +55,7 @@ class GroupSpan:
         self.bytes_read += len(k) + len(v)
         where = torch.empty(m.chunks, dtype=torch.int64)
         where[wanted] = torch.arange(len(chunks))
-        rows = where[slots // m.chunk] * m.chunk + slots % m.chunk
+        rows = where[tokens // m.chunk] * m.chunk + tokens % m.chunk
         shape = (-1, m.heads, m.dim)
         return torch.stack([torch.frombuffer(k, dtype=self.dtype).view(shape)[rows],
                             torch.frombuffer(v, dtype=self.dtype).view(shape)[rows]], 1)
