@@ -652,9 +652,6 @@ def main() -> int:
     # where each part was measured (`runs`): parts run on different days may come from different machines
     here = {"machine": machine(), "dtype": dtype, "date": time.strftime("%Y-%m-%d", time.gmtime())}
     runs = data.setdefault("runs", {})
-    for part in PARTS:  # a part without its own record: measured on the machine the file names
-        if part in data and part not in runs:
-            runs[part] = {"machine": data.get("machine"), "dtype": data.get("dtype")}
     runs.update({part: here for part in a.parts})
     headline_run = runs.get("placement", here)  # the file's machine and dtype: its headline's
     data["machine"], data["dtype"] = headline_run["machine"], headline_run["dtype"]
