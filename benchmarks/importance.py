@@ -1,23 +1,22 @@
-"""Importance capture and placement (IMPRESS) through the server (CPU, the embedded SmolLM2).
+"""Importance capture and gated sparse loading (IMPRESS) through the server (CPU, the embedded SmolLM2).
 
 Part `capture`: what scoring costs. Cold TTFT of 2048-token prompts on a server with importance capture on (3
-sampled heads, as importance placement and gated loading run it) and off (`--tiered-importance-heads 0`, as under LRU
-placement without gated loading), same prompts, same run. Target: <= 5 %.
+sampled heads, as gated loading runs it) and off (`--tiered-importance-heads 0`, as without gated loading), same
+prompts, same run. Target: <= 5 %.
 
 Part `placement`: a shared-document workload whose KV does not fit in device + host memory. `--docs` documents of
 `--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x,
 `--chunked-prefill-size 8192` so that every prompt is one extend), each request one document + a new question (Zipf
 popularity, s = 1.1, the same seeded sequence for every configuration), sent by `--clients` concurrent clients.
-Configurations, the paper's ablation: LRU (SGLang's order, the default) -> importance placement -> + gated sparse
-loading (`--tiered-importance-load gated`); gated loading on LRU placement (placement's ablation where sparse
-loads read what it kept); and SGLang's own hierarchical cache with its `file` storage backend
-(`sglang-file`, its torch_native CPU attention: compare its tokens by tier, not its TTFT); and, outside the chain, the
-last step with the opt-in mass gate (`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). Each at the disk's own
+Configurations: the defaults (SGLang's LRU eviction and load, with compute-or-load) -> + gated sparse loading
+(`--tiered-importance-load gated`); SGLang's own hierarchical cache with its `file` storage backend (`sglang-file`,
+its torch_native CPU attention: compare its tokens by tier, not its TTFT); and gated loading with the opt-in mass gate
+(`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). Each at the disk's own
 speed and with the server's block-device reads throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O
 throttle; the SSD files are evicted from the page cache before every request so that SSD hits really read the device).
 Reported: TTFT median and p90, bytes the server read from storage, sparse loads and their read amplification, tokens
 served from device / host / SSD (a sparse load's span counts as SSD: SGLang reports it as not cached) / computed, and
-the same weighted by token importance (the moving averages the importance server learned, read from its SSD directory
+the same weighted by token importance (the moving averages the gated server learned, read from its SSD directory
 under SGLang's page keys: the share of the important tokens each tier served).
 
     .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
@@ -144,22 +143,17 @@ def ssd_hits(rows: list[dict]) -> dict:
 
 PARTS = ("capture", "placement", "sparse", "quality")
 GATED = ["--tiered-importance-load", "gated"]
-# the paper's ablation, one step per configuration: LRU + full load (the default) -> + importance placement ->
-# + gated sparse loading; then SGLang's own
+# the defaults (LRU eviction, SGLang's load with compute-or-load) -> + gated sparse loading; then SGLang's own
 ABLATION: dict[str, list[str]] = {
-    "lru": ["--tiered-placement", "lru"],
-    "importance": ["--tiered-placement", "importance"],
-    "importance + gated": ["--tiered-placement", "importance", *GATED],
-    # placement's ablation where it claims to help: gated loading without it
-    "lru + gated": ["--tiered-placement", "lru", *GATED],
+    "lru": [],
+    "lru + gated": GATED,
     "sglang-file": [],
-    # not in the paper's chain: the last step with the opt-in mass gate at the setting that met the per-request
-    # targets in part sparse (ratio 0.3 also makes capture count 30 % of a prompt's tokens as important)
-    "importance + gated (mass gate)": ["--tiered-placement", "importance", *GATED,
-                                                    "--tiered-importance-gate", "mass", "--tiered-importance-ratio",
-                                                    "0.3", "--tiered-importance-max-drop", "0.2"],
+    # the opt-in mass gate at the setting that met the per-request targets in part sparse (ratio 0.3 also makes
+    # capture count 30 % of a prompt's tokens as important)
+    "lru + gated (mass gate)": [*GATED, "--tiered-importance-gate", "mass", "--tiered-importance-ratio", "0.3",
+                                "--tiered-importance-max-drop", "0.2"],
 }
-CHAIN = ["lru", "importance", "importance + gated"]  # the paper's ablation
+CHAIN = ["lru", "lru + gated"]
 
 
 # every prompt in one extend (SGLang's CPU default, 4096, would prefill the longest in pieces, which gated loading
@@ -293,8 +287,8 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
                 print(f"[placement] {name}: median {out[name]['median_s']:.3f} s, p90 {out[name]['p90_s']:.3f} s, "
                       f"tokens {tiers}, {read_mib:.1f} MiB read, sparse loads {sparse_loads}, SGLang's L3 prefetch "
                       f"tokens not used, by reason {lost}, repack {repack}", flush=True)
-            # one set of weights for every configuration of this disk: what the importance server learned
-            weights = {d: token_importance(runs["importance"][1], doc_ids[d]) for d in set(order)}
+            # one set of weights for every configuration of this disk: what the gated server learned
+            weights = {d: token_importance(runs["lru + gated"][1], doc_ids[d]) for d in set(order)}
             for name, _, rows in runs.values():
                 out[name]["important_share"] = weighted_hits(rows, weights)
                 print(f"[placement] {name}: important tokens served by tier "
@@ -595,11 +589,12 @@ def plot(data: dict, path: Path) -> None:
 
 
 def placement_effect(imp: dict, lru: dict, where: str) -> str:
-    """Importance placement against LRU, same loading: ties within 10 % of the median TTFT (the rule a mechanism
-    earns its place by)."""
+    """Importance-ranked eviction against LRU, same loading: ties within 10 % of the median TTFT (the rule a
+    mechanism earns its place by)."""
     x = imp["median_s"] / lru["median_s"]
-    return f"placement {where} ties LRU ({x:.2f}x)" if abs(x - 1) < 0.1 else f"placement {where} {x:.2f}x LRU's " \
-        "median TTFT"
+    if abs(x - 1) < 0.1:
+        return f"importance-ranked eviction {where} ties LRU ({x:.2f}x)"
+    return f"importance-ranked eviction {where} {x:.2f}x LRU's median TTFT"
 
 
 def headline(data: dict) -> str:
@@ -607,16 +602,19 @@ def headline(data: dict) -> str:
     out = []
     r, slow = data.get("placement"), f"{data.get('workload', {}).get('slow_mbps')} MB/s"
     if r:
-        lru, imp, gated = (r[f"{n}, disk {slow}"] for n in ("lru", "importance", "importance + gated"))
+        lru = r[f"lru, disk {slow}"]
+        # files measured while importance-ranked eviction existed hold its configurations too
+        gated = r.get(f"lru + gated, disk {slow}") or r[f"importance + gated, disk {slow}"]
         hits = (lru["ssd_hits"]["median_s"], gated["ssd_hits"]["median_s"])
         if None not in hits:
             out.append(f"Zipf workload at {slow}: SSD hits with gated loading {hits[1]:.3f} s (median) against "
                        f"{hits[0]:.3f} s with the defaults (LRU; SGLang's load, compute-or-load) "
                        f"({hits[0] / hits[1]:.2f}x as fast), "
                        f"{lru['read_mib'] / gated['read_mib']:.2f}x fewer bytes read")
-        out.append(placement_effect(imp, lru, "alone"))
-        if f"lru + gated, disk {slow}" in r:
-            out.append(placement_effect(gated, r[f"lru + gated, disk {slow}"], "under gated loading"))
+        if f"importance, disk {slow}" in r:
+            out.append(placement_effect(r[f"importance, disk {slow}"], lru, "alone"))
+        if f"lru + gated, disk {slow}" in r and f"importance + gated, disk {slow}" in r:
+            out.append(placement_effect(r[f"importance + gated, disk {slow}"], gated, "under gated loading"))
     if "capture" in data:
         out.append(f"capture {data['capture']['overhead']:+.1%} of a cold 2,048-token TTFT")
     q = data.get("quality", {}).get("summary", {}).get(f"gated {TieredConfig().importance_ratio:.2f}, chunks")
@@ -681,22 +679,17 @@ def main() -> int:
                             "cache_note": "the SSD tier's files evicted from the page cache before every request"}
         r = data["placement"]
         slow = f"{a.slow_mbps} MB/s"
-        lru, imp = r[f"lru, disk {slow}"], r[f"importance, disk {slow}"]
-        verdicts.append(f"placement at {slow}: importance median {imp['median_s']:.3f} s vs LRU {lru['median_s']:.3f}"
-                        f" s ({lru['median_s'] / imp['median_s']:.2f}x), SSD tokens {imp['tokens']['storage']} vs "
-                        f"{lru['tokens']['storage']}")
-        share = {n: r[f"{n}, disk {slow}"].get("important_share") for n in ("lru", "importance", "sglang-file")}
+        lru = r[f"lru, disk {slow}"]
+        share = {n: r[f"{n}, disk {slow}"].get("important_share") for n in ("lru", "sglang-file")}
         if all(share.values()):
             fast = {n: v["device"] + v["host"] for n, v in share.items()}
-            verdicts.append(f"important tokens served from device + host at {slow}: importance {fast['importance']:.2f}"
-                            f", LRU {fast['lru']:.2f}, SGLang file backend {fast['sglang-file']:.2f}; from SSD: "
+            verdicts.append(f"important tokens served from device + host at {slow}: ours {fast['lru']:.2f}, SGLang "
+                            f"file backend {fast['sglang-file']:.2f}; from SSD: "
                             + ", ".join(f"{n} {v['storage']:.2f}" for n, v in share.items()))
         chain = [(n, r[f"{n}, disk {slow}"]) for n in CHAIN]
         verdicts.append(f"ablation at {slow} (median / p90 TTFT, MiB read): " + " -> ".join(
             f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))
-        gated = r[f"importance + gated, disk {slow}"]
-        verdicts.append(f"{placement_effect(imp, lru, 'alone')}, "
-                        f"{placement_effect(gated, r[f'lru + gated, disk {slow}'], 'under gated loading')} at {slow}")
+        gated = r[f"lru + gated, disk {slow}"]
         hit_s = (lru["ssd_hits"]["median_s"], gated["ssd_hits"]["median_s"])
         if None in hit_s:  # a configuration without SSD hits: no verdict, and the JSON below is still saved
             verdicts.append(f"SSD hits at {slow}: none in some configuration, see the table")
@@ -705,7 +698,7 @@ def main() -> int:
             verdicts.append(f"SSD hits at {slow}, gated (default) vs LRU + full load: median TTFT {hit_s[1]:.3f} vs "
                             f"{hit_s[0]:.3f} s = {ttft_x:.2f}x (target >= 1.5x: {'PASS' if ttft_x >= 1.5 else 'MISS'})"
                             f", {bytes_x:.2f}x fewer bytes read (target >= 2x: {'PASS' if bytes_x >= 2 else 'MISS'})")
-        mass = r[f"importance + gated (mass gate), disk {slow}"]
+        mass = r[f"lru + gated (mass gate), disk {slow}"]
         verdicts.append(f"mass gate (ratio 0.3, bound 0.2) on the same workload at {slow}: median "
                         f"{mass['median_s']:.3f} s ({lru['median_s'] / mass['median_s']:.2f}x lower than LRU + full "
                         f"load), {mass['read_mib']:.0f} MiB read ({lru['read_mib'] / mass['read_mib']:.2f}x fewer)")

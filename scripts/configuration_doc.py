@@ -14,7 +14,7 @@ GROUPS = [  # (title, field prefixes or names, the doc that explains them)
     ("The store", ("ssd_dir", "ssd_capacity", "host_size", "namespace", "prefetch_threshold", "io_threads",
                    "stats_interval", "max_retain", "retain_share"), "store.md"),
     ("CPU servers", ("cpu_attention",), "cpu.md"),
-    ("Placement and gated loading (IMPRESS)", ("placement", "importance_"), "importance.md"),
+    ("Gated sparse loading (IMPRESS)", ("importance_",), "importance.md"),
     ("Chunk reuse (CacheBlend)", ("blend",), "blend.md"),
     ("Compute-or-load (Cake, KVPR)", ("kvpr",), "kvpr.md"),
     ("Chained prefill (KV-Runahead)", ("runahead_",), "runahead.md"),

@@ -19,14 +19,12 @@ from sglang_tiered.policy.loading import DEFAULT_RATIO, POSITION_TOKENS
 CPU_ATTENTION_CHOICES = ("prefix_aware", "torch_native")  # --tiered-cpu-attention
 BLEND_CHOICES = ("off", "full", "prefix", "reuse", "single", "blend")  # --tiered-blend (see engine/blend.py)
 BLEND_SELECT_CHOICES = ("deviation", "importance", "position")  # --tiered-blend-select (see engine/blend.py)
-PLACEMENT_CHOICES = ("lru", "importance")  # --tiered-placement (see policy/placement.py)
 IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engine/sparse.py)
 IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
 CAPTURE_HEADS = 3  # query heads per layer importance capture samples unless --tiered-importance-heads says
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "blend_select": BLEND_SELECT_CHOICES,
-           "placement": PLACEMENT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
            "kvpr": KVPR_CHOICES}
@@ -90,7 +88,6 @@ class TieredConfig:
     runahead_timeout: float = 30.0  # seconds a chain rank may wait for its peer before the prefill falls back
     runahead_threads: int = 0  # torch threads per helper rank; 0 = CPU cores / ranks
     runahead_partitions: str = ""  # partition table from `sglang-tiered runahead-tune`; "" = the default path
-    placement: str = "lru"  # which radix nodes leave device and host memory first; PLACEMENT_CHOICES
     importance_heads: Optional[int] = None  # query heads sampled per layer for importance; None = `capture_heads`
     importance_window: int = 32  # the prompt's last tokens whose attention decides importance
     importance_ratio: float = 0.2  # the fraction of a prompt's tokens that count as important
@@ -114,12 +111,12 @@ class TieredConfig:
     @property
     def capture_heads(self) -> int:
         """Query heads per layer that importance capture samples; 0 = no capture. Unset, `CAPTURE_HEADS` where
-        importance placement or gated loading reads the scores and 0 elsewhere: capture costs a prefill about
+        gated loading reads the scores and 0 elsewhere: capture costs a prefill about
         12 ms per 1,000 prompt tokens on 2 CPU cores (the hook's own time, SmolLM2 bf16: 25 ms of a 0.69 s
         2,048-token prefill), for nothing where no one reads it."""
         if self.importance_heads is not None:
             return self.importance_heads
-        return CAPTURE_HEADS if self.placement == "importance" or self.importance_load == "gated" else 0
+        return CAPTURE_HEADS if self.importance_load == "gated" else 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -234,9 +231,6 @@ class TieredConfig:
         if self.importance_load == "gated" and self.cpu_attention != "prefix_aware":
             raise ConfigError("--tiered-importance-load: 'gated' needs --tiered-cpu-attention prefix_aware (decoding "
                               "over a sparse prefix skips the tokens that were not loaded)")
-        if self.placement == "importance" and self.capture_heads == 0:
-            raise ConfigError("--tiered-placement: 'importance' needs importance capture (--tiered-importance-heads "
-                              ">= 1)")
         self.remote_settings()
         self.host_pool_settings()
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
@@ -322,13 +316,9 @@ FLAG_HELP: dict[str, str] = {
     "runahead_timeout": "Seconds a chain rank waits for its peer; a dead or stalled rank makes the prefill fall back "
     "to SGLang's own (the chain restarts in the background). Default: 30.",
     "runahead_threads": "Torch threads per helper rank; 0 = CPU cores divided by the number of ranks.",
-    "placement": "Which radix nodes leave device and host memory first: 'lru' (SGLang's own order, on its Rust tree "
-    "core) or 'importance' (fewest important tokens x reuses per token first, least recently used among equals; "
-    "runs SGLang's Python tree core). Default: lru.",
     "importance_heads": "Query heads per layer sampled to score prompt tokens (spread over the KV-head groups); "
-    f"0 turns importance capture off. Default: {CAPTURE_HEADS} where --tiered-placement importance or "
-    "--tiered-importance-load gated reads the scores, else 0 (capture costs a prefill about 12 ms per 1,000 "
-    "tokens on 2 CPU cores; set it to learn scores before turning either on).",
+    f"0 turns importance capture off. Default: {CAPTURE_HEADS} where --tiered-importance-load gated reads the scores, "
+    "else 0 (capture costs a prefill about 12 ms per 1,000 tokens on 2 CPU cores).",
     "importance_window": "The prompt's last tokens (the question) whose attention decides which tokens are "
     "important. Default: 32.",
     "importance_ratio": "Fraction of a prompt's tokens that count as important; also the fraction of a stored "
@@ -380,8 +370,8 @@ FLAG_HELP: dict[str, str] = {
     "machine's address on the route to the master, and a free port.",
     "max_retain": "Longest retention a request may ask for with custom_params.tiered_retain (seconds): its prompt's "
     "pages are kept ahead of every unpinned page on device, host and SSD until then (evicted from device or host only "
-    "when nothing unpinned is left; never from the SSD before expiry). 0 turns retention off (and with "
-    "--tiered-placement lru keeps SGLang's Rust tree core, which cannot rank pinned nodes). Default: 3600.",
+    "when nothing unpinned is left; never from the SSD before expiry). 0 turns retention off (and keeps "
+    "SGLang's Rust tree core, which cannot rank pinned nodes). Default: 3600.",
     "retain_share": "Pinned pages may hold at most this share of the smallest tier (device pool, host pool, SSD "
     "capacity, in pages); beyond it the oldest pins are released early (counted). Default: 0.5.",
     "runahead_partitions": "Partition table written by `sglang-tiered runahead-tune` (default: "

@@ -3,8 +3,8 @@ tokens by the attention they receive from the prompt's last tokens, in a few sam
 from it per KV page (`storage/importance_table.py`).
 
 Seam (listed in plugin.py): `layers.radix_attention.RadixAttention.forward` (AROUND, scheduler processes of a server
-with `TieredConfig.capture_heads` >= 1: by default where `--tiered-placement importance` or `--tiered-importance-load
-gated` reads the scores). After SGLang's own attention has run (and written this layer's K into the pool), for each
+with `TieredConfig.capture_heads` >= 1: by default where `--tiered-importance-load gated` reads the
+scores). After SGLang's own attention has run (and written this layer's K into the pool), for each
 request of an extend batch whose forward reaches the end of its prompt (the last piece of a chunked prefill), the window
 -- the prompt's last `--tiered-importance-window` tokens (32 by default: the question and the turn header, which is what
 the answer will attend from; SnapKV observes with the same window) -- is scored against every key of the request (cached
@@ -139,7 +139,7 @@ class Capture:
 
 def register_hooks(rt: Runtime) -> bool:
     """Capture in the scheduler processes of a server with `TieredConfig.capture_heads` >= 1 (by default where
-    importance placement or gated loading reads the scores)."""
+    gated loading reads the scores)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     current = rt.settings

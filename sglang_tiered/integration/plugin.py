@@ -29,7 +29,7 @@ the process's `runtime.Runtime`):
   prefetch, sparse, kvpr) serves a request's stored span, decided once per admission into `req.tiered_load` -- and
   retention pins (`custom_params.tiered_retain`).
 * `layers.radix_attention.RadixAttention.forward` (AROUND, `importance.py`): scores prompt tokens for importance
-  after SGLang's attention ran (read-only), where importance placement or gated loading reads the scores.
+  after SGLang's attention ran (read-only), where gated loading reads the scores.
 * `Scheduler.on_idle` (BEFORE, `kvpr.py`, with `--tiered-kvpr auto|force` on CPU servers): the compute part of
   the compute-or-load profile, timed once at the scheduler's first fully idle moment.
 * `models.llama.LlamaAttention.forward` (AROUND, `kvpr.py`, read-only: copies the attention inputs to store them)

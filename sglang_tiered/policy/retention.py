@@ -11,7 +11,7 @@ Contracts
 * `pinned(key)`: a live pin covers page `key` (expired pins cover nothing, whether or not `expire` ran).
   Thread-safe: the SSD tier asks from its I/O threads, the scheduler pins.
 * `expire()` forgets expired pins (`pin` does it too) and returns them.
-How the tiers honour pins: device and host placement rank a pinned radix node after every unpinned one of its tier
+How the tiers honour pins: device and host eviction rank a pinned radix node after every unpinned one of its tier
 (`policy/placement.rank`); the SSD index never picks a pinned entry (`storage/disk_index.py`).
 """
 

@@ -21,7 +21,7 @@ Eviction order, one comparison: candidates are the entries of every kind but met
 (`pinned(key)`: retention, `policy/retention.py`; a group is pinned when one of its members is, an activation when
 its page is), least recently used first, where a foreign file counts as never used (it goes before every entry of
 ours). Why LRU across kinds: each kind's miss costs a recompute of roughly its bytes' worth of prefill, and
-recency is the one signal all kinds share; importance already shapes what reaches the SSD (`--tiered-placement`).
+recency is the one signal all kinds share.
 Pinned entries are never candidates: a write that only pinned entries could make room for is refused.
 
 `reserve` never evicts for a write it then refuses: victims are chosen only when they free enough.

@@ -14,8 +14,7 @@ Contracts
 * Bounded: the log's bytes count against the SSD tier's capacity (`allot(total bytes)` before each append and
   rewrite, False: not written, counted in `dropped`; `settle(bytes)` after a rewrite shrank it); at most `max_pages`
   pages are known, the least recently updated forgotten first. What a page's tokens taught is kept when the page
-  leaves the SSD tier: importance placement ranks the page's copies in device and host memory by it, and a page
-  computed again has the same key.
+  leaves the SSD tier: a page computed again has the same key.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""`TieredRadixCache.use_placement` on SGLang's real radix cache (no server; SGLang's pools on CPU): a placement
-policy decides which leaves SGLang evicts, `lru` evicts exactly what SGLang's own LRU strategy evicts, and the Rust
-tree core (which would ignore a Python policy) is refused."""
+"""`TieredRadixCache.use_retention` on SGLang's real radix cache (no server; SGLang's pools on CPU): without pins it
+evicts exactly what SGLang's own LRU strategy evicts, pinned leaves go after every unpinned one, and the Rust tree
+core (which would ignore a Python strategy) is refused."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from array import array
 
 import pytest
 import torch
-
-from sglang_tiered.policy.placement import LRUPlacement, NodeView
 
 pytestmark = pytest.mark.sglang
 
@@ -59,29 +57,13 @@ def evicted_leaves(cache, leaves: int) -> list[int]:
     return [leaf for leaf in range(LEAVES) if leaf not in alive]
 
 
-class Reverse:
-    """A test policy: most recently used first (the opposite of LRU)."""
-
-    name = "reverse"
-
-    def priority(self, node: NodeView) -> tuple:
-        return (-node.last_access,)
-
-
-def test_lru_placement_evicts_what_sglang_lru_evicts():
+def test_without_pins_it_evicts_what_sglang_lru_evicts():
     ours, alloc_a = build("python")
-    ours.use_placement(LRUPlacement())
+    ours.use_retention()
     theirs, alloc_b = build("python")
     script(ours, alloc_a)
     script(theirs, alloc_b)
     assert evicted_leaves(ours, 3) == evicted_leaves(theirs, 3) == [1, 2, 4]
-
-
-def test_a_placement_really_drives_eviction():
-    cache, alloc = build("python")
-    cache.use_placement(Reverse())
-    script(cache, alloc)
-    assert evicted_leaves(cache, 3) == [0, 3, 5]  # the three most recently used went first
 
 
 def test_the_rust_tree_core_is_refused():
@@ -89,40 +71,24 @@ def test_the_rust_tree_core_is_refused():
     if getattr(cache, "_tree_core_backend", None) != "rust":
         pytest.skip("SGLang's Rust tree core is not available on this machine")
     with pytest.raises(RuntimeError, match="needs SGLang's Python tree core"):
-        cache.use_placement(LRUPlacement())
+        cache.use_retention()
 
 
-def test_the_view_carries_sglangs_access_clock():
-    """`clock` is the counter SGLang draws `last_access_time` from, so `clock - last_access` is a node's age in
-    ticks: the recency the importance order protects host nodes by."""
-    from sglang_tiered.integration.radix_cache import node_view
-
-    cache, alloc = build("python")
-    script(cache, alloc)
-    views = {n.key.token_ids[0] // 1000 - 1: node_view(n) for n in cache.tree_core.evictable_device_leaves}
-    clocks = {v.clock for v in views.values()}
-    assert len(clocks) == 1 and clocks.pop() > max(v.last_access for v in views.values())
-    ages = {leaf: v.clock - v.last_access for leaf, v in views.items()}
-    assert min(ages, key=ages.get) == 5 and max(ages, key=ages.get) == 1  # last matched; oldest never matched
-
-
-@pytest.mark.parametrize("placement", ["lru", "importance"])
-def test_pinned_leaves_leave_after_every_unpinned_one(placement):
+def test_pinned_leaves_leave_after_every_unpinned_one():
     """Retention on SGLang's real cache: the leaves holding pinned pages are evicted only once no unpinned leaf is
-    left, under either policy; when the pins expire they rank like any other leaf again."""
+    left; when the pins expire they rank like any other leaf again."""
     from types import SimpleNamespace
 
     from sglang_tiered.integration.radix_cache import node_view
     from sglang_tiered.integration.runtime import Runtime
-    from sglang_tiered.policy.placement import make_placement
     from sglang_tiered.policy.retention import Retention
 
     now = [0.0]
     retention = Retention(max_seconds=60, max_pages=100, clock=lambda: now[0])
     rt = Runtime()
-    rt.store = SimpleNamespace(retention=retention, importance=None)
+    rt.store = SimpleNamespace(retention=retention)
     cache, alloc = build("python")
-    cache.use_placement(make_placement(placement), rt)
+    cache.use_retention(rt)
     script(cache, alloc)
     keys = {}
     for n in cache.tree_core.evictable_device_leaves:  # page size 1: one key per token; pin each leaf's last key

@@ -1,24 +1,20 @@
 """The store's guarantees in live servers: one disk budget for every file, tenant isolation of every stored object,
 and per-request retention.
 
-One SmolLM2 server (fp32; device pool 2048 tokens, host 2x; SSD 64M; importance placement, gated sparse loading and
-blending on) serves every step below while a thread samples its SSD directory's size from outside
-(`tests/dirsize.py`; activation pages under the same bound: tests/integration/test_kvpr.py).
+One SmolLM2 server (fp32; device pool 2048 tokens, host 2x; SSD 64M; gated sparse loading and blending on) serves
+every step below while a thread samples its SSD directory's size from outside (`tests/dirsize.py`; activation pages
+under the same bound: tests/integration/test_kvpr.py).
 
-1. Placement: a prompt reused twice, then three other prompts pushing it out. Under `lru` (SGLang's order) the
-   reused prompt, least recently used, would leave device memory first (checked by hand: its next request is a host
-   hit); under `importance` it has the most reuses and stays, the other prompts go. The answers equal LRU's. The
-   test fails if the policy is silently ignored (SGLang's Rust tree core takes no Python strategy).
-2. Chunk KV never crosses tenants: three chunks under cache_salt "A" are computed (3 new chunks), under "B" computed
+1. Chunk KV never crosses tenants: three chunks under cache_salt "A" are computed (3 new chunks), under "B" computed
    again (3 new: nothing of A's found), under "A" again found (0 new); without a salt the second request finds the
    first's chunks (shared, as before). An extra_key separates the same way.
-3. Repacked groups never cross tenants: a document stored and repacked under "A" is, after /flush_cache, loaded
+2. Repacked groups never cross tenants: a document stored and repacked under "A" is, after /flush_cache, loaded
    sparsely under "A", and then not at all under "B" (0 cached tokens from every tier, no sparse load).
-4. Retention: a prompt pinned with custom_params.tiered_retain, one pinned for a second and an unpinned one of the
+3. Retention: a prompt pinned with custom_params.tiered_retain, one pinned for a second and an unpinned one of the
    same length, then a flood of other prompts larger than device + host + SSD: the unpinned prompt is gone from
    every tier, the pinned one still hits device or host, the one whose pin expired before the flood is gone from
    device and host. Bad values of tiered_retain get a 400.
-5. The bound: no sample of the directory ever exceeded the capacity while SSD hits, sparse loads, chunk reuse and
+4. The bound: no sample of the directory ever exceeded the capacity while SSD hits, sparse loads, chunk reuse and
    pins happened (chunk and group files counted in the stats as they appeared); `sglang-tiered stats` shows the
    bytes of every kind; every file is 0600, every directory 0700.
 """
@@ -32,14 +28,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total, send_until
 from tests.dirsize import Sampler
-from tests.integration.conftest import PROMPT_CHARS
 from tests.integration.helpers import tiered_args
 from tests.integration.kvpr_helpers import PAGE
-from tests.rounding import SMOLLM2, rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -54,7 +47,7 @@ def store_server(tmp_path_factory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("store")
     args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-ssd-capacity", str(CAPACITY),
                        "--tiered-importance-load", "gated", "--tiered-retain-share", "0.9", "--tiered-host-size", "2x",
-                       "--tiered-placement", "importance", max_tokens=DEVICE_TOKENS)
+                       max_tokens=DEVICE_TOKENS)
     with ServerProcess(args, log_path=tmp / "store.log") as s:
         s.ssd = tmp / "ssd"
         s.sampler = Sampler(s.ssd)
@@ -112,29 +105,6 @@ def wait_for_repack(s: ServerProcess, mark: int, groups: int = 1) -> None:
     while len(s.log_lines("tiered repack:", since=mark)) < groups and time.monotonic() < deadline:
         time.sleep(0.3)
     assert len(s.log_lines("tiered repack:", since=mark)) >= groups, "never repacked"
-
-
-def test_importance_placement_keeps_the_reused_prompt_on_device(store_server, fp32_server, essays):
-    """Under LRU (SGLang's order) the popular prompt -- computed once, reused twice, then three other prompts -- is
-    the least recently used when the pool runs out, and leaves device memory first; a policy that were silently
-    ignored (SGLang's Rust tree core takes no Python strategy) would show exactly that. Under `importance` it has
-    the most reuses and stays. The answers equal those of the fp32 reference server (LRU placement)."""
-    s = store_server
-    long = [e for e in essays if len(e) == PROMPT_CHARS]  # about 700 tokens each: three fit in the pool, four do not
-    popular, others = long[30], long[31:34]
-    s.flush_cache()
-    assert s.log_lines("tiered placement: importance on SGLang's python tree core")
-    first = [s.generate(popular, max_new_tokens=8) for _ in range(3)]  # computed once, reused twice
-    rest = [s.generate(text, max_new_tokens=8) for text in others]
-    again = s.generate(popular, max_new_tokens=8)
-    assert cached_details(first[2])["device"] >= 640  # the popular prompt really was reused
-    assert cached_details(again)["device"] >= 640, cached_details(again)  # kept on device
-    lru = [fp32_server.generate(t, max_new_tokens=8)["output_ids"] for t in (popular, *others)]
-    assert [r["output_ids"] for r in (first[0], *rest)] == lru
-    assert again["output_ids"] == first[2]["output_ids"]  # device hits of the same pages (a cold prefill's answer
-    # can differ from a hit's on a CPU whose kernels round a batch's rows by its shape: tests/rounding.py)
-    if rows_alone(torch.float32, *SMOLLM2):
-        assert again["output_ids"] == first[0]["output_ids"]
 
 
 def test_chunk_kv_never_crosses_tenants(store_server, docs):

@@ -1,14 +1,13 @@
 """The shared server against one of the same configuration with SGLang's `torch_native` CPU attention,
-`--tiered-blend off` and `--tiered-placement importance` (which reads importance scores, so its prefills are
-captured; the shared server's are not), in the dtype the shared server chose (one server for the module):
+`--tiered-blend off` and `--tiered-importance-heads 3` (so its prefills are captured; the shared server's, whose
+loading reads no scores, are not), in the dtype the shared server chose (one server for the module):
 
 1. the prefix-aware CPU attention: greedy tokens identical to `torch_native`'s, cold and on a cache hit, for prompts
    of several lengths (where this CPU's attention rounds a call's rows otherwise by the call's length -- an Intel
    Xeon with AMX -- identical up to a near-tie of the reference, `assert_same_greedy`);
 2. importance capture is read-only: greedy output with capture on equals capture off, and the importance table learns
    every complete page of every prompt under the keys the SSD tier files the pages under; it survives a restart (the
-   log in the namespace directory); a server whose placement and loading read no scores captures nothing.
-   Importance-aware placement is tested on the store's server (test_store.py);
+   log in the namespace directory); a server whose loading reads no scores captures nothing;
 3. `--tiered-blend off` leaves the chunk separator in the text.
 """
 
@@ -37,7 +36,7 @@ MARKED = "Alice works at the Amber Museum." + SEP + "The Amber Museum is in Lisb
 def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("torch-native")
     args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
-                       "--tiered-placement", "importance", "--enable-metrics", "--dtype", chosen_dtype(shared_server))
+                       "--tiered-importance-heads", "3", "--enable-metrics", "--dtype", chosen_dtype(shared_server))
     with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
         server.ssd = tmp / "ssd"
         yield server
@@ -104,7 +103,7 @@ def prompt_page_keys(ids: list[int]) -> list[str]:
 
 
 def test_capture_is_read_only_and_learns_every_page(essays, shared_server, torch_native_server):
-    """The torch_native server captures, the shared server does not (its placement and loading read no scores); the
+    """The torch_native server captures, the shared server does not (its loading reads no scores); the
     test above shows the two attention paths agree token for token, so equal outputs here mean capture changed
     nothing."""
     from transformers import AutoTokenizer

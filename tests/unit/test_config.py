@@ -65,11 +65,10 @@ def test_validate_names_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize(("fields", "heads"), [
-    ({}, 0),  # LRU placement, no gated loading: nothing reads the scores
-    ({"placement": "importance"}, CAPTURE_HEADS),
+    ({}, 0),  # no gated loading: nothing reads the scores
     ({"importance_load": "gated"}, CAPTURE_HEADS),
-    ({"importance_heads": 3}, 3),  # learning before either is turned on
-    ({"placement": "importance", "importance_heads": 5}, 5),
+    ({"importance_heads": 3}, 3),  # learning before gated loading is turned on
+    ({"importance_load": "gated", "importance_heads": 5}, 5),
     ({"importance_heads": 0}, 0),
 ])
 def test_importance_capture_runs_where_its_scores_are_read(tmp_path, fields, heads):
@@ -79,10 +78,9 @@ def test_importance_capture_runs_where_its_scores_are_read(tmp_path, fields, hea
     assert TieredConfig.from_dict(json.loads(cfg.to_json())).capture_heads == heads
 
 
-@pytest.mark.parametrize("fields", [{"placement": "importance"}, {"importance_load": "gated"}])
-def test_a_reader_of_importance_scores_needs_capture(tmp_path, fields):
+def test_a_reader_of_importance_scores_needs_capture(tmp_path):
     with pytest.raises(ConfigError, match="needs importance capture"):
-        TieredConfig(ssd_dir=str(tmp_path), importance_heads=0, **fields).validate()
+        TieredConfig(ssd_dir=str(tmp_path), importance_heads=0, importance_load="gated").validate()
     with pytest.raises(ConfigError, match="^--tiered-importance-heads"):
         TieredConfig(ssd_dir=str(tmp_path), importance_heads=-1).validate()
 
