@@ -1,38 +1,31 @@
-"""Importance capture and gated sparse loading (IMPRESS) through the server (CPU, the embedded SmolLM2).
+"""Gated sparse loading (IMPRESS) through the server (CPU, the embedded SmolLM2).
 
-Part `capture`: what scoring costs. Cold TTFT of 2048-token prompts on a server with importance capture on (3
-sampled heads, as gated loading runs it) and off (`--tiered-importance-heads 0`, as without gated loading), same
-prompts, same run. Target: <= 5 %.
+Part `placement` (where a Zipf workload's KV is served from): a shared-document workload whose KV does not fit in
+device + host memory. `--docs` documents of `--doc-tokens` tokens (cycling through the lengths given; device pool =
+the longest + 2048 tokens, host 2x, `--chunked-prefill-size 8192` so that every prompt is one extend), each request
+one document + a new question (Zipf popularity, s = 1.1, the same seeded sequence for every configuration), sent by
+`--clients` concurrent clients. Configurations: the defaults (SGLang's LRU eviction and load, with compute-or-load) ->
++ gated sparse loading (`--tiered-importance-load gated`); SGLang's own hierarchical cache with its `file` storage
+backend (`sglang-file`, its torch_native CPU attention: compare its tokens by tier, not its TTFT); and gated loading
+with the opt-in mass gate (`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). Each at the disk's own speed and
+with the server's block-device reads throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O throttle;
+the SSD files are evicted from the page cache before every request so that SSD hits really read the device). Reported:
+TTFT median and p90, bytes the server read from storage, sparse loads and their read amplification, tokens served from
+device / host / SSD (a sparse load's span counts as SSD: SGLang reports it as not cached) / computed.
 
-Part `placement`: a shared-document workload whose KV does not fit in device + host memory. `--docs` documents of
-`--doc-tokens` tokens (cycling through the lengths given; device pool = the longest + 2048 tokens, host 2x,
-`--chunked-prefill-size 8192` so that every prompt is one extend), each request one document + a new question (Zipf
-popularity, s = 1.1, the same seeded sequence for every configuration), sent by `--clients` concurrent clients.
-Configurations: the defaults (SGLang's LRU eviction and load, with compute-or-load) -> + gated sparse loading
-(`--tiered-importance-load gated`); SGLang's own hierarchical cache with its `file` storage backend (`sglang-file`,
-its torch_native CPU attention: compare its tokens by tier, not its TTFT); and gated loading with the opt-in mass gate
-(`--tiered-importance-gate mass`, ratio 0.3, bound 0.2). Each at the disk's own
-speed and with the server's block-device reads throttled to `--slow-mbps` MB/s (`shared/tools/slow-disk`, a kernel I/O
-throttle; the SSD files are evicted from the page cache before every request so that SSD hits really read the device).
-Reported: TTFT median and p90, bytes the server read from storage, sparse loads and their read amplification, tokens
-served from device / host / SSD (a sparse load's span counts as SSD: SGLang reports it as not cached) / computed, and
-the same weighted by token importance (the moving averages the gated server learned, read from its SSD directory
-under SGLang's page keys: the share of the important tokens each tier served).
-
-    .venv/bin/python benchmarks/importance.py [--parts capture placement] [--requests 60] [--slow-mbps 100]
+    .venv/bin/python benchmarks/importance.py [--parts placement] [--requests 60] [--slow-mbps 100]
 
 Part `sparse`: gated sparse loading. `--sparse-docs` documents of `--sparse-tokens` tokens, each with a planted fact
-("The access code for the archive room is NNNN."), first asked a different question (the prefill that scores the
-tokens and gets the pages repacked; then 4 gated loads of that question give the server's gate history its steady
-state), then -- device and host flushed, page cache dropped -- asked for the code three ways on the same
-`--tiered-importance-load gated` server: SGLang's full load (`off`), the sparse path loading everything (`full`) and
-the gated load; and the gated load on one more server per `--alphas` value
-(`--tiered-importance-alpha`: the gate's trade of bytes against agreement) and per `--sparse-ratios` value
-(`--tiered-importance-ratio`), and one with the mass gate (`--tiered-importance-gate mass`) at the last
-`--mass-ratios` value per `--sparse-max-drops` bound. The SSD tier's files are evicted from the page cache before
-each request (only those: `posix_fadvise`). TTFT (the first streamed token, client side), bytes the server read from
-storage (/proc/<pid>/io: what reached the block device, readahead included), whether the answer holds the code, and
-agreement with the full load: the answer (the first sentence of the 8-token greedy continuation, see `answer`) and
+("The access code for the archive room is NNNN."), first asked a different question (the prefill that gets the pages
+repacked; then 4 gated loads of that question give the server's gate history its steady state), then -- device and
+host flushed, page cache dropped -- asked for the code three ways on the same `--tiered-importance-load gated` server:
+SGLang's full load (`off`), the sparse path loading everything (`full`) and the gated load; and the gated load on one
+more server per `--alphas` value (`--tiered-importance-alpha`: the gate's trade of bytes against agreement) and per
+`--sparse-ratios` value (`--tiered-importance-ratio`), and one with the mass gate (`--tiered-importance-gate mass`) at
+the last `--mass-ratios` value per `--sparse-max-drops` bound. The SSD tier's files are evicted from the page cache
+before each request (only those: `posix_fadvise`). TTFT (the first streamed token, client side), bytes the server read
+from storage (/proc/<pid>/io: what reached the block device, readahead included), whether the answer holds the code,
+and agreement with the full load: the answer (the first sentence of the 8-token greedy continuation, see `answer`) and
 all 8 tokens; natively, at `--slow-mbps`, and at `--slow-mbps` with at most `--slow-iops` read I/Os per second
 (`benchmarks/iops-limit`, the kernel's blkio IOPS throttle: network block storage limits both; a gp3-class volume
 gives 125 MB/s and 3000 IOPS), where a sparse load's many short reads may cost more than their bytes.
@@ -78,25 +71,9 @@ from _harness import (  # noqa: E402
     stream_generate,
 )
 
-from sglang_tiered.config import CAPTURE_HEADS, TieredConfig  # noqa: E402
+from sglang_tiered.config import TieredConfig  # noqa: E402
 from sglang_tiered.integration.sparse import LOG_PATTERN as SPARSE_LOAD_LINE  # noqa: E402
 from sglang_tiered.server_process import ServerProcess, cached_details, metric_total  # noqa: E402
-
-
-def capture_cost(source: PromptSource, dtype: str, tokens: int, repeats: int) -> dict:
-    prompts = [source.take(tokens) for _ in range(repeats + 1)]  # +1: warm-up
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, heads in (("capture on", "3"), ("capture off", "0")):
-            args = ["--kv-backend", "tiered", "--max-total-tokens", str(tokens * (repeats + 2)),
-                    "--tiered-ssd-dir", f"{tmp}/{heads}", "--tiered-stats-interval", "0", "--dtype", dtype,
-                    "--tiered-importance-heads", heads]
-            with ServerProcess(args, log_path=Path(tmp) / f"{heads}.log") as s:
-                times = [s.generate(p, max_new_tokens=1)["latency_s"] for p in prompts][1:]
-            out[name] = {"median_s": statistics.median(times), "times_s": times}
-            print(f"[capture] {name}: {out[name]['median_s']:.3f} s", flush=True)
-    out["overhead"] = out["capture on"]["median_s"] / out["capture off"]["median_s"] - 1
-    return out
 
 
 def zipf_sequence(docs: int, requests: int, s: float, seed: int) -> list[int]:
@@ -141,15 +118,14 @@ def ssd_hits(rows: list[dict]) -> dict:
     return {"requests": len(ttft), "median_s": statistics.median(ttft) if ttft else None}
 
 
-PARTS = ("capture", "placement", "sparse", "quality")
+PARTS = ("placement", "sparse", "quality")
 GATED = ["--tiered-importance-load", "gated"]
 # the defaults (LRU eviction, SGLang's load with compute-or-load) -> + gated sparse loading; then SGLang's own
 ABLATION: dict[str, list[str]] = {
     "lru": [],
     "lru + gated": GATED,
     "sglang-file": [],
-    # the opt-in mass gate at the setting that met the per-request targets in part sparse (ratio 0.3 also makes
-    # capture count 30 % of a prompt's tokens as important)
+    # the opt-in mass gate at the setting that met the per-request targets in part sparse
     "lru + gated (mass gate)": [*GATED, "--tiered-importance-gate", "mass", "--tiered-importance-ratio", "0.3",
                                 "--tiered-importance-max-drop", "0.2"],
 }
@@ -207,38 +183,6 @@ def unfulfilled_prefetch(metrics: str) -> dict[str, int]:
     return out
 
 
-def token_importance(store: Path, token_ids: list[int]) -> list[float]:
-    """Per-token importance of a prompt's full pages (the moving averages a server learned, from the importance log
-    in its SSD directory, under SGLang's own page keys); unknown tokens count 0."""
-    from sglang.srt.mem_cache.utils import get_hash_str
-
-    from sglang_tiered.storage.importance_table import LOG_NAME, ImportanceTable
-
-    logs = list(store.glob(f"*/{LOG_NAME}"))
-    if not logs:
-        return [0.0] * len(token_ids)
-    table = ImportanceTable(64, directory=logs[0].parent, readonly=True)
-    keys = get_hash_str(token_ids[: len(token_ids) // 64 * 64], None, page_size=64)
-    out: list[float] = []
-    for key in keys:
-        page = table.get(key)
-        out.extend([max(0.0, float(t)) for t in page.tokens] if page is not None else [0.0] * 64)
-    return out + [0.0] * (len(token_ids) - len(out))
-
-
-def weighted_hits(rows: list[dict], weights: dict[int, list[float]]) -> dict:
-    """Shares of the important tokens (importance-weighted) each tier served: a request's cached tokens are its
-    prompt's first `device`, then `host`, then `storage` tokens; the rest were computed."""
-    served = {"device": 0.0, "host": 0.0, "storage": 0.0, "computed": 0.0}
-    for r in rows:
-        w = weights[r["doc"]]
-        edges = [0, r["device"], r["device"] + r["host"], r["device"] + r["host"] + r["storage"], len(w)]
-        for tier, a, b in zip(served, edges, edges[1:]):
-            served[tier] += sum(w[a:b])
-    total = sum(served.values()) or 1.0
-    return {k: v / total for k, v in served.items()}
-
-
 IOPS_LIMIT = Path(__file__).parent / "iops-limit"
 
 
@@ -257,7 +201,6 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
     texts = [source.take(doc_tokens[i % len(doc_tokens)]) for i in range(docs)]
     order = zipf_sequence(docs, requests, 1.1, seed=0)
     questions = [f"\n\nQuestion {i}: what is the main point of the text above?" for i in range(requests)]
-    doc_ids = [source.tok(t)["input_ids"] for t in texts]
     out: dict = {}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:  # on the disk, not tmpfs: slow-disk throttles it
         for disk, wrapper in disks(tmp, slow_mbps, slow_iops=0).items():
@@ -287,12 +230,6 @@ def placement(source: PromptSource, dtype: str, docs: int, doc_tokens: list[int]
                 print(f"[placement] {name}: median {out[name]['median_s']:.3f} s, p90 {out[name]['p90_s']:.3f} s, "
                       f"tokens {tiers}, {read_mib:.1f} MiB read, sparse loads {sparse_loads}, SGLang's L3 prefetch "
                       f"tokens not used, by reason {lost}, repack {repack}", flush=True)
-            # one set of weights for every configuration of this disk: what the gated server learned
-            weights = {d: token_importance(runs["lru + gated"][1], doc_ids[d]) for d in set(order)}
-            for name, _, rows in runs.values():
-                out[name]["important_share"] = weighted_hits(rows, weights)
-                print(f"[placement] {name}: important tokens served by tier "
-                      f"{ {k: round(v, 3) for k, v in out[name]['important_share'].items()} }", flush=True)
     return out
 
 
@@ -490,7 +427,7 @@ def quality(source: PromptSource, docs: int, tokens: int, ratios: list[float], a
     def probe_share(bits: int) -> float:
         layout = GroupMeta(ns="", gid="", keys=(), page_size=64, tokens=1, layers=1, heads=c.kv_heads,
                            dim=c.head_dim, itemsize=2, perm=(0,), chunk=16, probe_crc=(), data_crc=(),
-                           probe_heads=tuple(probed_kv_heads(c.heads, c.kv_heads, CAPTURE_HEADS)),
+                           probe_heads=tuple(probed_kv_heads(c.heads, c.kv_heads, TieredConfig().importance_heads)),
                            probe_bits=bits)
         return layout.probe_layer_bytes / layout.data_layer_bytes
 
@@ -551,15 +488,10 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [p for p in ("capture", "placement", "sparse") if p in data]
+    parts = [p for p in ("placement", "sparse") if p in data]
     fig, axes = plt.subplots(1, len(parts), figsize=(6 * len(parts), 4), squeeze=False)
     for ax, part in zip(axes[0], parts):
-        if part == "capture":
-            names = ["capture off", "capture on"]
-            ax.bar(names, [data["capture"][n]["median_s"] for n in names])
-            ax.set_ylabel("cold TTFT, median (s)")
-            ax.set_title(f"importance capture: {data['capture']['overhead']:+.1%}")
-        elif part == "sparse":
+        if part == "sparse":
             disks = list(data["sparse"])
             modes = [m for m in data["sparse"][disks[0]] if m != "log"]
             width = 0.8 / len(modes)
@@ -615,8 +547,6 @@ def headline(data: dict) -> str:
             out.append(placement_effect(r[f"importance, disk {slow}"], lru, "alone"))
         if f"lru + gated, disk {slow}" in r and f"importance + gated, disk {slow}" in r:
             out.append(placement_effect(r[f"importance + gated, disk {slow}"], gated, "under gated loading"))
-    if "capture" in data:
-        out.append(f"capture {data['capture']['overhead']:+.1%} of a cold 2,048-token TTFT")
     q = data.get("quality", {}).get("summary", {}).get(f"gated {TieredConfig().importance_ratio:.2f}, chunks")
     if q:
         out.append(f"answers equal a full load's in {q['answer']:.2f} of requests (target 0.95: "
@@ -644,7 +574,6 @@ def main() -> int:
     p.add_argument("--sparse-docs", type=int, default=6)
     p.add_argument("--sparse-tokens", type=int, default=2048)
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
-    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--docs", type=int, default=12)
     p.add_argument("--doc-tokens", type=int, nargs="+", default=[2048, 3072, 4096],
                    help="placement: document lengths, cycled (the issue's workload: 2-8k)")
@@ -666,11 +595,6 @@ def main() -> int:
     headline_run = runs.get("placement", here)  # the file's machine and dtype: its headline's
     data["machine"], data["dtype"] = headline_run["machine"], headline_run["dtype"]
     verdicts = []
-    if "capture" in a.parts:
-        data["capture"] = capture_cost(source, dtype, 2048, a.repeats)
-        o = data["capture"]["overhead"]
-        verdicts.append(f"capture overhead at 2048 tokens {o:+.1%} of cold TTFT "
-                        f"(target <= 5 %: {'PASS' if o <= 0.05 else 'MISS'})")
     if "placement" in a.parts:
         data["placement"] = placement(source, dtype, a.docs, a.doc_tokens, a.requests, a.clients, a.slow_mbps)
         data["workload"] = {"docs": a.docs, "doc_tokens": a.doc_tokens, "requests": a.requests, "clients": a.clients,
@@ -680,12 +604,6 @@ def main() -> int:
         r = data["placement"]
         slow = f"{a.slow_mbps} MB/s"
         lru = r[f"lru, disk {slow}"]
-        share = {n: r[f"{n}, disk {slow}"].get("important_share") for n in ("lru", "sglang-file")}
-        if all(share.values()):
-            fast = {n: v["device"] + v["host"] for n, v in share.items()}
-            verdicts.append(f"important tokens served from device + host at {slow}: ours {fast['lru']:.2f}, SGLang "
-                            f"file backend {fast['sglang-file']:.2f}; from SSD: "
-                            + ", ".join(f"{n} {v['storage']:.2f}" for n, v in share.items()))
         chain = [(n, r[f"{n}, disk {slow}"]) for n in CHAIN]
         verdicts.append(f"ablation at {slow} (median / p90 TTFT, MiB read): " + " -> ".join(
             f"{n} {m['median_s']:.3f} / {m['p90_s']:.3f} s, {m['read_mib']:.0f} MiB" for n, m in chain))

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from sglang_tiered.config import CAPTURE_HEADS, CHOICES, FLAG_HELP, TieredConfig
+from sglang_tiered.config import CHOICES, FLAG_HELP, TieredConfig
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 GROUPS = [  # (title, field prefixes or names, the doc that explains them)
@@ -42,8 +42,7 @@ def render() -> str:
             if f.name in CHOICES:
                 flag += " {" + ",".join(str(c) for c in CHOICES[f.name]) + "}"
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            default = {"ssd_dir": "~/.cache/sglang-tiered/ssd", "ssd_capacity": "16G",
-                       "importance_heads": f"{CAPTURE_HEADS} or 0"}.get(f.name, default)
+            default = {"ssd_dir": "~/.cache/sglang-tiered/ssd", "ssd_capacity": "16G"}.get(f.name, default)
             default = "(none)" if default == "" else default
             text = FLAG_HELP.get(f.name, "").replace("%(default)s", str(default)).replace("|", "\\|")
             out.append(f"| `{flag}` | `{default}` | {text} |")

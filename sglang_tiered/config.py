@@ -23,7 +23,6 @@ IMPORTANCE_LOAD_CHOICES = ("off", "gated")  # --tiered-importance-load (see engi
 IMPORTANCE_GATE_CHOICES = GATES  # --tiered-importance-gate (see engine/sparse.py)
 PROBE_BITS_CHOICES = (4, 8)  # --tiered-importance-probe-bits (see storage/group_file.py)
 KVPR_CHOICES = ("off", "auto", "force")  # --tiered-kvpr (see policy/kvpr.py, engine/meet.py)
-CAPTURE_HEADS = 3  # query heads per layer importance capture samples unless --tiered-importance-heads says
 CHOICES = {"cpu_attention": CPU_ATTENTION_CHOICES, "blend": BLEND_CHOICES, "blend_select": BLEND_SELECT_CHOICES,
            "importance_load": IMPORTANCE_LOAD_CHOICES,
            "importance_probe_bits": PROBE_BITS_CHOICES, "importance_gate": IMPORTANCE_GATE_CHOICES,
@@ -88,7 +87,7 @@ class TieredConfig:
     runahead_timeout: float = 30.0  # seconds a chain rank may wait for its peer before the prefill falls back
     runahead_threads: int = 0  # torch threads per helper rank; 0 = CPU cores / ranks
     runahead_partitions: str = ""  # partition table from `sglang-tiered runahead-tune`; "" = the default path
-    importance_heads: Optional[int] = None  # query heads sampled per layer for importance; None = `capture_heads`
+    importance_heads: int = 3  # query heads per layer a gated load samples; the groups' probe holds their KV heads
     importance_window: int = 32  # the prompt's last tokens whose attention decides importance
     importance_ratio: float = 0.2  # the fraction of a prompt's tokens that count as important
     importance_load: str = "off"  # "gated": SSD prefixes repacked by importance and loaded sparsely (approximate)
@@ -107,16 +106,6 @@ class TieredConfig:
     remote_host: str = ""  # address other servers reach this one at for the store; "" = the route to the master
     max_retain: float = 3600.0  # longest pin a request may ask for (custom_params.tiered_retain), seconds; 0 = off
     retain_share: float = 0.5  # pinned pages may hold at most this share of the smallest tier (device, host, SSD)
-
-    @property
-    def capture_heads(self) -> int:
-        """Query heads per layer that importance capture samples; 0 = no capture. Unset, `CAPTURE_HEADS` where
-        gated loading reads the scores and 0 elsewhere: capture costs a prefill about
-        12 ms per 1,000 prompt tokens on 2 CPU cores (the hook's own time, SmolLM2 bf16: 25 ms of a 0.69 s
-        2,048-token prefill), for nothing where no one reads it."""
-        if self.importance_heads is not None:
-            return self.importance_heads
-        return CAPTURE_HEADS if self.importance_load == "gated" else 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -202,8 +191,8 @@ class TieredConfig:
             raise ConfigError(f"--tiered-runahead-threads: must be >= 0, got {self.runahead_threads}")
         if self.runahead_partitions and not Path(self.runahead_partitions).expanduser().is_file():
             raise ConfigError(f"--tiered-runahead-partitions: no such file: {self.runahead_partitions}")
-        if self.importance_heads is not None and self.importance_heads < 0:
-            raise ConfigError(f"--tiered-importance-heads: must be >= 0 (0 = off), got {self.importance_heads}")
+        if self.importance_heads < 1:
+            raise ConfigError(f"--tiered-importance-heads: must be >= 1, got {self.importance_heads}")
         if self.importance_window < 1:
             raise ConfigError(f"--tiered-importance-window: must be >= 1, got {self.importance_window}")
         if not 0.0 < self.importance_ratio <= 1.0:
@@ -225,9 +214,6 @@ class TieredConfig:
             raise ConfigError(f"--tiered-blend-position-tokens: must be >= 0, got {self.blend_position_tokens}")
         if self.kvpr_min_tokens < 1:
             raise ConfigError(f"--tiered-kvpr-min-tokens: must be >= 1, got {self.kvpr_min_tokens}")
-        if self.importance_load == "gated" and self.capture_heads == 0:
-            raise ConfigError("--tiered-importance-load: 'gated' needs importance capture (--tiered-importance-heads "
-                              ">= 1)")
         if self.importance_load == "gated" and self.cpu_attention != "prefix_aware":
             raise ConfigError("--tiered-importance-load: 'gated' needs --tiered-cpu-attention prefix_aware (decoding "
                               "over a sparse prefix skips the tokens that were not loaded)")
@@ -316,13 +302,11 @@ FLAG_HELP: dict[str, str] = {
     "runahead_timeout": "Seconds a chain rank waits for its peer; a dead or stalled rank makes the prefill fall back "
     "to SGLang's own (the chain restarts in the background). Default: 30.",
     "runahead_threads": "Torch threads per helper rank; 0 = CPU cores divided by the number of ranks.",
-    "importance_heads": "Query heads per layer sampled to score prompt tokens (spread over the KV-head groups); "
-    f"0 turns importance capture off. Default: {CAPTURE_HEADS} where --tiered-importance-load gated reads the scores, "
-    "else 0 (capture costs a prefill about 12 ms per 1,000 tokens on 2 CPU cores).",
-    "importance_window": "The prompt's last tokens (the question) whose attention decides which tokens are "
-    "important. Default: 32.",
-    "importance_ratio": "Fraction of a prompt's tokens that count as important; also the fraction of a stored "
-    "prefix each sampled head picks in a gated sparse load. Default: 0.2.",
+    "importance_heads": "Query heads per layer a gated sparse load samples to score stored tokens (spread over the "
+    "KV-head groups); repacked groups' probe holds their KV heads. Default: 3.",
+    "importance_window": "The prompt's last tokens (the question) whose attention scores the other tokens, in a "
+    "gated sparse load and in blend's importance selection. Default: 32.",
+    "importance_ratio": "Fraction of a stored prefix each sampled head picks in a gated sparse load. Default: 0.2.",
     "importance_load": "'gated': prefixes on SSD are repacked with a probe in the background, and a request "
     "whose prefix must come from SSD loads, layer by layer, only the tokens its sampled heads pick when they agree "
     "(Jaccard gate), everything otherwise -- approximate, opt-in. On such a server a request opts out with "

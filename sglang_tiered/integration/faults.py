@@ -1,12 +1,12 @@
 """Injected failures, for tests of the failure paths only: `SGLANG_TIERED_TEST_FAULTS=name[,name...]` makes the
 named hooks raise `InjectedFault` on every call, in every process that inherits the variable.
 
-Names: `blend_forward`, `runahead_forward` (handlers of the Llama forward hook), `admission` (the prefill admission
-hook), `cpu_attention` (the prefix-aware attention kernel), `kvpr_probe` (the SSD read-bandwidth probe), `kvpr_chunks`
-(measuring the compute profile). Each hook's contract says what a failure does: the forward handlers and the
-attention kernel fall back to SGLang's own code, the admission hook to SGLang's admission, a failed probe or profile
-leaves compute-or-load without its rates (SGLang loads every stored span); none may fail more than the request it
-serves.
+Names: `blend_forward`, `runahead_forward` (handlers of the Llama forward hook), `repack_offer` (its observer of
+SGLang's own forwards), `admission` (the prefill admission hook), `cpu_attention` (the prefix-aware attention kernel),
+`kvpr_probe` (the SSD read-bandwidth probe), `kvpr_chunks` (measuring the compute profile). Each hook's contract says
+what a failure does: the forward handlers and the attention kernel fall back to SGLang's own code, the observer drops
+that batch's offers (the pages stay plain), the admission hook to SGLang's admission, a failed probe or profile leaves
+compute-or-load without its rates (SGLang loads every stored span); none may fail more than the request it serves.
 """
 
 from __future__ import annotations

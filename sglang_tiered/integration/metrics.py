@@ -73,9 +73,7 @@ _REMOTE_COUNTERS = {  # sglang_tiered:remote_<name> (with --tiered-remote)
 
 def format_stats(s: dict, page_size: int) -> str:
     mib = 1024 * 1024
-    imp = s.get("importance")
-    learned = (f" importance: {imp['observed_pages']} of {imp['pages']} pages scored, {imp['reuses']} page reuses"
-               if imp else "")
+    learned = ""
     if s.get("repacked_groups"):
         learned += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages: "
                     f"{s.get('repack_pages_kept', 0)} from memory, {s.get('repack_pages_read', 0)} read back, "
@@ -126,7 +124,7 @@ class StatsReporter:
         tick: float = 1.0,
         extras: Callable[[], dict] = dict,
     ) -> None:
-        """`extras()` adds fields to the JSON file (e.g. the importance table's coverage). `write_json(data)`
+        """`extras()` adds fields to the JSON file (e.g. the bytes by kind and the retention block). `write_json(data)`
         replaces the file (the SSD tier's `meta.write`, which counts its bytes); by default an atomic replace."""
         self.stats = stats
         self.json_path = json_path
@@ -252,8 +250,7 @@ EVENTS = {
     "blend_new_chunks": "Chunks seen for the first time (standalone KV computed and stored)",
     "blend_fallbacks": "Marked requests that got SGLang's normal prefill",
     "hook_errors": "Exceptions inside sglang-tiered hooks (the batch fell back to SGLang's own code)",
-    "importance_prompts": "Prompts whose tokens were scored for importance",
-    "importance_pages": "KV pages whose token importance was updated",
+    "repack_offers": "Prompts whose complete pages were offered to the repacker (gated loading)",
     "sparse_requests": "Requests whose stored prefix was loaded sparsely (gated)",
     "sparse_gate_passes": "Layers of sparse loads whose gate passed (only their picks loaded): the sampled "
     "heads agreed (jaccard), or the picks left out at most --tiered-importance-max-drop of the attention (mass)",

@@ -113,12 +113,14 @@ class ForwardHandler:
 
 
 class ForwardHook:
-    """This process's forward hook: the handlers, the prefill-alone predicates, the engines over SGLang's modules
-    and the requests of the batch running now."""
+    """This process's forward hook: the handlers, the observers of SGLang's own extend forwards, the prefill-alone
+    predicates, the engines over SGLang's modules and the requests of the batch running now."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.handlers: list[ForwardHandler] = []
+        self._observers: list[Callable[[Any], None]] = []
+        self._observer_errors = 0
         self._alone: list[Callable[[Any], bool]] = []
         self._admission_errors = 0
         self._engines: dict[int, LlamaModel] = {}
@@ -183,6 +185,22 @@ class ForwardHook:
 
         return AddReqResult.OTHER  # the walk ends; the request stays queued
 
+    def observe_extends(self, observer: Callable[[Any], None]) -> None:
+        """`observer(forward_batch)` after every extend batch that SGLang's own forward computed (no handler took
+        it). An observer that raises is logged and counted (`hook_errors`); the forward's result stands."""
+        self._ensure_hook()
+        self._observers.append(observer)
+
+    def _observe(self, fb) -> None:
+        for observer in self._observers:
+            try:
+                observer(fb)
+            except Exception:
+                self._observer_errors += 1
+                self.rt.events.count("hook_errors")
+                if self._observer_errors == 1:
+                    logger.exception("tiered: an observer of SGLang's forward failed; the forward's result stands")
+
     def gate_background_writes(self) -> None:
         """CPU-only servers: SSD write-through waits while a forward runs (storage/foreground.py)."""
         self.rt.foreground.enabled = True
@@ -214,6 +232,8 @@ class ForwardHook:
             if hidden is None:
                 hidden = original(module, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors,
                                   **kwargs)
+                if extend and self._observers and not forward_batch.forward_mode.is_target_verify():
+                    self._observe(forward_batch)
         return hidden
 
     def engine(self, module) -> LlamaModel:

@@ -20,7 +20,8 @@ the process's `runtime.Runtime`):
   forward hook whose handlers are, in order, blend (`blend.py`, unless `--tiered-blend off|prefix`), sparse
   (`sparse.py`, with `--tiered-importance-load gated`), kvpr (`kvpr.py`, with `--tiered-kvpr auto|force` on a
   model whose activations are smaller than its KV) and runahead (`runahead.py`, with `--tiered-runahead-ranks` >=
-  2); registered with the first handler, or on CPU-only servers (where every forward is marked as foreground work
+  2), and one observer of SGLang's own extend forwards (sparse: offers each prefilled prompt's pages to the
+  repacker); registered with the first handler, or on CPU-only servers (where every forward is marked as foreground work
   that the SSD write-through waits for).
 * `PrefillAdder.add_one_req` (AROUND, `model_forward.py`): a request marked for blending, or whose stored span a
   loader took at the door, prefills alone: it closes a prefill batch that has a request and stays queued for the
@@ -28,8 +29,6 @@ the process's `runtime.Runtime`):
 * `Scheduler._prefetch_kvcache` (AROUND, `door.py`): the one door for stored spans -- which loader (SGLang's L3
   prefetch, sparse, kvpr) serves a request's stored span, decided once per admission into `req.tiered_load` -- and
   retention pins (`custom_params.tiered_retain`).
-* `layers.radix_attention.RadixAttention.forward` (AROUND, `importance.py`): scores prompt tokens for importance
-  after SGLang's attention ran (read-only), where gated loading reads the scores.
 * `Scheduler.on_idle` (BEFORE, `kvpr.py`, with `--tiered-kvpr auto|force` on CPU servers): the compute part of
   the compute-or-load profile, timed once at the scheduler's first fully idle moment.
 * `models.llama.LlamaAttention.forward` (AROUND, `kvpr.py`, read-only: copies the attention inputs to store them)
@@ -89,7 +88,6 @@ def register() -> None:
         blend,
         blend_prompt,
         cpu_attention,
-        importance,
         kvpr,
         requests,
         runahead,
@@ -109,7 +107,6 @@ def register() -> None:
         rt.forward.gate_background_writes()
     rt.door = Door(rt)
     rt.door.register()
-    importance.register_hooks(rt)
     blend.register_hooks(rt)  # blend first: a marked prompt is neither loaded sparsely nor chained
     sparse.register_hooks(rt)  # the door's loaders, in order: sparse, then kvpr
     kvpr.register_hooks(rt)

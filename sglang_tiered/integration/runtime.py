@@ -8,8 +8,7 @@ keeps module-level state.
 
 A `Store` is everything kept on behalf of requests, behind one capacity and one key scheme: the SSD tier (pages,
 activation pages, chunk KV, repacked groups with their probes, meta files: `storage/ssd_tier.py`), the chunk store's
-memory LRU, the importance table (its log counted in the tier), the stash, the repacker, the remote tier, retention
-pins and the statistics reporter.
+memory LRU, the stash, the repacker, the remote tier, retention pins and the statistics reporter.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from sglang_tiered.config import parse_size
 from sglang_tiered.integration import settings as settings_mod
@@ -29,7 +28,6 @@ from sglang_tiered.policy.retention import Retention
 from sglang_tiered.storage.chunk_store import ChunkStore
 from sglang_tiered.storage.foreground import ForegroundGate
 from sglang_tiered.storage.groups import ITEMSIZE
-from sglang_tiered.storage.importance_table import LOG_NAME, ImportanceTable
 from sglang_tiered.storage.mooncake_store import MooncakeStore
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.remote_tier import RemoteTier
@@ -54,7 +52,6 @@ class Store:
     tier: SSDTier
     chunks: ChunkStore
     retention: Retention
-    importance: Optional[ImportanceTable]
     stash: Optional[PayloadStash]
     repacker: Optional[Repacker]
     remote: Optional[RemoteTier]
@@ -73,8 +70,6 @@ class Store:
             self.repacker.close()
         self.chunks.close()
         self.tier.close()
-        if self.importance is not None:
-            self.importance.close()
 
 
 class Runtime:
@@ -154,18 +149,13 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
                    pinned=retention.pinned, scan_foreign=first_rank)
     chunks = ChunkStore(layers=namespace.layer_num, kv_heads=namespace.kv_heads, head_dim=namespace.head_dim,
                         dtype=mem_pool_host.dtype, memory_bytes=current.blend_memory_bytes, ssd=tier)
-    importance = stash = repacker = remote = None
-    if cfg.capture_heads > 0:
-        log = f"{namespace.id}/{LOG_NAME}"
-        importance = ImportanceTable(page_size, directory=tier.dir, max_pages=max(1024, 4 * capacity // page_bytes),
-                                     allot=lambda n: tier.meta.reserve(log, n),
-                                     settle=lambda n: tier.meta.settle(log, n))
-    if cfg.importance_load == "gated" and importance is not None:
+    stash = repacker = remote = None
+    if cfg.importance_load == "gated":
         if layout != "layer_first" or namespace.dtype not in ITEMSIZE:
             raise NotImplementedError(f"--tiered-importance-load gated: needs the layer_first host layout and a "
                                       f"16/32-bit KV dtype, got {layout} / {namespace.dtype}")
         heads = current.attention_heads or namespace.kv_heads
-        probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.capture_heads, heads))
+        probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.importance_heads, heads))
         stash = PayloadStash(parse_size(cfg.importance_repack_memory))
         tier.attach_stash(stash)
         repacker = Repacker(tier, probe, before_repack=rt.foreground.wait_idle, probe_bits=cfg.importance_probe_bits,
@@ -176,7 +166,7 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         largest = page_bytes + 64 * 1024  # a page file: payload + header (a few KB)
         remote = RemoteTier(lambda: MooncakeStore(address, segment_bytes=segment, object_bytes=largest,
                                                   local_host=cfg.remote_host),
-                            tier, importance=importance, before_put=rt.foreground.wait_idle)
+                            tier, before_put=rt.foreground.wait_idle)
         logger.info("tiered remote: mooncake master %s, metadata %s, lending %d bytes", address.master,
                     address.metadata, segment)
     stats_file = f"stats/{namespace.id}.json"
@@ -185,8 +175,8 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         write_json=lambda data: tier.meta.write(stats_file, data), page_size=page_size, capacity_bytes=capacity,
         tp_rank=sc.tp_rank, describe=namespace.describe, prometheus=prometheus_enabled(sc.enable_storage_metrics),
         log_interval=cfg.stats_interval,
-        extras=lambda: _extras(tier, importance, retention, rt))
-    store = Store(namespace, tier, chunks, retention, importance, stash, repacker, remote, reporter)
+        extras=lambda: _extras(tier, retention, rt))
+    store = Store(namespace, tier, chunks, retention, stash, repacker, remote, reporter)
     rt.store = store
     for subscriber in rt.on_store:
         subscriber(store, itemsize, layout)
@@ -196,12 +186,9 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
     return store
 
 
-def _extras(tier: SSDTier, importance: Optional[ImportanceTable], retention: Retention, rt: Runtime) -> dict:
+def _extras(tier: SSDTier, retention: Retention, rt: Runtime) -> dict:
     """Fields of the statistics file beyond the tier's counters (`sglang-tiered stats`)."""
-    out: dict[str, Any] = {"bytes_by_kind": tier.bytes_by_kind(), "retention": _retention_stats(tier, retention, rt)}
-    if importance is not None:
-        out["importance"] = importance.coverage()
-    return out
+    return {"bytes_by_kind": tier.bytes_by_kind(), "retention": _retention_stats(tier, retention, rt)}
 
 
 def _retention_stats(tier: SSDTier, retention: Retention, rt: Runtime) -> dict:

@@ -39,7 +39,7 @@ logger = logging.getLogger("sglang_tiered")
 
 STORAGE_MODULE = "sglang_tiered.integration.storage_backend"
 STORAGE_CLASS = "TieredSSDStorage"
-FLAG_TYPES = {"ssd_capacity": str, "importance_heads": int}  # where a field's default does not show its flag's type
+FLAG_TYPES = {"ssd_capacity": str}  # where a field's default does not show its flag's type
 
 
 def _flag(name: str) -> str:

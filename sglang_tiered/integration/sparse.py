@@ -41,7 +41,7 @@ import torch
 
 from sglang_tiered.engine.group_span import GroupSpan
 from sglang_tiered.engine.sparse import sparse_prefill
-from sglang_tiered.integration import model_forward
+from sglang_tiered.integration import faults, model_forward
 from sglang_tiered.integration.door import SpanHandler
 from sglang_tiered.integration.keys import page_keys
 from sglang_tiered.integration.requests import options
@@ -89,6 +89,23 @@ class Sparse:
         self.handler = SparseHandler(rt, self)
         self._holes: OrderedDict[str, Holes] = OrderedDict()
         self.histories: dict[tuple[str, float], GateHistory] = {}  # per (gate, ratio): their pass rates differ
+
+    def offer_prompts(self, fb) -> None:
+        """After SGLang's own forward of extend batch `fb`: the complete pages of each prompt whose prefill ended
+        in it are offered to the store's repacker (never blocks; a full queue drops the offer)."""
+        faults.check("repack_offer")
+        store = self.rt.store
+        if store is None or store.repacker is None:
+            return
+        by_rid = {r.rid: r for r in self.rt.forward.batch_requests(fb)}
+        for i, rid in enumerate(fb.rids or []):
+            req, ext = by_rid.get(rid), int(fb.extend_seq_lens_cpu[i])
+            if req is None or ext == 0 or int(fb.extend_prefix_lens_cpu[i]) + ext < len(req.origin_input_ids):
+                continue
+            keys = page_keys(req, len(req.origin_input_ids), store.page_size)
+            if keys:
+                store.repacker.offer(keys)
+                self.rt.events.count("repack_offers")
 
     # ------------------------------------------------------------------------------------- loader (door.py)
     def admit(self, scheduler, req) -> None:
@@ -194,7 +211,7 @@ class SparseHandler(SpanHandler):
         skip = history.skip() if mode != "full" else frozenset()
         res = sparse_prefill(engine, ids, prefix_len=prefix, span=span,
                              prefix_loader=model_forward.prefix_kv_reader(fb) if prefix else None,
-                             heads=cfg.capture_heads, window=cfg.importance_window, ratio=ratio,
+                             heads=cfg.importance_heads, window=cfg.importance_window, ratio=ratio,
                              alpha=cfg.importance_alpha, gate=gate, max_drop=cfg.importance_max_drop,
                              force="fail" if mode == "full" else None, skip=skip)
         if mode != "full":
@@ -243,4 +260,5 @@ def register_hooks(rt: Runtime) -> bool:
     sparse = Sparse(rt)
     rt.door.add(sparse)
     rt.forward.add_handler(sparse.handler)
+    rt.forward.observe_extends(sparse.offer_prompts)
     return True

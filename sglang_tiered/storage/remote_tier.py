@@ -1,9 +1,8 @@
 """The remote tier: one SSD tier's pages shared with every server that uses the same store and namespace.
 
 Object names are `sgt/<namespace id>/<page key>` (the page file as stored on SSD: header naming namespace and key, one
-checksum per segment) and `sgt/<namespace id>/<page key>.imp` (the page's importance record, when it has one), so
-servers with another model, dtype, page size, layout, TP/PP rank or salt never see each other's objects, and a
-fetched page is checked exactly like a file read from the local disk.
+checksum per segment), so servers with another model, dtype, page size, layout, TP/PP rank or salt never see each
+other's objects, and a fetched page is checked exactly like a file read from the local disk.
 
 Contracts
 * `publish(keys)` never blocks: keys go to a bounded queue; one background thread reads each page's file and puts
@@ -13,8 +12,8 @@ Contracts
 * `leading_hits(keys)` and `fetch(pages)` block on the network: call them from SGLang's prefetch thread, never the
   scheduler loop. While the store is down they answer "miss" at once.
 * A fetched page is served only if it passes the checks of a local read (`page_file.read_blob`: namespace, key,
-  size, every segment's checksum); then the background thread keeps it on the local SSD (a local hit next time) and
-  adopts its importance record. Corrupt or foreign objects are counted misses, never served or kept.
+  size, every segment's checksum); then the background thread keeps it on the local SSD (a local hit next time).
+  Corrupt or foreign objects are counted misses, never served or kept.
 * Down: a failed lookup, or a failed put after which the store does not answer an `exists` either, marks the store
   down (counted, logged once); the background thread retries `connect` (if it never connected) or a cheap `exists`
   every `retry_s` seconds and marks it up again when it answers.
@@ -33,7 +32,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Optional
 
-from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, read_blob
 from sglang_tiered.storage.remote import RemoteError, RemoteStore
 from sglang_tiered.storage.ssd_tier import PageIO, SSDTier
@@ -47,7 +45,7 @@ _KNOWN_MAX = 1 << 20  # keys remembered as published; beyond, forgotten (a secon
 
 class RemoteTier:
     def __init__(self, connect: Callable[[], RemoteStore], tier: SSDTier, *,
-                 importance: Optional[ImportanceTable] = None, retry_s: float = 5.0, queue_pages: int = 1024,
+                 retry_s: float = 5.0, queue_pages: int = 1024,
                  before_put: Optional[Callable[[], object]] = None) -> None:
         """`connect()` returns a connected store or raises RemoteError / ImportError; it is tried once now (a
         failure is logged and retried in the background: the server starts local-only). `before_put` runs in the
@@ -59,7 +57,6 @@ class RemoteTier:
         self._deferred: deque[str] = deque(maxlen=queue_pages)  # pages to publish once the store answers again
         self.tier = tier
         self.stats = tier.stats
-        self.importance = importance
         self.retry_s = retry_s
         self._connect = connect
         self._store: Optional[RemoteStore] = None
@@ -99,7 +96,7 @@ class RemoteTier:
     def fetch(self, pages: Sequence[PageIO]) -> list[bool]:
         """Fill each page's buffers from the shared store, all pages in one round trip. result[i] is False for a
         miss of any kind (absent, lost, corrupt, foreign, store down), counted; its buffers are then garbage.
-        Served pages are kept on the local SSD (and their importance records adopted) by the background thread."""
+        Served pages are kept on the local SSD by the background thread."""
         store = self._live()
         if store is None or not pages:
             self.stats.add(remote_miss_pages=len(pages))
@@ -136,18 +133,6 @@ class RemoteTier:
             return False
         return True
 
-    def _keep(self, store: RemoteStore, key: str, blob: bytes) -> None:
-        """A fetched page onto the local SSD, and its importance record into the table."""
-        self.tier.keep_page(key, blob)
-        if self.importance is None:
-            return
-        try:
-            record = store.get(self.object_key(key) + ".imp")
-        except RemoteError as exc:
-            self._mark_down(exc)
-            return
-        if record is not None:
-            self.importance.adopt(key, record)
 
     # ----------------------------------------------------------------- publishing (never blocks)
     def publish(self, keys: Sequence[str]) -> None:
@@ -186,9 +171,6 @@ class RemoteTier:
             self._before_put()
         try:
             store.put(self.object_key(key), blob)
-            record = self.importance.export(key) if self.importance is not None else None
-            if record is not None:
-                store.put(self.object_key(key) + ".imp", record)
         except RemoteError as exc:
             self._defer(key)
             self._put_failed(store, exc)
@@ -280,11 +262,8 @@ class RemoteTier:
                 key = None
             try:
                 store = self._live()
-                if isinstance(key, tuple):
-                    if store is not None:
-                        self._keep(store, *key)
-                    else:
-                        self.tier.keep_page(*key)
+                if isinstance(key, tuple):  # a fetched page, kept on the local SSD
+                    self.tier.keep_page(*key)
                 elif key is not None:
                     if store is None:
                         self._defer(key)

@@ -7,7 +7,7 @@ each kind of entry lives `tier_layout.py`'s.
 Files (under `<root>/<namespace id>/` unless said otherwise), by the index's kinds:
 * page: `<key[:2]>/<key>.kvp`; activation: `<key[:2]>/<key>.x.kvp` (`activations.py`); chunk: `chunks/<hash>.kvp`
   (one segment per layer, `chunk_store.py`); group: `groups/<gid>.kvg` (`group_file.py`);
-* meta: `NAMESPACE.json`, `importance.log`, `<root>/stats/<namespace id>.json`, the root's own files (`ROOT_FILES`:
+* meta: `NAMESPACE.json`, `<root>/stats/<namespace id>.json`, the root's own files (`ROOT_FILES`:
   the compute-or-load profile, the launcher's `--dtype auto` choice, the server's claim on the directory), probe
   files (`tier.meta`: `write`, `reserve`, `scratch`);
 * foreign (`scan_foreign=True`, rank 0): any other file under the root that is not another rank's of this server.

@@ -17,7 +17,7 @@ NAMESPACE_FILE = "NAMESPACE.json"
 PROFILE_FILE = "kvpr-profile.json"  # the compute-or-load profile (engine/kvpr_profile.py)
 DTYPE_FILE = "cpu-dtype.json"  # the launcher's `--dtype auto` choice, kept for restarts (integration/server_flags.py)
 ROOT_FILES = (PROFILE_FILE, DTYPE_FILE, LOCK_FILE)  # the whole server's, counted as meta
-NAMESPACE_META = (NAMESPACE_FILE, "importance.log", PROFILE_FILE)  # meta files in a namespace's directory
+NAMESPACE_META = (NAMESPACE_FILE, PROFILE_FILE)  # meta files in a namespace's directory
 
 
 def page_path(directory: Path, key: str) -> Path:

@@ -1,29 +1,21 @@
-"""The shared server against one of the same configuration with SGLang's `torch_native` CPU attention,
-`--tiered-blend off` and `--tiered-importance-heads 3` (so its prefills are captured; the shared server's, whose
-loading reads no scores, are not), in the dtype the shared server chose (one server for the module):
+"""The shared server against one of the same configuration with SGLang's `torch_native` CPU attention and
+`--tiered-blend off`, in the dtype the shared server chose (one server for the module):
 
 1. the prefix-aware CPU attention: greedy tokens identical to `torch_native`'s, cold and on a cache hit, for prompts
    of several lengths (where this CPU's attention rounds a call's rows otherwise by the call's length -- an Intel
    Xeon with AMX -- identical up to a near-tie of the reference, `assert_same_greedy`);
-2. importance capture is read-only: greedy output with capture on equals capture off, and the importance table learns
-   every complete page of every prompt under the keys the SSD tier files the pages under; it survives a restart (the
-   log in the namespace directory); a server whose loading reads no scores captures nothing;
-3. `--tiered-blend off` leaves the chunk separator in the text.
+2. `--tiered-blend off` leaves the chunk separator in the text.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from sglang_tiered.server_process import ServerProcess, cached_details, metric_total
-from sglang_tiered.storage.importance_table import LOG_NAME, ImportanceTable
-from sglang_tiered.storage.page_file import PAGE_SUFFIX
+from sglang_tiered.server_process import ServerProcess, cached_details
 from tests.integration.helpers import SEP, chosen_dtype, tiered_args
-from tests.integration.kvpr_helpers import PAGE
 from tests.rounding import LOGPROB_TOL, attention_rows_alone
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -36,7 +28,7 @@ MARKED = "Alice works at the Amber Museum." + SEP + "The Amber Museum is in Lisb
 def torch_native_server(tmp_path_factory, shared_server) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("torch-native")
     args = tiered_args(tmp / "ssd", "--tiered-cpu-attention", "torch_native", "--tiered-blend", "off",
-                       "--tiered-importance-heads", "3", "--enable-metrics", "--dtype", chosen_dtype(shared_server))
+                       "--enable-metrics", "--dtype", chosen_dtype(shared_server))
     with ServerProcess(args, log_path=tmp / "torch_native.log") as server:
         server.ssd = tmp / "ssd"
         yield server
@@ -89,59 +81,6 @@ def test_prefix_aware_attention_matches_torch_native(shared_server, torch_native
     assert all(h >= 64 for h in hits), hits  # the second send of each prompt really was a cache hit
     for i, (cold, hit) in enumerate(zip(ours[0::2], ours[1::2])):
         assert_same_greedy(hit, cold, dtype, f"prompt {i}: hit against cold")
-
-
-def prompt_page_keys(ids: list[int]) -> list[str]:
-    """Storage keys of the complete pages of a prompt (SGLang's hash chain, what the SSD tier files pages under)."""
-    from array import array
-
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    n = len(ids) // PAGE * PAGE
-    return list(get_storage_hash_str(RadixKey(array("q", ids[:n])), None, page_size=PAGE)) if n else []
-
-
-def test_capture_is_read_only_and_learns_every_page(essays, shared_server, torch_native_server):
-    """The torch_native server captures, the shared server does not (its loading reads no scores); the
-    test above shows the two attention paths agree token for token, so equal outputs here mean capture changed
-    nothing."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(shared_server.model_dir)
-    texts = [essays[20], essays[21][:1200], essays[20] + essays[22][:800]]  # the third extends the first
-    prompts = [tok(t)["input_ids"] for t in texts]
-    counted = "sglang_tiered:importance_prompts_total"
-    shared_before = metric_total(shared_server.get("/metrics"), counted)
-    off = [greedy(shared_server, p, max_new_tokens=16) for p in prompts]
-    assert metric_total(shared_server.get("/metrics"), counted) == shared_before == 0  # nothing reads: no capture
-    assert not list(shared_server.ssd.glob(f"*/{LOG_NAME}"))
-    mark = torch_native_server.log_mark()
-    torch_native_server.flush_cache()
-    before = torch_native_server.get("/metrics")
-    on = [greedy(torch_native_server, p, max_new_tokens=16) for p in prompts]
-    for i, (captured, plain) in enumerate(zip(on, off)):
-        assert_same_greedy(captured, plain, chosen_dtype(shared_server), f"prompt {i}")
-    assert not torch_native_server.log_lines("tiered importance: capture failed", mark)
-    after = torch_native_server.get("/metrics")
-    assert metric_total(after, counted) - metric_total(before, counted) == len(prompts)
-
-    # every complete page of each prompt is known, under the key the SSD tier files it under
-    keys = {k for p in prompts for k in prompt_page_keys(p)}
-    ns_dir = next(p.parent for p in torch_native_server.ssd.glob("*/NAMESPACE.json"))
-    deadline = time.monotonic() + 30
-    while not all((ns_dir / k[:2] / f"{k}{PAGE_SUFFIX}").exists() for k in keys) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert all((ns_dir / k[:2] / f"{k}{PAGE_SUFFIX}").exists() for k in keys)  # written through under these keys
-    table = ImportanceTable(PAGE, directory=ns_dir, readonly=True)  # a reader of the log, as after a restart
-    assert all(table.get(k) is not None for k in keys)
-    first = prompt_page_keys(prompts[0])
-    assert cached_details(on[2])["device"] >= 640  # the third prompt reused the first one's pages ...
-    assert all(table.get(k).reuses >= 1 for k in first)  # ... and they were counted as reused
-    imp = [table.get(k).tokens for k in keys]
-    assert all(((t >= 0) & (t <= 1)).all() for t in imp)
-    share = sum(float(t.sum()) for t in imp) / (len(imp) * PAGE)
-    assert 0.05 < share < 0.6, share  # ~ the 20 % ratio (pages observed by two prompts average their verdicts)
 
 
 def test_off_leaves_the_separator_alone(shared_server, torch_native_server):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sglang_tiered.config import CAPTURE_HEADS, ConfigError, TieredConfig, cuda_refusal, parse_size
+from sglang_tiered.config import ConfigError, TieredConfig, cuda_refusal, parse_size
 from sglang_tiered.integration.metrics import StatsReporter, format_stats, read_stats_files
 from sglang_tiered.storage.stats import TierStats
 
@@ -64,25 +64,11 @@ def test_validate_names_the_flag(tmp_path):
         TieredConfig(ssd_dir=str(blocker / "sub")).validate()
 
 
-@pytest.mark.parametrize(("fields", "heads"), [
-    ({}, 0),  # no gated loading: nothing reads the scores
-    ({"importance_load": "gated"}, CAPTURE_HEADS),
-    ({"importance_heads": 3}, 3),  # learning before gated loading is turned on
-    ({"importance_load": "gated", "importance_heads": 5}, 5),
-    ({"importance_heads": 0}, 0),
-])
-def test_importance_capture_runs_where_its_scores_are_read(tmp_path, fields, heads):
-    cfg = TieredConfig(ssd_dir=str(tmp_path), **fields)
-    cfg.validate()
-    assert cfg.capture_heads == heads
-    assert TieredConfig.from_dict(json.loads(cfg.to_json())).capture_heads == heads
-
-
-def test_a_reader_of_importance_scores_needs_capture(tmp_path):
-    with pytest.raises(ConfigError, match="needs importance capture"):
-        TieredConfig(ssd_dir=str(tmp_path), importance_heads=0, importance_load="gated").validate()
-    with pytest.raises(ConfigError, match="^--tiered-importance-heads"):
-        TieredConfig(ssd_dir=str(tmp_path), importance_heads=-1).validate()
+def test_a_gated_load_samples_at_least_one_head(tmp_path):
+    assert TieredConfig().importance_heads == 3
+    TieredConfig(ssd_dir=str(tmp_path), importance_heads=1, importance_load="gated").validate()
+    with pytest.raises(ConfigError, match="^--tiered-importance-heads: must be >= 1"):
+        TieredConfig(ssd_dir=str(tmp_path), importance_heads=0).validate()
 
 
 def test_an_unusable_ssd_dir_is_refused(tmp_path):
@@ -103,21 +89,20 @@ def test_config_json_round_trip_rejects_unknown():
 
 def test_stats_reporter_writes_json(tmp_path):
     stats = TierStats()
-    coverage = {"pages": 0, "observed_pages": 0, "reuses": 0}
+    extra = {"n": 0}
     rep = StatsReporter(stats, json_path=tmp_path / "stats" / "ns.json", page_size=64, capacity_bytes=10,
                         tp_rank=0, describe=lambda: {"id": "ns", "tp_rank": 0}, prometheus=False, log_interval=0,
-                        tick=0.05, extras=lambda: {"importance": dict(coverage)})
+                        tick=0.05, extras=lambda: {"extra": dict(extra)})
     stats.add(hit_pages=3, bytes_read=300, repacked_groups=2, repacked_pages=9, repack_pages_kept=6,
               repack_pages_read=3, repack_bytes_read=3 << 20, sparse_bytes_read=3 << 20, sparse_bytes_needed=2 << 20)
-    coverage.update(pages=5, observed_pages=4, reuses=7)
+    extra.update(n=2)
     rep.stop()
     rows = read_stats_files(str(tmp_path))
     assert len(rows) == 1 and rows[0]["hit_pages"] == 3 and rows[0]["hit_tokens"] == 192
-    assert rows[0]["importance"] == {"pages": 5, "observed_pages": 4, "reuses": 7}
+    assert rows[0]["extra"] == {"n": 2}  # the extras as they were at the last write
     assert "hits=3 pages (192 tokens" in format_stats(rows[0], 64)
     line = format_stats(rows[0], 64)
-    assert "importance: 4 of 5 pages scored, 7 page reuses" in line \
-        and "repacked=2 groups (9 pages: 6 from memory, 3 read back, 3.0 MiB)" in line
+    assert "repacked=2 groups (9 pages: 6 from memory, 3 read back, 3.0 MiB)" in line
     assert "read 3.0 MiB for 2.0 MiB used (read amplification 1.50)" in line
 
 

@@ -7,10 +7,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
-from sglang_tiered.storage.importance_table import ImportanceTable
 from sglang_tiered.storage.mooncake_store import MooncakeAddress, MooncakeStore
 from sglang_tiered.storage.remote import MemoryStore, RemoteError
 from sglang_tiered.storage.remote_tier import RemoteTier
@@ -162,29 +160,6 @@ def test_a_foreign_object_under_our_key_is_a_counted_miss(tmp_path, servers, sha
     finally:
         if store is not shared.memory:
             store.close()
-
-
-def test_importance_travels_with_the_page(tmp_path, shared):
-    salt = f"imp-{time.monotonic_ns()}"
-    learned = ImportanceTable(64, directory=None)
-    k = key(7)
-    learned.observe([k], [i % 3 == 0 for i in range(64)])
-    a = RemoteTier(shared.connect, SSDTier(tmp_path / "a", ns(salt=salt), 1 << 20), importance=learned,
-                   retry_s=RETRY)
-    fresh = ImportanceTable(64, directory=None)
-    b = RemoteTier(shared.connect, SSDTier(tmp_path / "b", ns(salt=salt), 1 << 20), importance=fresh, retry_s=RETRY)
-    try:
-        assert a.tier.write_pages([(k, page(7))]) == [True]
-        a.publish([k])
-        assert a.drain()
-        assert b.fetch([(k, empty())]) == [True] and b.drain()
-        got = fresh.get(k)
-        assert got is not None
-        np.testing.assert_allclose(got.tokens, learned.get(k).tokens, atol=1e-3)
-        assert not fresh.adopt(key(8), learned.export(k))  # a record is only taken for its own page
-    finally:
-        a.close()
-        b.close()
 
 
 def test_store_down_means_misses_and_it_comes_back(servers, shared):

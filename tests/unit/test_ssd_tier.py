@@ -368,10 +368,10 @@ def test_meta_files_count_and_a_write_without_room_is_refused(tmp_path):
     tier.write_pages([(key(0), page(0))])
     assert tier.meta.write("stats/x.json", b"{}" * 100)
     assert (tmp_path / "stats" / "x.json").read_bytes() == b"{}" * 100
-    assert tier.meta.reserve(f"{tier.ns_id}/importance.log", 2 * PAGE)  # evicts page 0 for the log's room
+    assert tier.meta.reserve(f"{tier.ns_id}/appended.log", 2 * PAGE)  # evicts page 0 for the log's room
     assert not tier.contains(key(0))
-    assert not tier.meta.reserve(f"{tier.ns_id}/importance.log", 10 * PAGE)
-    tier.meta.settle(f"{tier.ns_id}/importance.log", 0)
+    assert not tier.meta.reserve(f"{tier.ns_id}/appended.log", 10 * PAGE)
+    tier.meta.settle(f"{tier.ns_id}/appended.log", 0)
     with tier.meta.scratch("probe", PAGE) as path:
         path.write_bytes(b"p" * PAGE)
         assert disk_bytes(tmp_path) <= tier.used_bytes
