@@ -257,8 +257,8 @@ def _sparse_server(tmp: Path, name: str, wrapper: list[str], args: list[str], te
 def ask_gated(tmp: Path, name: str, wrapper: list[str], args: list[str], texts: list[str],
               asks: list[tuple[str, list[str]]], modes: dict[str, dict], max_new_tokens: int = 8,
               warmup: str = WARMUP) -> tuple[dict, list[str]]:
-    """One gated server on a fresh SSD directory: each document asked the `warmup` question (its pages get scored
-    and repacked); then, per gated mode, `HISTORY_LOADS` loads of the warm-up question (other requests a running
+    """One gated server on a fresh SSD directory: each document asked the `warmup` question (its pages get
+    repacked); then, per gated mode, `HISTORY_LOADS` loads of the warm-up question (other requests a running
     server has served: they give that gate and ratio's history its steady state, `--tiered-importance-probe-skip`);
     then per document and
     per mode (label -> the request's custom_params), device and host flushed and the SSD files evicted from the

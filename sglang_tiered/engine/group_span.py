@@ -38,8 +38,8 @@ class GroupSpan:
         q, scale = got
         self.bytes_read += q.nbytes + scale.nbytes
         cols = [self.meta.probe_heads.index(h) for h in kv_heads]
-        keys = torch.from_numpy(dequantize_probe(q, scale, self.meta.probe_bits))[self.start : self.start + self.tokens]
-        return keys[:, cols]
+        span = slice(self.start, self.start + self.tokens)  # per token and head: only the span's rows are decoded
+        return torch.from_numpy(dequantize_probe(q[span][:, cols], scale[span][:, cols], self.meta.probe_bits))
 
     def load(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         m = self.meta

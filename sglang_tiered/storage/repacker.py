@@ -1,4 +1,4 @@
-"""Background repacking: prompts whose tokens were scored get their stored pages rewritten as groups
+"""Background repacking: prompts offered after their prefill get their stored pages rewritten as groups
 (`TierGroups.repack`: one file, in prompt order, in chunks, with the probe a sparse load scores with).
 
 Contracts

@@ -34,8 +34,8 @@ class TierGroups:
     def repack(self, keys: Sequence[str], probe_heads: Sequence[int], chunk: int = 16,
                probe_bits: int = group_file.PROBE_BITS) -> bool:
         """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, in prompt order) as one group.
-        True when committed; False (nothing changed) if a page is missing,
-        unreadable or already grouped, or the space is not there. Blocking; call from a background thread."""
+        True when committed; False (nothing changed) if a page is missing, unreadable or already grouped, or the
+        space is not there. Blocking; call from a background thread."""
         with self.tier._lock:
             if any(self.tier._index.kind(k) != "page" or self.tier._index.writing(k) for k in keys):
                 return False
