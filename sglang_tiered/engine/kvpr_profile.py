@@ -26,10 +26,10 @@ from typing import Optional
 import torch
 
 from sglang_tiered.engine.llama import LlamaModel
+from sglang_tiered.engine.one_thread import one_thread_pool
 from sglang_tiered.policy.kvpr import MEET_CHUNK_PAGES, Profile
 from sglang_tiered.storage.files import write_atomic
 from sglang_tiered.storage.tier_layout import PROFILE_FILE
-from sglang_tiered.threads import one_thread_pool
 
 PROBE_BYTES = 64 << 20  # size of the read-bandwidth probe file
 _CHUNK = 1 << 20

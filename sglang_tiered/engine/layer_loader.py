@@ -16,7 +16,7 @@ Contracts
 * `fetch` runs on the loader thread (or on the caller's thread with `overlap=False`); an exception it raises is
   raised again by the `get` of that layer. The loader thread runs torch with one OpenMP thread (a team of its own
   would spin on the cores the caller's layers compute on); the caller's count is left as it was
-  (threads.py).
+  (engine/one_thread.py).
 * `load_s` sums the seconds spent in `fetch` (overlapped or not); `wait_s` sums the seconds `get` blocked the
   caller (0 when loading hides entirely behind compute).
 * `close()` (or leaving the `with` block) waits for a running fetch and drops queued ones.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, Optional, TypeVar
 
-from sglang_tiered.threads import one_thread_pool
+from sglang_tiered.engine.one_thread import one_thread_pool
 
 T = TypeVar("T")
 

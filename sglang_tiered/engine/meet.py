@@ -34,9 +34,9 @@ from typing import Optional, Protocol
 import torch
 
 from sglang_tiered.engine.llama import LlamaModel, Rope
+from sglang_tiered.engine.one_thread import one_thread_pool
 from sglang_tiered.engine.span_miss import SpanMiss
 from sglang_tiered.kernels.extend_attention import causal_attention, part_attention
-from sglang_tiered.threads import one_thread_pool
 
 
 @dataclass(frozen=True)

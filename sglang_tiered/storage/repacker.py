@@ -26,7 +26,6 @@ from typing import Optional
 from sglang_tiered.storage.group_file import PROBE_BITS
 from sglang_tiered.storage.ssd_tier import SSDTier
 from sglang_tiered.storage.stash import PayloadStash
-from sglang_tiered.threads import one_thread_daemon
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +41,8 @@ class Repacker:
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._busy = threading.Event()
         self._stop = False
-        # torch on one thread at the lowest CPU priority: a repack takes only the cycles the model forward leaves
-        self._thread = one_thread_daemon("tiered-repack", self._run, nice=19)
+        self._thread = threading.Thread(target=self._run, name="tiered-repack", daemon=True)
+        self._thread.start()
 
     def offer(self, keys: Sequence[str]) -> None:
         if len(keys) >= self.min_pages:

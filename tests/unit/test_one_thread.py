@@ -1,13 +1,12 @@
-"""threads.py: the worker runs torch on one thread; the caller's count and the count threads started later
+"""engine/one_thread.py: the worker runs torch on one thread; the caller's count and the count threads started later
 get (torch's process default) stay as they were."""
 
-import os
 import threading
 
 import pytest
 import torch
 
-from sglang_tiered.threads import one_thread_daemon, one_thread_pool
+from sglang_tiered.engine.one_thread import one_thread_pool
 
 
 @pytest.fixture
@@ -53,19 +52,3 @@ def test_every_worker_of_a_wider_pool_runs_on_one_thread(two_threads):
         seen = dict(job.result() for job in [pool.submit(count) for _ in range(2)])
         assert len(seen) == 2 and set(seen.values()) == {1}
         assert torch.get_num_threads() == 2 and _count_on_a_new_thread() == 2
-
-
-def test_a_daemon_runs_on_one_thread_at_its_niceness_and_the_default_stays(two_threads):
-    seen: dict[str, int] = {}
-    done = threading.Event()
-
-    def body() -> None:
-        seen["threads"] = torch.get_num_threads()
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        done.set()
-
-    thread = one_thread_daemon("test-daemon", body, nice=19)
-    assert done.wait(5) and thread.daemon
-    assert seen == {"threads": 1, "nice": 19}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19  # the caller's priority is its own
-    assert torch.get_num_threads() == 2 and _count_on_a_new_thread() == 2
