@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import os
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ import msgpack
 import numpy as np
 
 from sglang_tiered.storage.checksum import crc32
-from sglang_tiered.storage.page_file import read_meta_block
+from sglang_tiered.storage.page_file import read_meta_block, write_file
 
 MAGIC = b"SGTKG\x00\x02\x00"  # groups of another format are unreadable: removed at startup, their pages missed
 PROBE_BITS = 4  # what new groups are written with (config.TieredConfig.importance_probe_bits)
@@ -122,17 +121,18 @@ def quantize_probe(keys: np.ndarray, bits: int = PROBE_BITS) -> tuple[np.ndarray
     """float keys [T, h, D] -> (uint8 [T, h, D * bits / 8], fp16 scales [T, h]); see the module docstring."""
     if bits not in PROBE_BITS_CHOICES or (bits == 4 and keys.shape[-1] % 2):
         raise ValueError(f"a probe has 8 bits, or 4 with an even head dim; got {bits} bits, dim {keys.shape[-1]}")
-    k = keys.astype(np.float32)
-    if bits == 4:
-        k = k @ rotation(k.shape[-1])
+    k = keys @ rotation(keys.shape[-1]) if bits == 4 else keys.astype(np.float32)  # a new array: scaled in place
     top = 2 ** (bits - 1) - 1
     scale = (np.abs(k).max(-1) / top).astype(np.float16)
     scale[scale == 0] = 1.0
-    q = np.clip(np.rint(k / scale.astype(np.float32)[..., None]), -top, top).astype(np.int8)
+    k /= scale.astype(np.float32)[..., None]
+    np.clip(np.rint(k, out=k), -top, top, out=k)
+    q = k.astype(np.int8)
     if bits == 8:
         return q.view(np.uint8), scale
-    u = (q + 8).astype(np.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4), scale
+    q += 8  # 1..15
+    pairs = q.view("<u2")  # value 2i in the low byte, 2i + 1 in the high byte
+    return (pairs | (pairs >> 4)).astype(np.uint8), scale  # low nibble first
 
 
 def dequantize_probe(q: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
@@ -146,37 +146,15 @@ def dequantize_probe(q: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
 
 
 def write_group(path: str, meta: dict, probes: Sequence[tuple[np.ndarray, np.ndarray]],
-                data: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:
+                data: Sequence[Sequence[memoryview]]) -> int:
     """Write a group atomically (temp file + rename). `meta` holds the fields of the module docstring except the
-    checksums; `probes[l]` = `quantize_probe`'s (keys, scales) with meta["probe_bits"]; `data[l]` = (K, V) as raw
-    element arrays [T, H, D] in prompt order (any dtype of the right itemsize, e.g. uint16 views of bf16). Returns
-    bytes written."""
-    chunk, tokens = meta["chunk"], meta["tokens"]
-    probe_bytes = [q.tobytes() + s.tobytes() for q, s in probes]
-    data_chunks = []
-    for k, v in data:
-        layer = []
-        for c0 in range(0, tokens, chunk):
-            layer.append(k[c0 : c0 + chunk].tobytes() + v[c0 : c0 + chunk].tobytes())
-        data_chunks.append(layer)
-    full = dict(meta, probe_crc=[crc32(b) for b in probe_bytes],
-                data_crc=[[crc32(b) for b in layer] for layer in data_chunks])
+    checksums; `probes[l]` = `quantize_probe`'s (keys, scales) with meta["probe_bits"]; `data[l][c]` = the bytes of
+    chunk c of layer l (its K [C, H, D] then its V, raw elements in prompt order). Returns bytes written."""
+    probe_bytes = [memoryview(q.tobytes() + s.tobytes()) for q, s in probes]
+    full = dict(meta, probe_crc=[crc32(b) for b in probe_bytes], data_crc=[[crc32(c) for c in layer] for layer in data])
     blob = msgpack.packb(full)
-    parts = [_FIXED.pack(MAGIC, len(blob), crc32(blob)), blob, *probe_bytes,
-             *(b for layer in data_chunks for b in layer)]
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            for p in parts:
-                f.write(p)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return sum(len(p) for p in parts)
+    head = memoryview(_FIXED.pack(MAGIC, len(blob), crc32(blob)) + blob)
+    return write_file(path, [head, *probe_bytes, *(c for layer in data for c in layer)])
 
 
 def read_meta(fd: int) -> GroupMeta:

@@ -46,18 +46,30 @@ def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], prob
     size, layers, ps = itemsize(ns), ns.layer_num, ns.page_size
     h, d = ns.kv_heads, ns.head_dim
     tokens = len(keys) * ps
-    raw = np.stack([np.frombuffer(p, dtype=_RAW[size]).reshape(layers, 2, ps, h, d) for p in payloads])
-    raw = raw.transpose(1, 2, 0, 3, 4, 5).reshape(layers, 2, tokens, h, d)  # [layer, k/v, token, h, d]
+    pages = [np.frombuffer(p, dtype=_RAW[size]).reshape(layers, 2, ps, h * d) for p in payloads]
     bits = probe_bits if d % 2 == 0 else 8  # 4-bit probes pack two values per byte
     probes, data = [], []
     for layer in range(layers):
-        k, v = raw[layer, 0], raw[layer, 1]
+        k = np.concatenate([page[layer, 0] for page in pages]).reshape(tokens, h, d)
+        v = np.concatenate([page[layer, 1] for page in pages])
         probes.append(quantize_probe(as_float(k[:, list(probe_heads)], ns.dtype), bits))
-        data.append((k, v))
+        data.append(_chunks(k.reshape(tokens, h * d), v, chunk))
     meta = {"ns": ns.id, "gid": group_id(keys), "keys": list(keys), "page_size": ps, "tokens": tokens,
             "layers": layers, "heads": h, "dim": d, "itemsize": size,
             "probe_heads": [int(x) for x in probe_heads], "chunk": chunk, "probe_bits": bits}
     return meta, probes, data
+
+
+def _chunks(k: np.ndarray, v: np.ndarray, chunk: int) -> list[memoryview]:
+    """One layer's data section: for each `chunk` tokens of K and V [T, row] (the last chunk may be shorter), a
+    buffer of its K then its V (views of one array: one copy per layer)."""
+    tokens, row = k.shape
+    full = tokens // chunk
+    body = np.stack([k[: full * chunk].reshape(full, chunk * row), v[: full * chunk].reshape(full, chunk * row)], 1)
+    out = [memoryview(c).cast("B") for c in body.reshape(full, 2 * chunk * row)]
+    if full * chunk < tokens:
+        out.append(memoryview(np.concatenate([k[full * chunk :].ravel(), v[full * chunk :].ravel()])).cast("B"))
+    return out
 
 
 def pages_from_group(meta: GroupMeta, layers: Sequence[dict[int, tuple[bytes, bytes]]],

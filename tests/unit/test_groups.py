@@ -108,6 +108,25 @@ def test_a_group_keeps_the_prompt_order_in_chunks_and_the_probe_ranks_like_the_k
     assert bytes(chunks[1][1]) == tokens[0, 1, c : 2 * c].tobytes()
 
 
+
+def test_chunks_that_cross_pages_and_a_shorter_last_chunk_hold_the_prompts_tokens(tmp_path):
+    tier = filled(tmp_path, 2)
+    keys = [key(0), key(1)]
+    assert tier.groups.repack(keys, probe_heads=[0], chunk=12)  # 32 tokens: [0, 12), [12, 24) across pages, [24, 32)
+    meta = tier.group_of(key(0))
+    assert meta.chunks == 3
+    raw = np.frombuffer(joined(bf16_page(0)) + joined(bf16_page(1)), dtype=np.uint16)
+    tokens = raw.reshape(2, LAYERS, 2, PS, HEADS, DIM).transpose(1, 2, 0, 3, 4, 5).reshape(LAYERS, 2, 2 * PS, -1)
+    for layer in range(LAYERS):
+        chunks = tier.groups.read_chunks(meta.gid, layer, [0, 1, 2])
+        for c, (start, end) in enumerate([(0, 12), (12, 24), (24, 32)]):
+            assert bytes(chunks[c][0]) == tokens[layer, 0, start:end].tobytes()
+            assert bytes(chunks[c][1]) == tokens[layer, 1, start:end].tobytes()
+    outs = [empty() for _ in range(2)]
+    assert tier.read_pages([(keys[i], outs[i]) for i in range(2)]) == [True] * 2
+    assert all(joined(outs[i]) == joined(bf16_page(i)) for i in range(2))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_probe_quantization_round_trip(bits):
     rng = np.random.default_rng(bits)
