@@ -130,9 +130,9 @@ class BlendHandler(model_forward.ForwardHandler):
     def forward(self, module, input_ids, positions, fb) -> Optional[torch.Tensor]:
         if not fb.rids:
             return None
-        prefix = dict(zip(fb.rids, fb.extend_prefix_lens_cpu))
         page = self.page_size()
-        marked = [r for r in self.rt.forward.batch_requests(fb) if self.blended.blends(r, int(prefix[r.rid]), page)]
+        marked = [x.req for x in self.rt.forward.extends(fb) if x.req is not None
+                  and self.blended.blends(x.req, x.prefix, page)]
         if not marked:
             return None
         req = marked[0]

@@ -342,17 +342,12 @@ class _Capture:
 
     def _start(self, fb, page_size: int, layers: int, hidden: torch.Tensor) -> None:
         self.jobs, self.buf = [], None
-        by_rid = {r.rid: r for r in self.kvpr.rt.forward.batch_requests(fb)}
-        offset = 0
-        for i, rid in enumerate(fb.rids or []):
-            prefix, ext = int(fb.extend_prefix_lens_cpu[i]), int(fb.extend_seq_lens_cpu[i])
-            req = by_rid.get(rid)
-            if req is not None and not getattr(req, "skip_radix_cache_insert", False):
-                pages = _pages_of(req, prefix, prefix + ext, page_size)
+        for x in self.kvpr.rt.forward.extends(fb):
+            if x.req is not None and not getattr(x.req, "skip_radix_cache_insert", False):
+                pages = _pages_of(x.req, x.prefix, x.prefix + x.length, page_size)
                 if len(pages):
-                    rows = torch.arange(pages.start * page_size, pages.stop * page_size) - prefix + offset
-                    self.jobs.append((req, pages, rows))
-            offset += ext
+                    rows = torch.arange(pages.start * page_size, pages.stop * page_size) - x.prefix + x.row
+                    self.jobs.append((x.req, pages, rows))
         if self.jobs:
             self.rows = torch.cat([rows for _, _, rows in self.jobs])
             self.buf = torch.empty(layers, self.rows.shape[0], hidden.shape[-1], dtype=hidden.dtype)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -110,6 +111,16 @@ class ForwardHandler:
                 logger.error("tiered %s: failed on rid %s (%s, failure %d); SGLang's own forward runs instead",
                              self.name, rids, exc, self._errors)
             return None
+
+
+@dataclass(frozen=True)
+class Extend:
+    """One request of an extend batch: tokens [prefix, prefix + length) computed, in rows [row, row + length)."""
+
+    req: Any
+    prefix: int
+    length: int
+    row: int
 
 
 class ForwardHook:
@@ -218,6 +229,16 @@ class ForwardHook:
         """SGLang's `Req` objects of the forward batch, in batch order (those the worker hook saw)."""
         by_rid = getattr(self._batch, "by_rid", {})
         return [r for r in (by_rid.get(rid) for rid in fb.rids or []) if r is not None]
+
+    def extends(self, fb) -> list[Extend]:
+        """Each request of extend batch `fb`, in batch order, with its cached prefix, its extend length and its
+        first row in the batch's extend tokens (`req` None where the worker hook did not see it)."""
+        by_rid = getattr(self._batch, "by_rid", {})
+        out, row = [], 0
+        for rid, prefix, length in zip(fb.rids or [], fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            out.append(Extend(by_rid.get(rid), int(prefix), int(length), row))
+            row += int(length)
+        return out
 
     def _around_forward(self, original, module, input_ids, positions, forward_batch, input_embeds=None,
                         pp_proxy_tensors=None, **kwargs):

@@ -97,12 +97,10 @@ class Sparse:
         store = self.rt.store
         if store is None or store.repacker is None:
             return
-        by_rid = {r.rid: r for r in self.rt.forward.batch_requests(fb)}
-        for i, rid in enumerate(fb.rids or []):
-            req, ext = by_rid.get(rid), int(fb.extend_seq_lens_cpu[i])
-            if req is None or ext == 0 or int(fb.extend_prefix_lens_cpu[i]) + ext < len(req.origin_input_ids):
+        for x in self.rt.forward.extends(fb):
+            if x.req is None or x.length == 0 or x.prefix + x.length < len(x.req.origin_input_ids):
                 continue
-            keys = page_keys(req, len(req.origin_input_ids), store.page_size)
+            keys = page_keys(x.req, len(x.req.origin_input_ids), store.page_size)
             if keys:
                 store.repacker.offer(keys)
                 self.rt.events.count("repack_offers")
