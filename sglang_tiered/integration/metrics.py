@@ -73,27 +73,27 @@ _REMOTE_COUNTERS = {  # sglang_tiered:remote_<name> (with --tiered-remote)
 
 def format_stats(s: dict, page_size: int) -> str:
     mib = 1024 * 1024
-    learned = ""
+    extra = ""
     if s.get("repacked_groups"):
-        learned += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages: "
+        extra += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages: "
                     f"{s.get('repack_pages_kept', 0)} from memory, {s.get('repack_pages_read', 0)} read back, "
                     f"{s.get('repack_bytes_read', 0) / mib:.1f} MiB), group reads={s.get('group_reads', 0)}")
     if s.get("sparse_bytes_needed"):
         read, needed = s["sparse_bytes_read"], s["sparse_bytes_needed"]
-        learned += (f" sparse loads read {read / mib:.1f} MiB for {needed / mib:.1f} MiB used (read amplification "
+        extra += (f" sparse loads read {read / mib:.1f} MiB for {needed / mib:.1f} MiB used (read amplification "
                     f"{read / needed:.2f})")
     if s.get("remote_published_pages") or s.get("remote_hit_pages") or s.get("remote_errors"):
-        learned += (f" remote: hits={s['remote_hit_pages']} pages ({s['remote_bytes_read'] / mib:.1f} MiB) "
+        extra += (f" remote: hits={s['remote_hit_pages']} pages ({s['remote_bytes_read'] / mib:.1f} MiB) "
                     f"misses={s['remote_miss_pages']} published={s['remote_published_pages']} "
                     f"({s['remote_bytes_written'] / mib:.1f} MiB) corrupt={s['remote_corrupt_pages']} "
                     f"foreign={s['remote_foreign_pages']} dropped={s['remote_dropped_pages']} "
                     f"errors={s['remote_errors']} up={s['remote_up']}")
     kinds = s.get("bytes_by_kind")
     if kinds:
-        learned += " by kind: " + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in kinds.items() if v)
+        extra += " by kind: " + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in kinds.items() if v)
     pins = s.get("retention")
     if pins and pins.get("pins"):
-        learned += (f" retention: {pins['pins']} pins over {pins['pages']} pages (device "
+        extra += (f" retention: {pins['pins']} pins over {pins['pages']} pages (device "
                     f"{pins['device_pinned_pages']}, host {pins['host_pinned_pages']} pages, SSD "
                     f"{pins['ssd_pinned_bytes'] / mib:.1f} MiB)")
     return (
@@ -101,7 +101,7 @@ def format_stats(s: dict, page_size: int) -> str:
         f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "
         f"used={s['used_bytes'] / mib:.1f} MiB in {s['stored_pages']} pages evicted={s['evicted_pages']} "
         f"corrupt={s['corrupt_pages']} foreign={s['foreign_pages']} lost={s['lost_pages']} "
-        f"io_errors={s['io_errors']} rejected={s['rejected_pages']}{learned}"
+        f"io_errors={s['io_errors']} rejected={s['rejected_pages']}{extra}"
     )
 
 

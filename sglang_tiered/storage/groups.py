@@ -50,10 +50,10 @@ def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], prob
     bits = probe_bits if d % 2 == 0 else 8  # 4-bit probes pack two values per byte
     probes, data = [], []
     for layer in range(layers):
-        k = np.concatenate([page[layer, 0] for page in pages]).reshape(tokens, h, d)
+        k = np.concatenate([page[layer, 0] for page in pages])  # [tokens, h * d] in prompt order
         v = np.concatenate([page[layer, 1] for page in pages])
-        probes.append(quantize_probe(as_float(k[:, list(probe_heads)], ns.dtype), bits))
-        data.append(_chunks(k.reshape(tokens, h * d), v, chunk))
+        probes.append(quantize_probe(as_float(k.reshape(tokens, h, d)[:, list(probe_heads)], ns.dtype), bits))
+        data.append(_chunks(k, v, chunk))
     meta = {"ns": ns.id, "gid": group_id(keys), "keys": list(keys), "page_size": ps, "tokens": tokens,
             "layers": layers, "heads": h, "dim": d, "itemsize": size,
             "probe_heads": [int(x) for x in probe_heads], "chunk": chunk, "probe_bits": bits}
@@ -62,7 +62,7 @@ def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], prob
 
 def _chunks(k: np.ndarray, v: np.ndarray, chunk: int) -> list[memoryview]:
     """One layer's data section: for each `chunk` tokens of K and V [T, row] (the last chunk may be shorter), a
-    buffer of its K then its V (views of one array: one copy per layer)."""
+    buffer of its K then its V (views of one new array)."""
     tokens, row = k.shape
     full = tokens // chunk
     body = np.stack([k[: full * chunk].reshape(full, chunk * row), v[: full * chunk].reshape(full, chunk * row)], 1)

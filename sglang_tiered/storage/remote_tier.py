@@ -133,7 +133,6 @@ class RemoteTier:
             return False
         return True
 
-
     # ----------------------------------------------------------------- publishing (never blocks)
     def publish(self, keys: Sequence[str]) -> None:
         """Queue pages stored on the local SSD for the shared store."""
@@ -261,10 +260,10 @@ class RemoteTier:
             except queue.Empty:
                 key = None
             try:
-                store = self._live()
                 if isinstance(key, tuple):  # a fetched page, kept on the local SSD
                     self.tier.keep_page(*key)
                 elif key is not None:
+                    store = self._live()
                     if store is None:
                         self._defer(key)
                     else:
