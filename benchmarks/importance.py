@@ -536,7 +536,7 @@ def headline(data: dict) -> str:
     r, slow = data.get("placement"), f"{data.get('workload', {}).get('slow_mbps')} MB/s"
     if r:
         lru = r[f"lru, disk {slow}"]
-        # files measured while importance-ranked eviction existed hold its configurations too
+        # a file whose gated rows ranked eviction by importance (the AMD EPYC one) names them `importance + gated`
         gated = r.get(f"lru + gated, disk {slow}") or r[f"importance + gated, disk {slow}"]
         hits = (lru["ssd_hits"]["median_s"], gated["ssd_hits"]["median_s"])
         if None not in hits:
