@@ -206,10 +206,11 @@ class Run:
         ssd = self.tmp / f"ssd-{name}"
         preview = {"SGLANG_TIERED_CUDA_PREVIEW": "1"} if self.cuda else None
         s = self.server(name, ssd, *flags, "--enable-metrics", attention=attention, env=preview)
+        start = s.log_mark()  # the log is appended to: a rerun into the same OUT reads only its own lines
         try:
             s.start()
         except RuntimeError as exc:
-            log = (self.out / f"{name}.log").read_text(errors="replace").splitlines()
+            log = s.log_since(start).splitlines()
             refusal = [line for line in log if "--tiered-" in line][-3:]
             return {"passed": False, "refused": refusal or str(exc)}
         ok = True
@@ -218,9 +219,9 @@ class Run:
             rows: dict = {"cold_ttft_s": cold["ttft_s"]}
             if repack:
                 deadline = time.monotonic() + 120
-                while not s.log_lines("tiered repack:") and time.monotonic() < deadline:
+                while not s.log_lines("tiered repack:", start) and time.monotonic() < deadline:
                     time.sleep(0.5)
-                rows["repacked"] = bool(s.log_lines("tiered repack:"))
+                rows["repacked"] = bool(s.log_lines("tiered repack:", start))
             for way, mode, line, exact in ways:
                 s.flush_cache()
                 evict_from_page_cache(ssd)
@@ -231,7 +232,7 @@ class Run:
                        + s.log_lines("SGLang computes the span", mark)[-2:]}
                 ok &= bool(row["ran"]) and not row["fallbacks"] and (row["same_tokens"] or not exact)
                 rows[way] = row
-            failures = s.log_lines("failed on rid") + s.log_lines("Traceback")
+            failures = s.log_lines("failed on rid", start) + s.log_lines("Traceback", start)
         finally:
             s.stop()
         return {"passed": ok and not failures, **rows, "failures": failures[:5]}
