@@ -31,6 +31,7 @@ from sglang_tiered.storage.groups import ITEMSIZE
 from sglang_tiered.storage.mooncake_store import MooncakeStore
 from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.remote_tier import RemoteTier
+from sglang_tiered.storage.repack_worker import RepackWorker
 from sglang_tiered.storage.repacker import Repacker
 from sglang_tiered.storage.ssd_tier import SSDTier
 from sglang_tiered.storage.stash import PayloadStash
@@ -159,7 +160,7 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         stash = PayloadStash(parse_size(cfg.importance_repack_memory))
         tier.attach_stash(stash)
         repacker = Repacker(tier, probe, before_repack=rt.foreground.wait_idle, probe_bits=cfg.importance_probe_bits,
-                            stash=stash)
+                            stash=stash, worker=RepackWorker())
     remote_cfg = cfg.remote_settings()
     if remote_cfg is not None:
         address, segment = remote_cfg

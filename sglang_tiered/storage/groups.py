@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sglang_tiered.storage.group_file import PROBE_BITS, GroupMeta, quantize_probe
+from sglang_tiered.storage.group_file import PROBE_BITS, GroupMeta, quantize_probe, write_group
 from sglang_tiered.storage.namespace import Namespace
 
 ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
@@ -47,7 +47,7 @@ def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], prob
     h, d = ns.kv_heads, ns.head_dim
     tokens = len(keys) * ps
     pages = [np.frombuffer(p, dtype=_RAW[size]).reshape(layers, 2, ps, h * d) for p in payloads]
-    bits = probe_bits if d % 2 == 0 else 8  # 4-bit probes pack two values per byte
+    bits = probe_bits_for(ns, probe_bits)
     probes, data = [], []
     for layer in range(layers):
         k = np.concatenate([page[layer, 0] for page in pages])  # [tokens, h * d] in prompt order
@@ -58,6 +58,27 @@ def assemble(ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], prob
             "layers": layers, "heads": h, "dim": d, "itemsize": size,
             "probe_heads": [int(x) for x in probe_heads], "chunk": chunk, "probe_bits": bits}
     return meta, probes, data
+
+
+def probe_bits_for(ns: Namespace, probe_bits: int) -> int:
+    """The bits a group's probe is written with: 4-bit probes pack two values per byte (an even head dim), else 8."""
+    return probe_bits if ns.head_dim % 2 == 0 else 8
+
+
+def group_bytes_bound(ns: Namespace, keys: Sequence[str], payload_bytes: int, probe_heads: Sequence[int],
+                      chunk: int, probe_bits: int) -> int:
+    """An upper bound of the size of the group file `build_group` writes for these pages (metadata included)."""
+    tokens, layers = len(keys) * ns.page_size, ns.layer_num
+    probe = layers * tokens * len(probe_heads) * (ns.head_dim * probe_bits_for(ns, probe_bits) // 8 + 2)
+    chunks = -(-tokens // chunk)
+    return payload_bytes + probe + 1024 + 72 * len(keys) + 5 * tokens + 5 * layers * (chunks + 1)
+
+
+def build_group(path: str, ns: Namespace, keys: Sequence[str], payloads: Sequence[bytes], probe_heads: Sequence[int],
+                chunk: int = 16, probe_bits: int = PROBE_BITS) -> int:
+    """Assemble the member pages' payloads (in prompt order) and write the group file at `path` (atomically).
+    Returns the bytes written; raises OSError (no file left at `path`) or ValueError."""
+    return write_group(path, *assemble(ns, keys, payloads, probe_heads, chunk, probe_bits))
 
 
 def _chunks(k: np.ndarray, v: np.ndarray, chunk: int) -> list[memoryview]:

@@ -9,6 +9,8 @@ Contracts
   tokens); on SmolLM2, runs of consecutive tokens answer about as a single-token selection of the same size does
   (benchmarks/importance.py part quality).
 * `before_repack()` runs first (e.g. `ForegroundGate.wait_idle`: on CPU, repacking yields to the model forward).
+* With a `worker` (`repack_worker.RepackWorker`, what a server uses) the group files are built in its child process
+  at the lowest CPU priority; without one, in this thread.
 * With a `stash` (the one attached to the tier, `stash.py`), an accepted offer asks the tier to keep the pages'
   payloads as they are written, and the repack takes them from there instead of reading the files back; the
   stash forgets the offer's pages when its repack is over, whatever the outcome.
@@ -24,6 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from sglang_tiered.storage.group_file import PROBE_BITS
+from sglang_tiered.storage.groups import build_group
+from sglang_tiered.storage.repack_worker import RepackWorker
 from sglang_tiered.storage.ssd_tier import SSDTier
 from sglang_tiered.storage.stash import PayloadStash
 
@@ -33,10 +37,13 @@ logger = logging.getLogger(__name__)
 class Repacker:
     def __init__(self, tier: SSDTier, probe_heads: Sequence[int], *, min_pages: int = 4, chunk: int = 16,
                  wait_s: float = 30.0, before_repack: Optional[Callable[[], object]] = None,
-                 probe_bits: int = PROBE_BITS, stash: Optional[PayloadStash] = None) -> None:
+                 probe_bits: int = PROBE_BITS, stash: Optional[PayloadStash] = None,
+                 worker: Optional[RepackWorker] = None) -> None:
         """`probe_heads`: the KV heads the groups' probe holds, with `probe_bits` bits (`group_file.quantize_probe`).
-        `stash`: see the module docstring."""
+        `stash`, `worker` (closed with the repacker): see the module docstring."""
         self.tier, self.probe_heads, self.probe_bits, self.stash = tier, list(probe_heads), probe_bits, stash
+        self.worker = worker
+        self._build = worker.build if worker is not None else build_group
         self.min_pages, self.chunk, self.wait_s, self.before_repack = min_pages, chunk, wait_s, before_repack
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._busy = threading.Event()
@@ -64,6 +71,8 @@ class Repacker:
         self._stop = True
         self._queue.put(None)
         self._thread.join(timeout=10)
+        if self.worker is not None:
+            self.worker.close()
 
     def _run(self) -> None:
         while True:
@@ -93,6 +102,6 @@ class Repacker:
             if len(run) >= self.min_pages:
                 if self.before_repack is not None:
                     self.before_repack()
-                if self.tier.groups.repack(run, self.probe_heads, self.chunk, self.probe_bits):
+                if self.tier.groups.repack(run, self.probe_heads, self.chunk, self.probe_bits, self._build):
                     logger.info("tiered repack: %d pages", len(run))
             run = []

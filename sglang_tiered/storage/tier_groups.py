@@ -10,12 +10,12 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from sglang_tiered.storage import group_file
 from sglang_tiered.storage.files import make_dir, unlink_quiet
-from sglang_tiered.storage.groups import ITEMSIZE, assemble, pages_from_group
+from sglang_tiered.storage.groups import ITEMSIZE, build_group, group_bytes_bound, group_id, pages_from_group
 from sglang_tiered.storage.page_file import read_page
 from sglang_tiered.storage.tier_layout import GROUP_PREFIX
 
@@ -32,10 +32,11 @@ class TierGroups:
         self.tier = tier
 
     def repack(self, keys: Sequence[str], probe_heads: Sequence[int], chunk: int = 16,
-               probe_bits: int = group_file.PROBE_BITS) -> bool:
-        """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, in prompt order) as one group.
-        True when committed; False (nothing changed) if a page is missing, unreadable or already grouped, or the
-        space is not there. Blocking; call from a background thread."""
+               probe_bits: int = group_file.PROBE_BITS, build: Callable[..., int] = build_group) -> bool:
+        """Rewrite the stored plain pages `keys` (consecutive pages of one prefix, in prompt order) as one group,
+        its file written by `build` (`groups.build_group`'s contract; e.g. `RepackWorker.build`, in a child
+        process). True when committed; False (nothing changed) if a page is missing, unreadable or already grouped,
+        the space is not there or the build failed. Blocking; call from a background thread."""
         with self.tier._lock:
             if any(self.tier._index.kind(k) != "page" or self.tier._index.writing(k) for k in keys):
                 return False
@@ -55,12 +56,11 @@ class TierGroups:
                 return False
             self.tier.stats.add(repack_pages_read=1, repack_bytes_read=n)
             payloads.append(b"".join(bufs))
-        meta, probes, data = assemble(self.tier.namespace, keys, payloads, probe_heads, chunk, probe_bits)
-        gid, entry = meta["gid"], GROUP_PREFIX + meta["gid"]
+        ns = self.tier.namespace
+        gid = group_id(keys)
+        entry = GROUP_PREFIX + gid
         path = self.tier._path(entry)
-        tokens, chunks = meta["tokens"], -(-meta["tokens"] // chunk)  # + a bound of the metadata's size:
-        estimate = (sum(len(p) for p in payloads) + sum(q.nbytes + sc.nbytes for q, sc in probes)
-                    + 1024 + 72 * len(keys) + 5 * tokens + 5 * meta["layers"] * (chunks + 1))
+        estimate = group_bytes_bound(ns, keys, sum(len(p) for p in payloads), probe_heads, chunk, probe_bits)
         with self.tier._lock:
             res = self.tier._index.reserve(entry, estimate, "group", keep=keys)
             self.tier._delete_locked(res.victims)
@@ -68,13 +68,13 @@ class TierGroups:
             return False
         try:
             make_dir(path.parent)
-            written = group_file.write_group(str(path), meta, probes, data)
+            written = build(str(path), ns, keys, payloads, probe_heads, chunk, probe_bits)
             fd = os.open(path, os.O_RDONLY)
             try:
                 committed = group_file.read_meta(fd)
             finally:
                 os.close(fd)
-        except (OSError, group_file.GroupError) as exc:
+        except (OSError, ValueError, group_file.GroupError) as exc:
             logger.warning("tiered ssd: repack of %d pages failed: %s", len(keys), exc)
             with self.tier._lock:
                 self.tier._index.abort(entry)
