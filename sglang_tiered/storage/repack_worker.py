@@ -9,7 +9,8 @@ payloads' raw bytes; the child answers with an 8-byte length and a pickled (True
 
 Contracts
 * `build` has `groups.build_group`'s contract: the group file written atomically at `path`, its size returned, or
-  OSError (the child's error, or the child gone) with no file at `path` left by this call.
+  OSError (the child's error, or the child gone) with no file at `path` left by this call (nor the temporary file
+  of a write the child did not finish).
 * A child that died (killed, crashed) is started again at the next `build`; the child exits when its stdin closes,
   so it never outlives its parent, and runs in the parent's process group (stopping the server stops it).
 * Thread-safe: concurrent `build` calls are served one after the other.
@@ -17,8 +18,11 @@ Contracts
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from typing import BinaryIO, Optional
 
 from sglang_tiered.storage.namespace import Namespace
+from sglang_tiered.storage.page_file import TMP_SUFFIX
 
 _LEN = struct.Struct("<Q")
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -55,14 +60,25 @@ class RepackWorker:
                 ok, value = pickle.loads(_read_message(proc.stdout))
             except (OSError, EOFError, pickle.UnpicklingError) as exc:
                 self._stop()
+                for leftover in glob.glob(f"{glob.escape(path)}.*{TMP_SUFFIX}"):  # a write the child did not finish
+                    with contextlib.suppress(OSError):
+                        os.unlink(leftover)
                 raise OSError(f"repack worker gone: {exc}") from exc
         if not ok:
             raise OSError(value)
         return int(value)
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the child. A build still running after `timeout` seconds has its child killed (it raises OSError)."""
+        if not self._lock.acquire(timeout=timeout):
+            proc = self._proc
+            if proc is not None:
+                proc.kill()
+            self._lock.acquire()
+        try:
             self._stop()
+        finally:
+            self._lock.release()
 
     def _started(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
@@ -113,6 +129,7 @@ def _read_message(stream: BinaryIO) -> bytes:
 def main() -> int:
     """The child: serve build requests until stdin closes."""
     os.nice(19)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupted server stops it by closing its stdin
     from sglang_tiered.storage.groups import build_group  # numpy after the one-thread environment is set
 
     inp, out = sys.stdin.buffer.raw, os.fdopen(os.dup(1), "wb")

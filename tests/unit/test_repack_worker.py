@@ -1,18 +1,20 @@
 """The repack worker (a real child process, real files, no SGLang): it writes the same group file as the in-process
 build, runs at the lowest CPU priority, reports a failed build as OSError and serves the next one, is started
-again after it was killed, and a tier repacks through it."""
+again after it was killed, stops a build still running when closed, and a tier repacks through it."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from sglang_tiered.storage import group_file
 from sglang_tiered.storage.groups import build_group
+from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import PAGE_SUFFIX
 from sglang_tiered.storage.repack_worker import RepackWorker
 from sglang_tiered.storage.ssd_tier import SSDTier
@@ -84,3 +86,28 @@ def test_a_tier_repacks_through_the_worker(tmp_path, worker):
     assert [p.name for p in tmp_path.rglob(f"*{group_file.GROUP_SUFFIX}")] == [f"{meta.gid}{group_file.GROUP_SUFFIX}"]
     assert not list(tmp_path.rglob(f"*{PAGE_SUFFIX}"))  # the member pages' files are gone
     tier.close()
+
+
+def test_close_stops_a_build_still_running(tmp_path):
+    big = Namespace(model="m:1", dtype="torch.bfloat16", page_size=64, layout="layer_first", layer_num=30,
+                    kv_heads=3, head_dim=64)
+    page = bytes(2 * 30 * 64 * 3 * 64 * 2)
+    w = RepackWorker()
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            w.build(str(tmp_path / "big.kvg"), big, [key(i) for i in range(128)], [page] * 128, [0, 1, 2], 16, 4)
+        except OSError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    time.sleep(0.3)  # the request is being sent or built: 188 MB at the lowest priority
+    pid = w.pid
+    w.close(timeout=0.01)
+    thread.join(10)
+    assert not thread.is_alive() and len(errors) == 1 and "repack worker gone" in str(errors[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert list(tmp_path.iterdir()) == []  # neither the group nor the temporary file of its write
