@@ -10,7 +10,7 @@ Contracts
   (benchmarks/importance.py part quality).
 * `before_repack()` runs first (e.g. `ForegroundGate.wait_idle`: on CPU, repacking yields to the model forward).
 * With a `worker` (`repack_worker.RepackWorker`, what a server uses) the group files are built in its child process
-  at the lowest CPU priority; without one, in this thread. In a server the thread held the GIL against the forward:
+  at the lowest CPU priority; without one, in this thread. In a server the thread shares the scheduler's GIL:
   6 cold 4,096-token prompts sent back to back (2 cores, bf16) had a median TTFT 1.39x a default server's with the
   thread, 1.05x with the child (one run).
 * With a `stash` (the one attached to the tier, `stash.py`), an accepted offer asks the tier to keep the pages'
