@@ -19,7 +19,8 @@ Contracts
   every `retry_s` seconds and marks it up again when it answers.
 * Refused: a put that fails while the store answers (no room now, a failed transfer to another member's segment, a
   restarted master before its members re-mount their segments) is counted as an error and the page waits with the
-  deferred ones, retried every `retry_s` seconds (logged once until a put succeeds); the store stays up.
+  deferred ones, retried every `retry_s` seconds and at once when a put succeeds (logged once until one does); the
+  store stays up.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ class RemoteTier:
         if self._refusing:
             self._refusing = False
             logger.info("tiered remote: the shared store takes pages again")
+            self._resume()  # the pages it refused go out now (the retry timer runs only while it refuses)
         self.stats.add(remote_published_pages=1, remote_bytes_written=len(blob))
 
     def _put_failed(self, store: RemoteStore, exc: RemoteError) -> None:

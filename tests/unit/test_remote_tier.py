@@ -262,6 +262,26 @@ def test_a_refused_put_keeps_the_store_up_and_is_retried(tmp_path):
             r.tier.close()
 
 
+def test_refused_pages_go_out_when_a_later_put_succeeds(tmp_path):
+    """The store takes a new page before the refused one's retry is due: the refused page goes out then, instead of
+    waiting for a refusal that may never come."""
+    store = MemoryStore()
+    retry = 1.0
+    a, b = (RemoteTier(lambda: store, SSDTier(tmp_path / name, ns(), 1 << 20), retry_s=retry) for name in "ab")
+    try:
+        store.refuse_puts = True
+        refused = stored_on(a, [1])
+        assert until(lambda: a.stats.remote_errors >= 2)  # refused, and refused again by the first retry
+        store.refuse_puts = False
+        later = stored_on(a, [2])
+        assert until(lambda: a.stats.remote_published_pages == 2, timeout=3 * retry), a.stats.remote_published_pages
+        assert b.leading_hits(refused) == 1 and b.leading_hits(later) == 1
+    finally:
+        for r in (a, b):
+            r.close()
+            r.tier.close()
+
+
 def test_mooncake_refuses_puts_beyond_its_room_and_still_answers(master):
     """Puts faster than Mooncake's eviction find no room: the put raises (saying so) while the store answers lookups,
     and once its eviction has run a put succeeds again -- what `RemoteTier` counts as refused, not down."""
