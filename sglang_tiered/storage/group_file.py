@@ -82,8 +82,7 @@ class GroupMeta:
 
     @property
     def probe_layer_bytes(self) -> int:
-        h = len(self.probe_heads)
-        return self.tokens * h * (self.dim * self.probe_bits // 8 + 2)
+        return probe_layer_bytes(self.tokens, len(self.probe_heads), self.dim, self.probe_bits)
 
     @property
     def data_layer_bytes(self) -> int:
@@ -115,6 +114,11 @@ def rotation(dim: int) -> np.ndarray:
     r = np.kron(np.eye(dim // block), h / np.sqrt(block)).astype(np.float32)
     r.setflags(write=False)
     return r
+
+
+def probe_layer_bytes(tokens: int, heads: int, dim: int, bits: int) -> int:
+    """Bytes of one layer's probe: `bits`-bit keys of `heads` heads per token, and an fp16 scale per token and head."""
+    return tokens * heads * (dim * bits // 8 + 2)
 
 
 def quantize_probe(keys: np.ndarray, bits: int = PROBE_BITS) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sglang_tiered.storage.group_file import PROBE_BITS, GroupMeta, quantize_probe, write_group
+from sglang_tiered.storage.group_file import PROBE_BITS, GroupMeta, probe_layer_bytes, quantize_probe, write_group
 from sglang_tiered.storage.namespace import Namespace
 
 ITEMSIZE = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}
@@ -69,7 +69,7 @@ def group_bytes_bound(ns: Namespace, keys: Sequence[str], payload_bytes: int, pr
                       chunk: int, probe_bits: int) -> int:
     """An upper bound of the size of the group file `build_group` writes for these pages (metadata included)."""
     tokens, layers = len(keys) * ns.page_size, ns.layer_num
-    probe = layers * tokens * len(probe_heads) * (ns.head_dim * probe_bits_for(ns, probe_bits) // 8 + 2)
+    probe = layers * probe_layer_bytes(tokens, len(probe_heads), ns.head_dim, probe_bits_for(ns, probe_bits))
     chunks = -(-tokens // chunk)
     return payload_bytes + probe + 1024 + 72 * len(keys) + 5 * tokens + 5 * layers * (chunks + 1)
 
