@@ -76,26 +76,26 @@ def format_stats(s: dict, page_size: int) -> str:
     extra = ""
     if s.get("repacked_groups"):
         extra += (f" repacked={s['repacked_groups']} groups ({s['repacked_pages']} pages: "
-                    f"{s.get('repack_pages_kept', 0)} from memory, {s.get('repack_pages_read', 0)} read back, "
-                    f"{s.get('repack_bytes_read', 0) / mib:.1f} MiB), group reads={s.get('group_reads', 0)}")
+                  f"{s.get('repack_pages_kept', 0)} from memory, {s.get('repack_pages_read', 0)} read back, "
+                  f"{s.get('repack_bytes_read', 0) / mib:.1f} MiB), group reads={s.get('group_reads', 0)}")
     if s.get("sparse_bytes_needed"):
         read, needed = s["sparse_bytes_read"], s["sparse_bytes_needed"]
         extra += (f" sparse loads read {read / mib:.1f} MiB for {needed / mib:.1f} MiB used (read amplification "
-                    f"{read / needed:.2f})")
+                  f"{read / needed:.2f})")
     if s.get("remote_published_pages") or s.get("remote_hit_pages") or s.get("remote_errors"):
         extra += (f" remote: hits={s['remote_hit_pages']} pages ({s['remote_bytes_read'] / mib:.1f} MiB) "
-                    f"misses={s['remote_miss_pages']} published={s['remote_published_pages']} "
-                    f"({s['remote_bytes_written'] / mib:.1f} MiB) corrupt={s['remote_corrupt_pages']} "
-                    f"foreign={s['remote_foreign_pages']} dropped={s['remote_dropped_pages']} "
-                    f"errors={s['remote_errors']} up={s['remote_up']}")
+                  f"misses={s['remote_miss_pages']} published={s['remote_published_pages']} "
+                  f"({s['remote_bytes_written'] / mib:.1f} MiB) corrupt={s['remote_corrupt_pages']} "
+                  f"foreign={s['remote_foreign_pages']} dropped={s['remote_dropped_pages']} "
+                  f"errors={s['remote_errors']} up={s['remote_up']}")
     kinds = s.get("bytes_by_kind")
     if kinds:
         extra += " by kind: " + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in kinds.items() if v)
     pins = s.get("retention")
     if pins and pins.get("pins"):
         extra += (f" retention: {pins['pins']} pins over {pins['pages']} pages (device "
-                    f"{pins['device_pinned_pages']}, host {pins['host_pinned_pages']} pages, SSD "
-                    f"{pins['ssd_pinned_bytes'] / mib:.1f} MiB)")
+                  f"{pins['device_pinned_pages']}, host {pins['host_pinned_pages']} pages, SSD "
+                  f"{pins['ssd_pinned_bytes'] / mib:.1f} MiB)")
     return (
         f"hits={s['hit_pages']} pages ({s['hit_pages'] * page_size} tokens, {s['bytes_read'] / mib:.1f} MiB) "
         f"misses={s['miss_pages']} written={s['written_pages']} ({s['bytes_written'] / mib:.1f} MiB) "

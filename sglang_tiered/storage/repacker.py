@@ -45,7 +45,6 @@ class Repacker:
         `stash`, `worker` (closed with the repacker): see the module docstring."""
         self.tier, self.probe_heads, self.probe_bits, self.stash = tier, list(probe_heads), probe_bits, stash
         self.worker = worker
-        self._build = worker.build if worker is not None else build_group
         self.min_pages, self.chunk, self.wait_s, self.before_repack = min_pages, chunk, wait_s, before_repack
         self._queue: queue.Queue = queue.Queue(maxsize=256)
         self._busy = threading.Event()
@@ -104,6 +103,7 @@ class Repacker:
             if len(run) >= self.min_pages:
                 if self.before_repack is not None:
                     self.before_repack()
-                if self.tier.groups.repack(run, self.probe_heads, self.chunk, self.probe_bits, self._build):
+                build = self.worker.build if self.worker is not None else build_group
+                if self.tier.groups.repack(run, self.probe_heads, self.chunk, self.probe_bits, build):
                     logger.info("tiered repack: %d pages", len(run))
             run = []
