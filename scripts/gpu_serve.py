@@ -15,7 +15,9 @@ its error (each server's log is in OUT too), and the next one runs.
    On CUDA 3 and 4 run with SGLANG_TIERED_CUDA_PREVIEW=1; each passes only if our loader ran (its log line), without
    a fallback or a failure in the log.
 5. `hicache_file`: SGLang's own HiCache with its `file` storage backend on the same prompts: cold, then after
-   /flush_cache with its files evicted from the page cache -- the TTFT of its storage hit against ours.
+   /flush_cache with its files evicted from the page cache -- the TTFT of its storage hit against ours. It runs
+   SGLang's Python tree core, as ours does with retention on: SGLang 0.5.23's Rust tree core links libtorch and,
+   under the image's torch 2.11, misreads the int64 tensor of its first insert ("got Uint8").
 
     python scripts/gpu_serve.py OUT [--shape 7b-mha] [--lengths 4096 16384] [--tokenizer DIR]
 """
@@ -40,6 +42,7 @@ from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: 
 
 VOCAB = 49152
 NEW = 8
+PYTHON_TREE_CORE = {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}  # the baseline's (see check 5)
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -149,7 +152,7 @@ class Run:
         rows = {}
         with self.server("hicache-file", files, "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
                          "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": str(files)}),
-                         "--hicache-ratio", "2", backend=False) as s:
+                         "--hicache-ratio", "2", backend=False, env=PYTHON_TREE_CORE) as s:
             for n in self.args.lengths:
                 p = ids(n, n)
                 cold = ask(s, p)
@@ -158,7 +161,7 @@ class Run:
                 hit = ask(s, p)
                 rows[n] = {"recompute_ttft_s": cold["ttft_s"], "storage_hit_ttft_s": hit["ttft_s"],
                            "cached": hit["cached"], "same_tokens": hit["tokens"] == cold["tokens"]}
-        return {"lengths": rows}
+        return {"lengths": rows, "tree_core": "python"}
 
     def blend(self) -> dict:
         chunks = [ids(self.args.chunk_tokens, 100 + i) for i in range(10)]
