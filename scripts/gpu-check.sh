@@ -4,7 +4,7 @@
 # 1. tests/gpu: the two-sided loader on CUDA gives a full prefill's KV and logits at every meet point (fp32), and
 #    blend and gated sparse loading match a full prefill where exact and the CPU reference where approximate, and at
 #    the served 7B MHA / 8B GQA shapes (fp32, stored KV in host memory) are exact where exact, the approximation
-#    measured;
+#    measured; a layer fetched on the loader's thread is complete before a caller on another stream reads it;
 # 2. benchmarks/meet_gpu.py, pages from pinned host memory: 7B MHA, then 8B GQA shapes, 4k-32k tokens (bf16);
 # 3. the same with pages read from files on this machine's disk (page cache evicted before every run), 4k and 8k.
 # Each step has its own time limit; the JSON is saved after every point, so a step cut short keeps what it measured.

@@ -244,7 +244,7 @@ def blend_prefill(
     computed: list[int] = []
     masks: dict = {}  # the attention masks of the current `active`, kept over layers while it stays the same
     with LayerLoader(stored_kv_fetch(model, spans, loader), layers, first=first_loaded, overlap=overlap,
-                     name="blend-load") as stored:
+                     name="blend-load", device=model.device) as stored:
         for layer in range(layers):
             if p:
                 kv[layer, :p] = prefix_loader(layer)

@@ -19,7 +19,13 @@ Contracts
   (engine/one_thread.py).
 * `load_s` sums the seconds spent in `fetch` (overlapped or not); `wait_s` sums the seconds `get` blocked the
   caller (0 when loading hides entirely behind compute).
-* `close()` (or leaving the `with` block) waits for a running fetch and drops queued ones.
+* On a CUDA `device` the fetches run on a stream of the loader's own, which starts after the work queued on the
+  caller's stream when the loader is made (what a fetch reads, e.g. RoPE rows); `get` makes the caller's stream
+  wait for that layer's fetch and marks its tensors as used there (the caching allocator keeps their memory until
+  the caller's kernels are done). Without this, a fetch's kernels would run on the loader thread's default stream,
+  which a caller on another stream (SGLang runs its forward on one) does not wait for.
+* `close()` (or leaving the `with` block) waits for a running fetch and drops queued ones; on CUDA the caller's
+  stream then waits for every fetch.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, Optional, TypeVar
 
+import torch
+
 from sglang_tiered.engine.one_thread import one_thread_pool
 
 T = TypeVar("T")
@@ -36,12 +44,13 @@ T = TypeVar("T")
 
 class LayerLoader(Generic[T]):
     def __init__(self, fetch: Callable[[int], T], layers: int, *, first: int = 0, overlap: bool = True,
-                 name: str = "layer-load") -> None:
+                 name: str = "layer-load", device: Optional[torch.device] = None) -> None:
         self._fetch, self.layers, self.overlap = fetch, layers, overlap
         self.load_s = 0.0
         self.wait_s = 0.0
         self._next_layer = first
         self._pool = one_thread_pool(name) if overlap else None
+        self._streams = _Streams(device) if overlap and device is not None and device.type == "cuda" else None
         self._pending: Optional[Future] = None
         if overlap and first < layers:
             self._pending = self._pool.submit(self._timed, first)
@@ -49,7 +58,7 @@ class LayerLoader(Generic[T]):
     def _timed(self, layer: int) -> T:
         t0 = time.perf_counter()
         try:
-            return self._fetch(layer)
+            return self._fetch(layer) if self._streams is None else self._streams.run(self._fetch, layer)
         finally:
             self.load_s += time.perf_counter() - t0
 
@@ -66,15 +75,42 @@ class LayerLoader(Generic[T]):
             if layer + 1 < self.layers:
                 self._pending = self._pool.submit(self._timed, layer + 1)
             data = pending.result()
+            if self._streams is not None:
+                data = self._streams.take(*data)
         self.wait_s += time.perf_counter() - t0
         return data
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._streams is not None:
+            self._streams.caller.wait_stream(self._streams.side)
 
     def __enter__(self) -> LayerLoader[T]:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Streams:
+    """A CUDA loader's two streams: the caller's (current when the loader is made) and the fetches' own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.caller = torch.cuda.current_stream(device)
+        self.side = torch.cuda.Stream(device)
+        self.side.wait_stream(self.caller)
+
+    def run(self, fetch: Callable[[int], T], layer: int) -> tuple[T, torch.cuda.Event]:
+        """On the loader thread: `fetch(layer)` queued on the side stream, and the event of its end."""
+        with torch.cuda.stream(self.side):
+            data = fetch(layer)
+            return data, self.side.record_event()
+
+    def take(self, data: T, done: torch.cuda.Event) -> T:
+        """On the caller's thread: its stream waits for the fetch; the fetched tensors are in use there."""
+        self.caller.wait_event(done)
+        for t in data if isinstance(data, (tuple, list)) else (data,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.caller)
+        return data

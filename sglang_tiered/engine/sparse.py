@@ -151,7 +151,8 @@ def sparse_prefill(model: LlamaModel, ids: torch.Tensor, *, prefix_len: int, spa
         got = span.load(layer, everything) if whole(layer) else span.probe(layer, probe_heads)
         return got.to(model.device, non_blocking=True)
 
-    with LayerLoader(fetch, c.layers, overlap=overlap, name="sparse-load" if exact else "sparse-probe") as loads:
+    with LayerLoader(fetch, c.layers, overlap=overlap, name="sparse-load" if exact else "sparse-probe",
+                     device=model.device) as loads:
         for layer in range(c.layers):
             q, k, v = model.qkv(layer, x, positions)
             prefix = prefix_loader(layer) if p else model.empty_kv(0)[0]

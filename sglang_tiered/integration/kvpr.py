@@ -272,7 +272,7 @@ class KVPR:
 
 # ---------------------------------------------------------------------------------------------- activations
 class _Writer:
-    """One background thread writing activation pages (keys, [layers, pages * page_size, hidden] tensor)."""
+    """One background thread writing activation pages (keys, [layers, pages * page_size, hidden] host tensor)."""
 
     def __init__(self, kvpr: KVPR) -> None:
         self.tier, self.events = kvpr.tier, kvpr.rt.events
@@ -404,7 +404,7 @@ class KVPRHandler(SpanHandler):
         if len(new_pages) and res.inputs is not None:  # the new tokens' activations, as SGLang's forward would store
             keys = page_keys(req, new_pages.stop * ps, ps)[new_pages.start :]
             rows = slice(new_pages.start * ps - prefix - s, new_pages.stop * ps - prefix - s)
-            kvpr.writer.submit(keys, res.inputs[:, rows].clone())
+            kvpr.writer.submit(keys, res.inputs[:, rows].to("cpu", copy=True))  # (the writer needs host memory)
         read = kvpr.observe_read(source.bytes_read, source.read_s) if res.loaded_pages else "nothing read"
         computed, loaded, recomputed = res.computed_pages * ps, res.loaded_pages * ps, res.recomputed_pages * ps
         events.count("kvpr_loads")

@@ -78,12 +78,13 @@ class ChunkStore:
 
     # ----------------------------------------------------------------- data
     def put(self, key: str, kv: torch.Tensor) -> None:
-        """Store a chunk's KV [layers, tokens, 2, kv_heads, head_dim] (copied)."""
+        """Store a chunk's KV [layers, tokens, 2, kv_heads, head_dim], copied into host memory (from a device
+        tensor too: the memory tier is host DRAM, as `--tiered-blend-memory` counts it)."""
         expect = (self.layers, 2, self.kv_heads, self.head_dim)
         if kv.dim() != 5 or (kv.shape[0], *kv.shape[2:]) != expect:
             raise ValueError(f"chunk KV must be [layers, tokens, 2, kv_heads, head_dim] with {expect}, got "
                              f"{tuple(kv.shape)}")
-        kv = kv.detach().to(self.dtype, copy=True).contiguous()
+        kv = kv.detach().to("cpu", self.dtype, copy=True).contiguous()
         self._keep(key, kv)
         if self._writer is not None:
             self._writer.submit(self._write_ssd, key, kv)
