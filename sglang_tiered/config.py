@@ -225,11 +225,28 @@ class TieredConfig:
 CUDA_PREVIEW_ENV = "SGLANG_TIERED_CUDA_PREVIEW"  # "1": run the mechanisms not yet verified on a GPU (docs/gpu.md)
 
 
-def cuda_refusal(cfg: TieredConfig, attention_backend: Optional[str], preview: bool) -> Optional[str]:
+def hooked_prefills(cfg: TieredConfig, preview: bool) -> list[str]:
+    """On a CUDA server, the flags whose mechanisms compute prefills in our hook on SGLang's forward
+    (integration/model_forward.py). A prefill that SGLang replays from a CUDA graph (its default on CUDA) runs past
+    that hook, so a server with any of them runs prefills eagerly (decode graphs stay)."""
+    return [flag for flag, on in ((f"--tiered-blend {cfg.blend}", cfg.blend not in ("off", "prefix")),
+                                  ("--tiered-importance-load gated", cfg.importance_load == "gated" and preview),
+                                  (f"--tiered-kvpr {cfg.kvpr}", cfg.kvpr != "off" and preview)) if on]
+
+
+def cuda_refusal(cfg: TieredConfig, attention_backend: Optional[str], preview: bool,
+                 prefill_graph: Optional[str] = None) -> Optional[str]:
     """Why a server with CUDA cannot start with `cfg` (None: it can). Gated sparse loading and compute-or-load have
     not passed the GPU harness (scripts/gpu-serve.sh) yet: refused unless `preview` (CUDA_PREVIEW_ENV=1), and gated
     loading then needs SGLang's `torch_native` attention backend, the one whose decode skips the positions a sparse
-    load left empty. Chained prefill runs on CPU ranks only."""
+    load left empty. Chained prefill runs on CPU ranks only. `prefill_graph`: the prefill CUDA graph backend the
+    operator chose (None: SGLang's default); one that replays prefills is refused with a mechanism that computes
+    them (`hooked_prefills`)."""
+    hooked = hooked_prefills(cfg, preview)
+    if hooked and prefill_graph not in (None, "disabled"):
+        return (f"--cuda-graph-backend-prefill: {prefill_graph} replays prefills past the forward that {hooked[0]} "
+                f"computes them in; use --cuda-graph-backend-prefill disabled (decode graphs stay) or turn "
+                f"{hooked[0].split()[0]} off")
     if cfg.runahead_ranks >= 2:
         return "--tiered-runahead-ranks: chained prefill in the server runs on CPU ranks only (this machine has CUDA)"
     unverified = [flag for flag, on in (("--tiered-importance-load gated", cfg.importance_load == "gated"),

@@ -25,6 +25,7 @@ from sglang_tiered.config import (
     TieredConfig,
     cuda_refusal,
     default_partitions_path,
+    hooked_prefills,
     parse_size,
 )
 from sglang_tiered.integration import cpu_shims, runtime, settings
@@ -195,12 +196,7 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         _cpu_settings(ns)
         dtype_records = choose_cpu_dtype(ns, hf, cfg.ssd_dir)
     else:
-        refusal = cuda_refusal(cfg, getattr(ns, "attention_backend", None), cuda_preview)
-        if refusal:
-            raise ConfigError(refusal)
-        if cuda_preview:
-            logger.warning("sglang-tiered: %s=1: gated loading and compute-or-load run on CUDA unverified",
-                           CUDA_PREVIEW_ENV)
+        _cuda_settings(ns, cfg, cuda_preview)
     tp_size = getattr(ns, "tp_size", 1) or 1
     page_bytes = None
     if hf is not None:
@@ -280,6 +276,39 @@ def _cpu_settings(ns: argparse.Namespace) -> None:
         ns.disable_overlap_schedule = True
         logger.info("sglang-tiered: --disable-overlap-schedule (CPU: a batch's result does not wait for the next "
                     "batch's forward; %s=1 keeps SGLang's overlap loop)", CPU_OVERLAP_ENV)
+
+
+def _cuda_settings(ns: argparse.Namespace, cfg: TieredConfig, preview: bool) -> None:
+    """What a CUDA server refuses (`config.cuda_refusal`), and SGLang's prefill CUDA graph off where our hook
+    computes prefills (`config.hooked_prefills`) and the operator did not choose a prefill graph backend."""
+    chosen = prefill_graph_backend(ns)
+    refusal = cuda_refusal(cfg, getattr(ns, "attention_backend", None), preview, chosen)
+    if refusal:
+        raise ConfigError(refusal)
+    if preview:
+        logger.warning("sglang-tiered: %s=1: gated loading and compute-or-load run on CUDA unverified",
+                       CUDA_PREVIEW_ENV)
+    hooked = hooked_prefills(cfg, preview)
+    if hooked and chosen is None and not (getattr(ns, "disable_prefill_cuda_graph", False)
+                                          or getattr(ns, "disable_cuda_graph", False)):
+        ns.disable_prefill_cuda_graph = True
+        logger.info("sglang-tiered: --disable-prefill-cuda-graph (%s computes prefills in SGLang's forward, which a "
+                    "replayed prefill graph runs past; decode graphs stay)", ", ".join(hooked))
+
+
+def prefill_graph_backend(ns: argparse.Namespace) -> Optional[str]:
+    """The prefill CUDA graph backend the operator chose (`--cuda-graph-config`'s prefill backend over
+    `--cuda-graph-backend-prefill`, as SGLang ranks them), or None."""
+    config = getattr(ns, "cuda_graph_config", None)
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            config = None  # (SGLang reports it)
+    prefill = config.get("prefill") if isinstance(config, dict) else None
+    if isinstance(prefill, dict) and prefill.get("backend") is not None:
+        return str(prefill["backend"])
+    return getattr(ns, "cuda_graph_backend_prefill", None)
 
 
 def _runahead_settings(ns: argparse.Namespace, cfg: TieredConfig, hf: dict | None) -> tuple[int, str]:

@@ -205,6 +205,36 @@ def test_translation_into_sglang_fields(tmp_path, monkeypatch):
     assert settings.current() is None  # and no tiered settings reach its processes
 
 
+@pytest.mark.parametrize("extra, disabled, refused", [
+    ([], True, None),  # blending is on by default: prefills run eagerly, decode graphs stay
+    (["--tiered-blend", "off"], False, None),  # nothing of ours computes a prefill: SGLang's default stands
+    (["--disable-cuda-graph"], False, None),  # already off
+    (["--cuda-graph-config", '{"prefill": {"backend": "disabled"}}'], False, None),
+    (["--cuda-graph-backend-prefill", "breakable"], False, "--cuda-graph-backend-prefill: breakable replays"),
+    (["--disable-cuda-graph", "--cuda-graph-config", '{"prefill": {"backend": "full"}}'], False, "full replays"),
+])
+def test_a_cuda_server_runs_prefills_where_our_hook_sees_them(tmp_path, extra, disabled, refused):
+    """The CUDA branch of the translation, on SGLang's own parser: SGLang replays prefills from a CUDA graph by
+    default there, which runs past the forward hook that blending computes in."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_tiered.config import ConfigError
+    from sglang_tiered.integration.server_flags import _cuda_settings, config_from_namespace
+
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp_path),
+                            *extra])
+    if refused is not None:
+        with pytest.raises(ConfigError, match=refused):
+            _cuda_settings(ns, config_from_namespace(ns), preview=False)
+        return
+    _cuda_settings(ns, config_from_namespace(ns), preview=False)
+    assert ns.disable_prefill_cuda_graph == disabled and not ns.disable_decode_cuda_graph
+
+
 def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(launches):
     """One server per `--tiered-ssd-dir` (storage/directory_lock.py): the flags parsed in this process claimed the
     directory, as a launcher does (`launches`); a server started on it meanwhile stops at once with one line naming

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sglang_tiered.config import ConfigError, TieredConfig, cuda_refusal, parse_size
+from sglang_tiered.config import ConfigError, TieredConfig, cuda_refusal, hooked_prefills, parse_size
 from sglang_tiered.integration.metrics import StatsReporter, format_stats, read_stats_files
 from sglang_tiered.storage.stats import TierStats
 
@@ -139,3 +139,29 @@ def test_what_a_cuda_server_refuses(tmp_path, fields, backend, preview, refused)
     else:
         assert reason is not None and refused in reason
         assert preview or "SGLANG_TIERED_CUDA_PREVIEW=1" in reason or "CPU ranks" in reason
+
+
+@pytest.mark.parametrize("fields, preview, hooked", [
+    ({}, False, ["--tiered-blend blend"]),  # blending computes marked prompts' prefills in the hook
+    ({"blend": "prefix"}, False, []),  # SGLang's own prefill
+    ({"blend": "off"}, False, []),
+    ({"blend": "off", "kvpr": "auto"}, False, []),  # registers nothing on CUDA without the preview
+    ({"blend": "off", "kvpr": "force"}, True, ["--tiered-kvpr force"]),
+    ({"blend": "full", "importance_load": "gated"}, True, ["--tiered-blend full", "--tiered-importance-load gated",
+                                                           "--tiered-kvpr auto"]),
+])
+def test_which_mechanisms_compute_prefills_in_the_hook_on_cuda(tmp_path, fields, preview, hooked):
+    assert hooked_prefills(TieredConfig(ssd_dir=str(tmp_path), **fields), preview) == hooked
+
+
+@pytest.mark.parametrize("fields, graph, refused", [
+    ({}, None, None),  # SGLang's default: the launcher turns the prefill graph off
+    ({}, "disabled", None),
+    ({}, "breakable", "--cuda-graph-backend-prefill: breakable replays prefills past the forward that --tiered-blend"),
+    ({}, "full", "use --cuda-graph-backend-prefill disabled (decode graphs stay) or turn --tiered-blend off"),
+    ({"blend": "off"}, "breakable", None),  # nothing of ours computes a prefill
+])
+def test_a_cuda_prefill_graph_chosen_by_the_operator_is_refused_where_the_hook_computes_prefills(
+        tmp_path, fields, graph, refused):
+    reason = cuda_refusal(TieredConfig(ssd_dir=str(tmp_path), **fields), "triton", False, graph)
+    assert reason == refused if refused is None else refused in reason
