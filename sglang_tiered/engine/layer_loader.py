@@ -55,10 +55,11 @@ class LayerLoader(Generic[T]):
         if overlap and first < layers:
             self._pending = self._pool.submit(self._timed, first)
 
-    def _timed(self, layer: int) -> T:
+    def _timed(self, layer: int) -> tuple[T, Optional[torch.cuda.Event]]:
+        """The layer's data, and on CUDA the event its fetch's stream records at the end."""
         t0 = time.perf_counter()
         try:
-            return self._fetch(layer) if self._streams is None else self._streams.run(self._fetch, layer)
+            return (self._fetch(layer), None) if self._streams is None else self._streams.run(self._fetch, layer)
         finally:
             self.load_s += time.perf_counter() - t0
 
@@ -69,14 +70,14 @@ class LayerLoader(Generic[T]):
         self._next_layer = layer + 1
         t0 = time.perf_counter()
         if self._pool is None:
-            data = self._timed(layer)
+            data, _ = self._timed(layer)
         else:
             pending, self._pending = self._pending, None
             if layer + 1 < self.layers:
                 self._pending = self._pool.submit(self._timed, layer + 1)
-            data = pending.result()
-            if self._streams is not None:
-                data = self._streams.take(*data)
+            data, done = pending.result()
+            if done is not None:
+                data = self._streams.take(data, done)
         self.wait_s += time.perf_counter() - t0
         return data
 
