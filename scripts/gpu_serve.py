@@ -18,6 +18,8 @@ its error (each server's log is in OUT too), and the next one runs.
    /flush_cache with its files evicted from the page cache -- the TTFT of its storage hit against ours. It runs
    SGLang's Python tree core, as ours does with retention on: SGLang 0.5.23's Rust tree core links libtorch and,
    under the image's torch 2.11, misreads the int64 tensor of its first insert ("got Uint8").
+6. `blend_graphs` (last: its server captures CUDA graphs): `blend` with SGLang's CUDA graphs as by default, where
+   the launcher must turn the prefill graph off (a replayed prefill runs past our hook) and blending must run.
 
     python scripts/gpu_serve.py OUT [--shape 7b-mha] [--lengths 4096 16384] [--tokenizer DIR]
 """
@@ -92,12 +94,15 @@ class Run:
         (self.out / "serve.json").write_text(json.dumps(self.data, indent=1))
 
     def server(self, name: str, ssd: Path, *extra: str, backend: bool = True, attention: str = "triton",
-               env: dict | None = None) -> ServerProcess:
+               env: dict | None = None, graphs: bool = False) -> ServerProcess:
+        """`graphs`: SGLang's CUDA graphs as a server starts with by default (decode batches up to 4 captured, to
+        keep the start short); else none."""
         common = ["--load-format", "dummy", "--max-total-tokens", str(self.pool), "--context-length",
                   str(self.longest + 256), "--chunked-prefill-size", "8192"]
         if self.cuda:  # flashinfer is not carried: Triton attention (or torch_native), PyTorch sampling
-            common += ["--disable-cuda-graph", "--mem-fraction-static", "0.6", "--attention-backend", attention,
-                       "--sampling-backend", "pytorch"]
+            common += [*(["--cuda-graph-max-bs-decode", "4"] if graphs else ["--disable-cuda-graph"]),
+                       "--mem-fraction-static", "0.6", "--attention-backend", attention, "--sampling-backend",
+                       "pytorch"]
         elif not backend:  # SGLang's own HiCache on a CPU (what `--kv-backend tiered` sets by itself)
             common += ["--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--page-size", "64"]
         tiered = ["--kv-backend", "tiered", "--tiered-ssd-dir", str(ssd), "--tiered-stats-interval", "0"]
@@ -163,7 +168,7 @@ class Run:
                            "cached": hit["cached"], "same_tokens": hit["tokens"] == cold["tokens"]}
         return {"lengths": rows, "tree_core": "python"}
 
-    def blend(self) -> dict:
+    def blend(self, graphs: bool = False) -> dict:
         chunks = [ids(self.args.chunk_tokens, 100 + i) for i in range(10)]
         question = ids(32, 99)
         order = list(range(10))
@@ -173,7 +178,11 @@ class Run:
             parts = [chunks[i] for i in o] + [question]
             return sum(parts, []), [len(x) for x in parts]
 
-        with self.server("blend", self.tmp / "ssd-blend", "--tiered-blend", "blend") as s:
+        name = "blend-graphs" if graphs else "blend"
+        s = self.server(name, self.tmp / f"ssd-{name}", "--tiered-blend", "blend", graphs=graphs)
+        start = s.log_mark()  # (a rerun into the same OUT appends to the log)
+        with s:
+            eager = bool(s.log_lines("--disable-prefill-cuda-graph", start))  # the launcher's line (graphs on)
             first_ids, lengths = marked(list(range(10)))
             ask(s, first_ids, 1, chunks=lengths)
             mark = s.log_mark()
@@ -183,9 +192,15 @@ class Run:
             fallbacks = s.log_lines("runs a normal prefill", mark)
             s.flush_cache()
             cold = ask(s, p)  # the same tokens unmarked: SGLang's own prefill (the blend namespace is apart)
-        return {"passed": bool(blend_lines) and not fallbacks, "blend_ttft_s": blended["ttft_s"],
-                "prefill_ttft_s": cold["ttft_s"], "blended_forwards": len(blend_lines), "fallbacks": fallbacks[:3],
+        return {"passed": bool(blend_lines) and not fallbacks and (eager or not (graphs and self.cuda)),
+                "blend_ttft_s": blended["ttft_s"], "prefill_ttft_s": cold["ttft_s"],
+                "blended_forwards": len(blend_lines), "fallbacks": fallbacks[:3], "prefill_graph_off": eager,
                 "same_first_tokens": blended["tokens"][:4] == cold["tokens"][:4]}
+
+    def blend_graphs(self) -> dict:
+        """`blend` on a server with SGLang's CUDA graphs as by default: the launcher turns the prefill graph off
+        (a replayed prefill would run past our hook) and blending runs; decode graphs replay over blended KV."""
+        return self.blend(graphs=True)
 
     def kvpr(self) -> dict:
         """Compute-or-load forced (on CUDA as the preview): the prompt cold, then from SSD -- the cold answer."""
@@ -249,7 +264,8 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=None, help="tokens per blend chunk (default: longest / 12)")
     ap.add_argument("--tokenizer", default=None, help="a directory with the embedded model's tokenizer files")
     ap.add_argument("--startup-s", type=float, default=240.0)
-    ap.add_argument("--checks", nargs="+", default=["tiers", "blend", "kvpr", "gated", "hicache_file"])
+    ap.add_argument("--checks", nargs="+", default=["tiers", "blend", "kvpr", "gated", "hicache_file",
+                                                     "blend_graphs"])
     a = ap.parse_args()
     import torch
 
