@@ -234,6 +234,13 @@ def hooked_prefills(cfg: TieredConfig, preview: bool) -> list[str]:
                                   (f"--tiered-kvpr {cfg.kvpr}", cfg.kvpr != "off" and preview)) if on]
 
 
+def layered_reads(cfg: TieredConfig, preview: bool) -> list[str]:
+    """On a CUDA server, the flags whose mechanisms read stored pages layer by layer: they need SGLang's
+    `layer_first` host layout (CPU servers always run it; SGLang's default on CUDA is `page_first`)."""
+    return [flag for flag, on in (("--tiered-importance-load gated", cfg.importance_load == "gated" and preview),
+                                  (f"--tiered-kvpr {cfg.kvpr}", cfg.kvpr != "off" and preview)) if on]
+
+
 def cuda_refusal(cfg: TieredConfig, attention_backend: Optional[str], preview: bool,
                  prefill_graph: Optional[str] = None) -> Optional[str]:
     """Why a server with CUDA cannot start with `cfg` (None: it can). Gated sparse loading and compute-or-load have

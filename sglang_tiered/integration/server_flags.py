@@ -26,6 +26,7 @@ from sglang_tiered.config import (
     cuda_refusal,
     default_partitions_path,
     hooked_prefills,
+    layered_reads,
     parse_size,
 )
 from sglang_tiered.integration import cpu_shims, runtime, settings
@@ -279,8 +280,9 @@ def _cpu_settings(ns: argparse.Namespace) -> None:
 
 
 def _cuda_settings(ns: argparse.Namespace, cfg: TieredConfig, preview: bool) -> None:
-    """What a CUDA server refuses (`config.cuda_refusal`), and SGLang's prefill CUDA graph off where our hook
-    computes prefills (`config.hooked_prefills`) and the operator did not choose a prefill graph backend."""
+    """What a CUDA server refuses (`config.cuda_refusal`); SGLang's `layer_first` host layout where a mechanism reads
+    stored pages layer by layer (`config.layered_reads`); SGLang's prefill CUDA graph off where our hook computes
+    prefills (`config.hooked_prefills`) and the operator did not choose a prefill graph backend."""
     chosen = prefill_graph_backend(ns)
     refusal = cuda_refusal(cfg, getattr(ns, "attention_backend", None), preview, chosen)
     if refusal:
@@ -288,6 +290,14 @@ def _cuda_settings(ns: argparse.Namespace, cfg: TieredConfig, preview: bool) -> 
     if preview:
         logger.warning("sglang-tiered: %s=1: gated loading and compute-or-load run on CUDA unverified",
                        CUDA_PREVIEW_ENV)
+    layered = layered_reads(cfg, preview)
+    if layered and ns.hicache_mem_layout != "layer_first":
+        if ns.hicache_mem_layout != "page_first":  # (SGLang's default: replaced)
+            raise ConfigError(f"--hicache-mem-layout: {', '.join(layered)} reads stored pages layer by layer "
+                              f"(layer_first), got {ns.hicache_mem_layout}")
+        ns.hicache_mem_layout = "layer_first"
+        logger.info("sglang-tiered: --hicache-mem-layout layer_first (%s reads stored pages layer by layer)",
+                    ", ".join(layered))
     hooked = hooked_prefills(cfg, preview)
     if hooked and chosen is None and not (getattr(ns, "disable_prefill_cuda_graph", False)
                                           or getattr(ns, "disable_cuda_graph", False)):

@@ -205,17 +205,10 @@ def test_translation_into_sglang_fields(tmp_path, monkeypatch):
     assert settings.current() is None  # and no tiered settings reach its processes
 
 
-@pytest.mark.parametrize("extra, disabled, refused", [
-    ([], True, None),  # blending is on by default: prefills run eagerly, decode graphs stay
-    (["--tiered-blend", "off"], False, None),  # nothing of ours computes a prefill: SGLang's default stands
-    (["--disable-cuda-graph"], False, None),  # already off
-    (["--cuda-graph-config", '{"prefill": {"backend": "disabled"}}'], False, None),
-    (["--cuda-graph-backend-prefill", "breakable"], False, "--cuda-graph-backend-prefill: breakable replays"),
-    (["--disable-cuda-graph", "--cuda-graph-config", '{"prefill": {"backend": "full"}}'], False, "full replays"),
-])
-def test_a_cuda_server_runs_prefills_where_our_hook_sees_them(tmp_path, extra, disabled, refused):
-    """The CUDA branch of the translation, on SGLang's own parser: SGLang replays prefills from a CUDA graph by
-    default there, which runs past the forward hook that blending computes in."""
+def cuda_translation(tmp_path: Path, extra: list[str], preview: bool,
+                     refused: Optional[str]) -> Optional[argparse.Namespace]:
+    """`extra` parsed by SGLang's own parser, then the CUDA branch of our translation (`_cuda_settings`, which a
+    CPU machine never reaches by itself): the namespace it left, or None where it refused as `refused` expects."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
@@ -229,9 +222,43 @@ def test_a_cuda_server_runs_prefills_where_our_hook_sees_them(tmp_path, extra, d
                             *extra])
     if refused is not None:
         with pytest.raises(ConfigError, match=refused):
-            _cuda_settings(ns, config_from_namespace(ns), preview=False)
+            _cuda_settings(ns, config_from_namespace(ns), preview=preview)
+        return None
+    _cuda_settings(ns, config_from_namespace(ns), preview=preview)
+    return ns
+
+
+@pytest.mark.parametrize("extra, preview, layout, refused", [
+    ([], False, "page_first", None),  # SGLang's default on CUDA
+    (["--tiered-kvpr", "force"], True, "layer_first", None),  # compute-or-load reads pages layer by layer
+    (["--tiered-importance-load", "gated", "--attention-backend", "torch_native"], True, "layer_first", None),
+    (["--tiered-kvpr", "force", "--hicache-mem-layout", "page_first_direct"], True, None,
+     "--hicache-mem-layout: --tiered-kvpr force reads stored pages layer by layer"),
+])
+def test_a_cuda_server_with_layer_by_layer_reads_runs_the_layer_first_host_layout(tmp_path, extra, preview, layout,
+                                                                                  refused):
+    """The CUDA branch of the translation, on SGLang's own parser: SGLang's host layout there is `page_first`
+    unless given, which compute-or-load and gated loading cannot read layer by layer."""
+    ns = cuda_translation(tmp_path, extra, preview, refused)
+    if ns is None:
         return
-    _cuda_settings(ns, config_from_namespace(ns), preview=False)
+    assert ns.hicache_mem_layout == layout
+
+
+@pytest.mark.parametrize("extra, disabled, refused", [
+    ([], True, None),  # blending is on by default: prefills run eagerly, decode graphs stay
+    (["--tiered-blend", "off"], False, None),  # nothing of ours computes a prefill: SGLang's default stands
+    (["--disable-cuda-graph"], False, None),  # already off
+    (["--cuda-graph-config", '{"prefill": {"backend": "disabled"}}'], False, None),
+    (["--cuda-graph-backend-prefill", "breakable"], False, "--cuda-graph-backend-prefill: breakable replays"),
+    (["--disable-cuda-graph", "--cuda-graph-config", '{"prefill": {"backend": "full"}}'], False, "full replays"),
+])
+def test_a_cuda_server_runs_prefills_where_our_hook_sees_them(tmp_path, extra, disabled, refused):
+    """The CUDA branch of the translation, on SGLang's own parser: SGLang replays prefills from a CUDA graph by
+    default there, which runs past the forward hook that blending computes in."""
+    ns = cuda_translation(tmp_path, extra, False, refused)
+    if ns is None:
+        return
     assert ns.disable_prefill_cuda_graph == disabled and not ns.disable_decode_cuda_graph
 
 

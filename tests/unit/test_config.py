@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from sglang_tiered.config import ConfigError, TieredConfig, cuda_refusal, hooked_prefills, parse_size
+from sglang_tiered.config import (
+    ConfigError,
+    TieredConfig,
+    cuda_refusal,
+    hooked_prefills,
+    layered_reads,
+    parse_size,
+)
 from sglang_tiered.integration.metrics import StatsReporter, format_stats, read_stats_files
 from sglang_tiered.storage.stats import TierStats
 
@@ -165,3 +172,13 @@ def test_a_cuda_prefill_graph_chosen_by_the_operator_is_refused_where_the_hook_c
         tmp_path, fields, graph, refused):
     reason = cuda_refusal(TieredConfig(ssd_dir=str(tmp_path), **fields), "triton", False, graph)
     assert reason == refused if refused is None else refused in reason
+
+
+@pytest.mark.parametrize("fields, preview, layered", [
+    ({}, False, []),  # the store and blending read whole pages (any layout)
+    ({"kvpr": "force"}, False, []),  # (refused on CUDA without the preview)
+    ({"kvpr": "auto"}, True, ["--tiered-kvpr auto"]),
+    ({"kvpr": "off", "importance_load": "gated"}, True, ["--tiered-importance-load gated"]),
+])
+def test_which_mechanisms_read_stored_pages_layer_by_layer_on_cuda(tmp_path, fields, preview, layered):
+    assert layered_reads(TieredConfig(ssd_dir=str(tmp_path), **fields), preview) == layered
