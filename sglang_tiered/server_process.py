@@ -53,6 +53,10 @@ def group_members(pgid: int) -> list[int]:
 # in the log of a launcher that exited over a port it picked for itself: torch's TCPStore error (the scheduler's
 # torch.distributed store), SGLang's own check of the ports it derives from --port
 INTERNAL_PORT_TAKEN = ("EADDRINUSE", "Port is already in use.")
+# in the log of a launcher whose host KV pool SGLang refused: it keeps 10 GiB of host memory free, which other
+# servers on the machine (another test worker's, a benchmark's baseline) may hold for a while
+HOST_MEMORY_REFUSED = ("No host memory is left for HiCache", "Not enough host memory available")
+MEMORY_WAITS, MEMORY_WAIT_S = 6, 20.0  # a refused start is tried again this many times, this many seconds apart
 
 
 def free_port() -> int:
@@ -104,12 +108,15 @@ class ServerProcess:
         """Start and wait for /health. `free_port` can race with other processes, and so can the ports SGLang picks
         for itself (the scheduler's torch.distributed store: a random free port, bound seconds later): if a port
         turns out to be taken, the server is stopped and started again on a new free port (on the same one where
-        the caller fixed it, unless that port itself is taken; SGLang picks its own anew). A failed or
-        interrupted start (Ctrl-C, SIGTERM turned into an exception) leaves no server behind. Raises RuntimeError if
-        this server is running already (a second start would orphan the first)."""
+        the caller fixed it, unless that port itself is taken; SGLang picks its own anew), `attempts` starts in all.
+        A start that SGLang refused for host memory (`HOST_MEMORY_REFUSED`) is tried again after `MEMORY_WAIT_S`,
+        `MEMORY_WAITS` times at most. A failed or interrupted start (Ctrl-C, SIGTERM turned into an exception)
+        leaves no server behind. Raises RuntimeError if this server is running already (a second start would orphan
+        the first)."""
         if self.proc is not None:
             raise RuntimeError(f"server on port {self.port} is already started; stop it first")
-        for attempt in range(attempts):
+        starts = waits = 0
+        while True:
             try:
                 taken = self._start_once()
             except BaseException:
@@ -118,9 +125,18 @@ class ServerProcess:
             if taken is None:
                 return
             self.stop()
-            if taken == "http" and (self.fixed_port or attempt == attempts - 1):
+            if taken == "memory":
+                waits += 1
+                if waits > MEMORY_WAITS:
+                    raise RuntimeError(f"SGLang refused the host KV pool at {waits} starts, {MEMORY_WAIT_S:g} s "
+                                       f"apart: less than its 10 GiB reserve of host memory was free; log: "
+                                       f"{self.log_path}")
+                time.sleep(MEMORY_WAIT_S)
+                continue
+            starts += 1
+            if taken == "http" and (self.fixed_port or starts == attempts):
                 raise RuntimeError(f"port {self.port} is in use; log: {self.log_path}")
-            if attempt == attempts - 1:
+            if starts == attempts:
                 raise RuntimeError(f"a port SGLang picked for itself was in use at each of {attempts} starts; "
                                    f"log: {self.log_path}")
             if not self.fixed_port:  # SGLang derives some of its ports from ours
@@ -128,7 +144,8 @@ class ServerProcess:
 
     def _start_once(self) -> Optional[str]:
         """None when healthy; which port was taken when one was ("http": ours, "internal": one SGLang picked, the
-        launcher exited over it); raises on any other failure (`start` stops the launcher then)."""
+        launcher exited over it); "memory" when SGLang refused the host KV pool; raises on any other failure
+        (`start` stops the launcher then)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         log_start = log.tell()
@@ -146,6 +163,8 @@ class ServerProcess:
             if exited:
                 if any(marker in logged for marker in INTERNAL_PORT_TAKEN):
                     return "internal"
+                if any(marker in logged for marker in HOST_MEMORY_REFUSED):
+                    return "memory"
                 raise RuntimeError(f"server exited with {self.proc.returncode} during startup; log: {self.log_path}\n"
                                    + self.log_tail())
             # once the log says the port is ours, a ready server's /health generates one token and answers in 1-2 s

@@ -4,8 +4,9 @@ themselves `server`, `model` and `slow`. `bash scripts/test.sh --quick` runs `-m
 `scripts/test.sh` runs two pytest-xdist workers; a work unit runs on one worker: the modules on the session's servers
 (`SESSION_MODULES`) together, so that each of those servers starts once, with test_remote.py first (it starts two
 servers of its own at once, before any session server holds memory: SGLang refuses a host KV pool unless 10 GiB of
-host memory stay free, about five servers on a 24 GiB machine, and this way no more than four run at once); every
-other module whole, so that its module-scoped servers start once."""
+host memory stay free, about five servers on a 24 GiB machine, and this way no more than four run at once, but a
+chained-prefill helper rank or a worker's peak can still take the rest: a start SGLang refuses for it waits and is
+tried again, `ServerProcess.start`); every other module whole, so that its module-scoped servers start once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """ServerProcess, the helper every test, benchmark and the demo use to run servers: a taken HTTP port at startup is
-retried on a new one, and so is a port SGLang picked for itself (its launcher exits over it). Against a stand-in
+retried on a new one, and so is a port SGLang picked for itself (its launcher exits over it); a start SGLang refused
+for host memory is tried again later. Against a stand-in
 launcher (a real process that binds the port it is given, as SGLang's HTTP server does, and fails with uvicorn's
 message when the port is taken), so that no SGLang server start is spent on it."""
 
@@ -18,6 +19,13 @@ from sglang_tiered.server_process import ServerProcess
 STANDIN = textwrap.dedent("""
     import http.server, os, socket, sys, time
     port = int(sys.argv[sys.argv.index("--port") + 1])
+    short = os.environ.get("STANDIN_SHORT_OF_MEMORY")  # a file: the host-memory refusals still to happen
+    refusals = int(open(short).read()) if short else 0
+    if refusals > 0:
+        open(short, "w").write(str(refusals - 1))
+        print("ValueError: No host memory is left for HiCache after the 10 GiB reserve; set --hicache-ratio or "
+              "--hicache-size explicitly.", flush=True)
+        sys.exit(1)
     collisions = os.environ.get("STANDIN_COLLISIONS")  # a file: the internal port collisions still to happen
     left = int(open(collisions).read()) if collisions else 0
     if left > 0:
@@ -151,6 +159,29 @@ def test_an_internal_port_taken_at_every_start_is_an_error(tmp_path, standin):
     with pytest.raises(RuntimeError, match="a port SGLang picked for itself was in use at each of 3 starts"):
         s.start()
     assert s.proc is None and collisions.read_text() == "0"
+
+
+@pytest.mark.parametrize("refusals, started", [(2, True), (4, False)])
+def test_a_start_refused_for_host_memory_is_tried_again_later(tmp_path, monkeypatch, standin, refusals, started):
+    """SGLang keeps 10 GiB of host memory free and refuses a host KV pool otherwise: while other servers hold that
+    memory (another test worker's), the start waits and is tried again, `MEMORY_WAITS` times at most."""
+    monkeypatch.setattr(server_process, "MEMORY_WAITS", 3)
+    monkeypatch.setattr(server_process, "MEMORY_WAIT_S", 0.1)
+    short = tmp_path / "short"
+    short.write_text(str(refusals))
+    s = ServerProcess(["--max-total-tokens", "64"], log_path=tmp_path / "standin.log", wrapper=standin,
+                      env={"STANDIN_SHORT_OF_MEMORY": str(short)})
+    try:
+        if started:
+            s.start()
+            assert s.get("/health") == "" and short.read_text() == "0"
+        else:
+            with pytest.raises(RuntimeError, match="refused the host KV pool at 4 starts"):
+                s.start()
+            assert short.read_text() == "0"
+    finally:
+        s.stop()
+    assert s.proc is None
 
 
 def test_a_launcher_that_exits_for_another_reason_is_not_started_again(tmp_path):
