@@ -303,7 +303,8 @@ FLAG_HELP: dict[str, str] = {
     "blend": "Prompts whose text marks chunks with --tiered-blend-separator reuse each chunk's stored KV wherever "
     "it appears: 'blend' recomputes some tokens of every chunk (which: --tiered-blend-select), 'single' selects "
     "them at one check layer (LMCache's scheme), 'reuse' recomputes none, 'full' recomputes all; 'prefix' and 'off' "
-    "leave the prompt to SGLang's radix cache (the separator is still removed with 'prefix'). Default: blend.",
+    "leave the prompt to SGLang's radix cache (the separator is still removed with 'prefix'). On CUDA a server "
+    "that blends runs prefills without SGLang's prefill CUDA graph (docs/gpu.md). Default: blend.",
     "blend_separator": "Text that marks chunk boundaries; every part before the last separator is a reusable chunk, "
     "the part after it (the question) is always computed. Default: <|chunk|>.",
     "blend_ratio": "Under --tiered-blend-select deviation or importance: the fraction of reused tokens recomputed "
