@@ -225,20 +225,20 @@ class TieredConfig:
 CUDA_PREVIEW_ENV = "SGLANG_TIERED_CUDA_PREVIEW"  # "1": run the mechanisms not yet verified on a GPU (docs/gpu.md)
 
 
-def hooked_prefills(cfg: TieredConfig, preview: bool) -> list[str]:
-    """On a CUDA server, the flags whose mechanisms compute prefills in our hook on SGLang's forward
-    (integration/model_forward.py). A prefill that SGLang replays from a CUDA graph (its default on CUDA) runs past
-    that hook, so a server with any of them runs prefills eagerly (decode graphs stay)."""
-    return [flag for flag, on in ((f"--tiered-blend {cfg.blend}", cfg.blend not in ("off", "prefix")),
-                                  ("--tiered-importance-load gated", cfg.importance_load == "gated" and preview),
-                                  (f"--tiered-kvpr {cfg.kvpr}", cfg.kvpr != "off" and preview)) if on]
-
-
 def layered_reads(cfg: TieredConfig, preview: bool) -> list[str]:
     """On a CUDA server, the flags whose mechanisms read stored pages layer by layer: they need SGLang's
     `layer_first` host layout (CPU servers always run it; SGLang's default on CUDA is `page_first`)."""
     return [flag for flag, on in (("--tiered-importance-load gated", cfg.importance_load == "gated" and preview),
                                   (f"--tiered-kvpr {cfg.kvpr}", cfg.kvpr != "off" and preview)) if on]
+
+
+def hooked_prefills(cfg: TieredConfig, preview: bool) -> list[str]:
+    """On a CUDA server, the flags whose mechanisms compute prefills in our hook on SGLang's forward
+    (integration/model_forward.py): blending, and the loaders of `layered_reads`. A prefill that SGLang replays from
+    a CUDA graph (its default on CUDA) runs past that hook, so a server with any of them runs prefills eagerly
+    (decode graphs stay)."""
+    blends = [f"--tiered-blend {cfg.blend}"] if cfg.blend not in ("off", "prefix") else []
+    return blends + layered_reads(cfg, preview)
 
 
 def cuda_refusal(cfg: TieredConfig, attention_backend: Optional[str], preview: bool,

@@ -85,7 +85,7 @@ class LayerLoader(Generic[T]):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         if self._streams is not None:
-            self._streams.caller.wait_stream(self._streams.side)
+            self._streams.close()
 
     def __enter__(self) -> LayerLoader[T]:
         return self
@@ -115,3 +115,7 @@ class _Streams:
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(self.caller)
         return data
+
+    def close(self) -> None:
+        """The caller's stream waits for every fetch (what they read may be freed after)."""
+        self.caller.wait_stream(self.side)

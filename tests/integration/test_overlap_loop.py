@@ -14,6 +14,7 @@ import pytest
 from sglang_tiered.integration.server_flags import CPU_OVERLAP_ENV
 from sglang_tiered.server_process import ServerProcess, cached_details
 from tests.integration.helpers import SEP, tiered_args
+from tests.integration.kvpr_helpers import ask
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -30,22 +31,13 @@ def overlap_server(tmp_path_factory) -> Iterator[ServerProcess]:
         yield server
 
 
-def ask(s: ServerProcess, text: str, **custom) -> dict:
-    params: dict = {"max_new_tokens": 10, "temperature": 0}
-    if custom:
-        params["custom_params"] = custom
-    status, out = s.request("/generate", {"text": text, "sampling_params": params})
-    assert status == 200, out
-    return out
-
-
-def from_ssd(s: ServerProcess, text: str, **custom) -> dict:
+def from_ssd(s: ServerProcess, text: str, mode: str | None = None) -> dict:
     """`text` asked with device and host emptied, once its pages reached the SSD tier (written behind the
     requests): at most 30 s."""
     deadline = time.monotonic() + 30
     while True:
         s.flush_cache()
-        out = ask(s, text, **custom)
+        out = ask(s, text, mode)
         if cached_details(out)["storage"] >= 640 or time.monotonic() > deadline:
             return out
         time.sleep(0.5)
@@ -58,12 +50,12 @@ def test_the_server_runs_sglangs_overlap_loop(overlap_server):
 def test_a_stored_prompt_comes_back_from_ssd_by_sglangs_load_and_by_ours(overlap_server, essays):
     s = overlap_server
     cold = ask(s, essays[0])
-    for way, custom in (("sglang", {}), ("kvpr", {"tiered_kvpr": "force"})):
+    for mode in (None, "force"):  # SGLang's load, then compute-or-load forced for this request
         mark = s.log_mark()
-        hit = from_ssd(s, essays[0], **custom)
-        assert cached_details(hit)["storage"] >= 640, (way, cached_details(hit))
-        assert hit["output_ids"] == cold["output_ids"], way
-        if way == "kvpr":
+        hit = from_ssd(s, essays[0], mode)
+        assert cached_details(hit)["storage"] >= 640, (mode, cached_details(hit))
+        assert hit["output_ids"] == cold["output_ids"], mode
+        if mode == "force":
             assert s.log_lines("tiered kvpr: rid", mark) and not s.log_lines("SGLang computes the span", mark)
 
 
