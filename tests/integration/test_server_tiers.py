@@ -110,12 +110,15 @@ def test_metrics_endpoint_has_tier_counters(first_run):
 
 def test_g_pages_of_another_dtype_are_never_served(first_run, essays):
     """The namespace holds the KV dtype: a server started on the same SSD directory in the other dtype than the one
-    `--dtype auto` chose for server 1 serves none of its pages (while server 2 below, same dtype, does)."""
+    `--dtype auto` chose for server 1 serves none of its pages (while server 2 below, same dtype, does). The prompt is
+    the first two pages of one server 1 wrote through, and compute-or-load is off: on an AVX2-only CPU `--dtype auto`
+    is float32 and this server's bfloat16 is emulated, ~7x the cost of every forward."""
     tmp, ssd = first_run["tmp"], first_run["ssd"]
     other = "float32" if first_run["dtype"] == "bfloat16" else "bfloat16"
-    with tiered_server(tmp, ssd, "server-other-dtype", "--dtype", other) as server:
-        out = server.generate(essays[2])  # written through by server 1, pages intact
+    with tiered_server(tmp, ssd, "server-other-dtype", "--dtype", other, "--tiered-kvpr", "off") as server:
+        out = server.generate(essays[2][:800])  # about 190 tokens: the first two of its pages, intact
         assert server.log_lines(f"--dtype {other} (explicit)")
+        assert out["meta_info"]["prompt_tokens"] > 2 * 64, out["meta_info"]
     assert cached_details(out)["storage"] == 0 and out["text"].strip()
     namespaces = {json.loads(p.read_text())["dtype"] for p in ssd.glob("*/NAMESPACE.json")}
     assert namespaces == {f"torch.{first_run['dtype']}", f"torch.{other}"}, namespaces
