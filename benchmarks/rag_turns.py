@@ -1,14 +1,18 @@
 """Multi-turn RAG through the server: conversations over HotpotQA paragraphs (marked chunks), three turns each,
 `--tiered-blend blend` against `--tiered-blend prefix` (SGLang's own exact prefill and radix cache), at 1, 4 and 8
-concurrent clients; one fresh server and store per point, both configurations in the same run.
+concurrent clients; per point a fresh server and store for each mode, both up at once, the same conversations run
+through each in blocks of `clients`, the modes' order alternating block by block (A B B A ...).
 
 A conversation (HotpotQA dev, questions 1000 on; 0-999 are reserved): turn 1 is the question's 10 paragraphs, each
 marked with the chunk separator, in an order shuffled per conversation, then the question; turns 2 and 3 append the
 model's answer and a follow-up built from the same documents ("Which document says so? Give its title." / "Quote the
 sentence that answers it."). Before the conversations, a store pass asks each question once with its paragraphs in
 dataset order (under `blend` the chunks' KV is stored; under `prefix` only the system turn is reusable by the
-shuffled asks), as a RAG service sees its documents again in another order. Each client runs its conversations turn
-after turn; TTFT is the first streamed chunk, client side; 16 greedy answer tokens per turn.
+shuffled asks), as a RAG service sees its documents again in another order. Each client runs its conversation turn
+after turn; TTFT is the first streamed chunk, client side; 16 greedy answer tokens per turn. Why the modes alternate
+in time: a change in the machine's speed during the run then falls on both modes alike, which a bootstrap over
+conversations cannot see; what remains is the difference between two server instances, up to 7 % in TTFT between two
+identical servers on a 2-core VM (0.934x over 12 alternated rounds), the size of the later-turn difference judged.
 
 Per point: TTFT median of first turns and of later turns, turns per second, tokens served from cache (the server's
 `cached_tokens`; for later turns also by tier, and the tokens each computed), chunk tokens reused by blending (the
@@ -28,6 +32,7 @@ Writes benchmarks/results/rag_turns-<machine class>.json and .png and prints one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import re
@@ -78,23 +83,53 @@ def conversation(s: ServerProcess, q: dict, index: int, t0: float) -> list[dict]
     return rows
 
 
-def measure(config: str, concurrency: int, questions: list[dict], start: int, dtype: str, tmp: Path) -> dict:
-    args = ["--kv-backend", "tiered", "--max-total-tokens", "16384", "--dtype", dtype,
+def server_args(config: str, concurrency: int, dtype: str, tmp: Path) -> list[str]:
+    return ["--kv-backend", "tiered", "--max-total-tokens", "16384", "--dtype", dtype,
             "--tiered-ssd-dir", str(tmp / f"ssd-{config}-{concurrency}"), "--tiered-stats-interval", "0",
             "--tiered-blend", config, "--chunked-prefill-size", "8192"]
-    with ServerProcess(args, log_path=tmp / f"{config}-{concurrency}.log") as s:
-        s.generate("Warm-up: " + SYSTEM, max_new_tokens=2)
+
+
+def blocks(n: int, size: int) -> list[tuple[list[int], tuple[str, ...]]]:
+    """Conversations 0..n-1 in blocks of `size`, each with the order the modes run it in: CONFIGS, then reversed,
+    alternating (A B B A A B ...), so that drift in the machine's speed falls on both modes alike."""
+    return [(list(range(i, min(i + size, n))), CONFIGS if (i // size) % 2 == 0 else CONFIGS[::-1])
+            for i in range(0, n, size)]
+
+
+def measure(concurrency: int, questions: list[dict], start: int, dtype: str, tmp: Path) -> dict[str, dict]:
+    """One point: both modes' servers up at once, the same conversations through each, block by block (`blocks`)."""
+    with contextlib.ExitStack() as stack:
+        servers = {config: stack.enter_context(ServerProcess(server_args(config, concurrency, dtype, tmp),
+                                                             log_path=tmp / f"{config}-{concurrency}.log"))
+                   for config in CONFIGS}
+        for s in servers.values():
+            s.generate("Warm-up: " + SYSTEM, max_new_tokens=2)
         for q in questions:  # the store pass: each question once, paragraphs in dataset order
-            ask(s, prompt(q, list(range(len(q["context"])))))
-        mark = s.log_mark()
+            for s in servers.values():
+                ask(s, prompt(q, list(range(len(q["context"])))))
+        marks = {config: s.log_mark() for config, s in servers.items()}
+        rows: dict[str, list[dict]] = {config: [] for config in CONFIGS}
+        wall = dict.fromkeys(CONFIGS, 0.0)
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            convs = list(pool.map(lambda k: conversation(s, questions[k], start + k, t0), range(len(questions))))
-        wall = time.perf_counter() - t0
-        fallbacks = len(s.log_lines("runs a normal prefill", mark))
-        blended = [int(m.group(1)) for line in s.log_lines("tiered blend: rid", mark)
-                   if (m := re.search(r" reused=(\d+)", line))]
-    rows = [r for conv in convs for r in conv]
+
+        def run(s: ServerProcess, block: list[int]) -> list[dict]:
+            with ThreadPoolExecutor(concurrency) as pool:
+                convs = list(pool.map(lambda k: conversation(s, questions[k], start + k, t0), block))
+            return [r for conv in convs for r in conv]
+
+        for block, order in blocks(len(questions), concurrency):
+            for config in order:
+                began = time.perf_counter()
+                rows[config] += run(servers[config], block)
+                wall[config] += time.perf_counter() - began
+        return {config: point(rows[config], wall[config], s, marks[config]) for config, s in servers.items()}
+
+
+def point(rows: list[dict], wall: float, s: ServerProcess, mark: int) -> dict:
+    """One mode's numbers at a point from its turns (`wall`: seconds its blocks took) and its server's log."""
+    fallbacks = len(s.log_lines("runs a normal prefill", mark))
+    blended = [int(m.group(1)) for line in s.log_lines("tiered blend: rid", mark)
+               if (m := re.search(r" reused=(\d+)", line))]
     first = [r["ttft_s"] for r in rows if r["turn"] == 1]
     later_rows = [r for r in rows if r["turn"] > 1]
     later = [r["ttft_s"] for r in later_rows]
@@ -207,9 +242,8 @@ def main() -> int:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="rag-turns-") as tmp:
         for c in a.concurrency:
-            for config in CONFIGS:
-                results[f"{config} x{c}"] = measure(config, c, questions, a.start, dtype, Path(tmp))
-                r = results[f"{config} x{c}"]
+            for config, r in measure(c, questions, a.start, dtype, Path(tmp)).items():
+                results[f"{config} x{c}"] = r
                 print(f"[rag_turns] {config} x{c}: first {r['first_ttft_s']:.3f}s, later {r['later_ttft_s']:.3f}s, "
                       f"{r['turns_per_s']:.3f} turns/s, cached {r['cached_tokens']} of {r['prompt_tokens']} "
                       f"(+{r['blended_reused_tokens']} blended), "
@@ -217,7 +251,7 @@ def main() -> int:
                       f"later turns computed {r['later_computed_tokens']:.1f} tokens each, "
                       f"cached from {r['later_cached_from']}",
                       flush=True)
-                save(name, summary(results, dtype, len(questions)))
+            save(name, summary(results, dtype, len(questions)))
     data = summary(results, dtype, len(questions))
     save(name, data)
     plot(data, RESULTS / f"{name}.png")

@@ -51,8 +51,11 @@ def measured_on(data: dict) -> str:
     return "Measured in parts: " + "; ".join(f"{', '.join(parts)} on {where}" for where, parts in by.items()) + "."
 
 
-def entry(path: Path, data: dict) -> list[str]:
+def entry(path: Path, data: dict, description: str) -> list[str]:
+    """One results file; its own description where it differs from the benchmark's (`description`)."""
     lines = [f"### `{path.stem}`", "", measured_on(data), ""]
+    if data.get("description", description) != description:
+        lines += [f"Run as: {data['description']}", ""]
     if data.get("verdict"):
         lines += [f"**Verdict:** {data['verdict']}", ""]
     rows = data.get("table")
@@ -77,10 +80,10 @@ def render() -> str:
            "reproduces it (after `bash scripts/setup.sh`).", ""]
     out += [f"* [{n}](#{n})" for n in names] + [""]
     for name in names:
-        first = runs[name][0][1]
-        out += [f"## {name}", "", first.get("description", ""), ""]
+        description = runs[name][0][1].get("description", "")
+        out += [f"## {name}", "", description, ""]
         for path, data in runs[name]:
-            out += entry(path, data)
+            out += entry(path, data, description)
     return "\n".join(out).rstrip() + "\n"
 
 
