@@ -74,8 +74,9 @@ def first_run(tmp_path_factory, essays):
         cold_b = server.generate(essays[1])
         send_until(server, fillers, DEVICE_TOKENS * 3)
         hit_a = server.generate(essays[0])
-        metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", 1)
-        stats = ssd_stats(ssd)  # written on the same publishing tick as the metrics
+        # (both are published once a second: a tick may fall between A's page loads and its answer)
+        metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", 10)
+        stats = wait_for_stats(ssd, lambda s: s["hit_pages"] >= 10)
         dtype = chosen_dtype(server)
         ref_a = answers(server, essays[0], dtype)  # SGLang's own answers to A, cold and from its device cache
         late = server.generate(LATE + essays[0])  # then stopped at once, gracefully: its pages must be kept
