@@ -28,6 +28,7 @@ from tests.integration.helpers import answers, chosen_dtype, flip_middle_byte, t
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 DEVICE_TOKENS = 2048
+A_PAGES = 10  # full 64-token pages of essay A (over 640 tokens): what its SSD hit loads at least
 LATE = "A late request. "  # a prefix that gives every page of the text after it other keys
 
 
@@ -75,8 +76,8 @@ def first_run(tmp_path_factory, essays):
         send_until(server, fillers, DEVICE_TOKENS * 3)
         hit_a = server.generate(essays[0])
         # (both are published once a second: a tick may fall between A's page loads and its answer)
-        metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", 10)
-        stats = wait_for_stats(ssd, lambda s: s["hit_pages"] >= 10)
+        metrics = wait_for_metric(server, "sglang_tiered:ssd_hit_pages_total", A_PAGES)
+        stats = wait_for_stats(ssd, lambda s: s["hit_pages"] >= A_PAGES)
         dtype = chosen_dtype(server)
         ref_a = answers(server, essays[0], dtype)  # SGLang's own answers to A, cold and from its device cache
         late = server.generate(LATE + essays[0])  # then stopped at once, gracefully: its pages must be kept
@@ -98,12 +99,12 @@ def test_b_evicted_prompt_is_an_ssd_hit_with_identical_output(first_run):
     assert cold["text"] == first_run["ref_a"].cold["text"]
     first_run["ref_a"].check(hit, "b")  # SGLang's own hit's answer (and the cold one where rows round alone)
     s = first_run["stats"]
-    assert s["hit_pages"] >= 10 and s["written_pages"] >= 20 and s["corrupt_pages"] == 0
+    assert s["hit_pages"] >= A_PAGES and s["written_pages"] >= 20 and s["corrupt_pages"] == 0
 
 
 def test_metrics_endpoint_has_tier_counters(first_run):
     text = first_run["metrics"]
-    assert metric_total(text, "sglang_tiered:ssd_hit_pages_total") >= 10
+    assert metric_total(text, "sglang_tiered:ssd_hit_pages_total") >= A_PAGES
     assert metric_total(text, "sglang_tiered:ssd_written_bytes_total") >= 20 * page_bytes(first_run["dtype"])
     assert metric_total(text, "sglang_tiered:ssd_used_bytes") > 0
     assert "sglang:cached_tokens_total" in text
