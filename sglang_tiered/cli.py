@@ -4,7 +4,7 @@
   sglang-tiered stats --ssd-dir D   print the SSD tier statistics of every rank that used D
   sglang-tiered demo                run the scripted tier-hit demo (see sglang_tiered/demo.py)
   sglang-tiered runahead-tune       search chained-prefill partitions on this machine, write the lookup table
-  sglang-tiered kvpr-profile        print the partial-recompute loader's measured profile (or measure a model)
+  sglang-tiered kvpr-profile        print the compute-or-load profile the servers measured (or measure a model)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     tune.add_argument("--out", default=str(default_partitions_path()),
                       help="where to write the table; the server reads this default path (default: %(default)s)")
-    kvpr = sub.add_parser("kvpr-profile", help="print the partial-recompute (KVPR) profile the servers measured "
+    kvpr = sub.add_parser("kvpr-profile", help="print the compute-or-load profile the servers measured "
                           "under --ssd-dir, or measure a checkpoint now with --model-path")
     kvpr.add_argument("--ssd-dir", default=TieredConfig().ssd_dir)
     kvpr.add_argument("--model-path", help="measure this checkpoint on this machine and store the result")

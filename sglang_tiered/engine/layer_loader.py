@@ -1,6 +1,6 @@
 """The one layer loader of the layer-by-layer engine: stored KV of layer l + 1 is fetched while layer l computes.
 
-Blending (stored chunk KV re-rotated into a prompt) and the partial-recompute loader (stored KV of a prefix) both
+Blending (stored chunk KV re-rotated into a prompt) and compute-or-load (stored KV of a prefix) both
 walk the layers in order and need, at layer l, data that comes from memory, a file or the network. `LayerLoader`
 runs `fetch(layer)` on one background thread, one layer ahead of the caller:
 

@@ -7,8 +7,8 @@ The per-layer steps are public so that other executors can interleave their own 
       attn = <any attention over whatever keys the executor holds>
       x = model.finish_layer(layer, x, attn)          # o_proj + residual, RMSNorm, gated MLP + residual
   logits = model.logits(x[-1:])
-`prefill` is the single-process reference; chained prefill (KV-Runahead), blending (CacheBlend) and partial-recompute
-loading (KVPR) reuse the same steps. KV buffers are [layers, tokens, 2 (k, v), kv_heads, head_dim].
+`prefill` is the single-process reference; chained prefill (KV-Runahead), blending (CacheBlend) and compute-or-load
+(Cake, KVPR) reuse the same steps. KV buffers are [layers, tokens, 2 (k, v), kv_heads, head_dim].
 Supports Llama checkpoints in Hugging Face layout (safetensors), GQA and MHA, default RoPE (no rope_scaling).
 
 In a reduced dtype (bf16, fp16) the engine rounds as SGLang's Llama does with its native CPU ops: the residual
@@ -225,7 +225,7 @@ class LlamaModel:
 
     def kv_from_input(self, layer: int, h: torch.Tensor, positions: torch.Tensor, rope: Optional[Rope] = None):
         """Keys [n, Hkv, D] (post-RoPE) and values of tokens at `positions` from their attention input `h`
-        [n, hidden] (`attention_input`): the partial-recompute loader's K = X W_K, V = X W_V. `rope(layer, None, k,
+        [n, hidden] (`attention_input`): compute-or-load's K = X W_K, V = X W_V. `rope(layer, None, k,
         positions)` replaces this engine's rotation (a server passes its own kernel, so that the recomputed keys
         are bit-identical to the ones it stored)."""
         w, c = self.layer_weights[layer], self.cfg

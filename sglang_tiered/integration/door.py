@@ -7,7 +7,7 @@ Seam (listed in plugin.py): `Scheduler._prefetch_kvcache` (AROUND), which SGLang
 * Retention: a request with `custom_params.tiered_retain` = N seconds pins its prompt's complete pages for
   min(N, `--tiered-max-retain`) seconds (`policy/retention.py`; counted `retain_pins`, `retain_released`,
   `retain_refused`). Placement and the SSD index honour pins (`placement.rank`, `storage/disk_index.py`).
-* Loaders, in the order they were added (`add`): gated sparse loading (`sparse.py`), partial recompute
+* Loaders, in the order they were added (`add`): gated sparse loading (`sparse.py`), compute-or-load
   (`kvpr.py`). The first loader whose mode the request asks for (`wants`: the server's flag or the request's
   custom_params) decides alone: its `plan(scheduler, req, start)` for the stored span from token `start` (after the
   device + host match), or None -- then SGLang's own L3 prefetch loads it, as it does for requests no loader wants,

@@ -35,7 +35,7 @@ SPARSE_MODES = ("gated", "off", "full")
 GATE_PARAM = "tiered_importance_gate"  # custom_params key of a request's gate, overriding --tiered-importance-gate
 RATIO_PARAM = "tiered_importance_ratio"  # custom_params key of a gated load's ratio, overriding
 #                                          --tiered-importance-ratio
-KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's partial-recompute mode (integration/kvpr.py)
+KVPR_PARAM = "tiered_kvpr"  # custom_params key of a request's compute-or-load mode (integration/kvpr.py)
 KVPR_MODES = ("off", "auto", "force")  # or a number of tokens computed from token ids
 RETAIN_PARAM = "tiered_retain"  # custom_params key: seconds to keep the prompt's pages (door.py)
 

@@ -1,4 +1,4 @@
-"""What the partial-recompute (KVPR) server tests share: the multi-head-attention model they serve (random weights),
+"""What the compute-or-load server tests share: the multi-head-attention model they serve (random weights),
 its page size, a greedy request with an optional per-request mode, and the loader's counters."""
 
 from __future__ import annotations

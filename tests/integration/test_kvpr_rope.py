@@ -1,4 +1,4 @@
-"""The partial-recompute loader's keys against SGLang's own computation (in process, no server): with the served
+"""Compute-or-load's recomputed keys against SGLang's own computation (in process, no server): with the served
 model's RoPE kernel (`integration.kvpr.sglang_rope`), K = X W_K recomputed from a layer's bf16 input is the key
 SGLang computes from the same input bit for bit; the engine's own rotation is not (one bf16 ulp apart)."""
 
