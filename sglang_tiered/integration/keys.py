@@ -10,8 +10,12 @@ SGLang's own radix cache does.
 
 from __future__ import annotations
 
+import re
+import time
 from array import array
 from typing import Optional
+
+_BUILD_ERROR = re.compile(r"error:|cannot find|not found|No such file")
 
 
 def tenant_seed(req) -> Optional[str]:
@@ -38,3 +42,27 @@ def prompt_page_keys(ids, extra_key: Optional[str], cache_salt: Optional[str], t
         return []
     key = RadixKey(array("q", ids[:n]), extra_key, cache_salt=cache_salt or None)
     return list(get_storage_hash_str(key, None, page_size=page_size))
+
+
+def load_page_hash() -> float:
+    """Load SGLang's page-key hash; the seconds it took. SGLang 0.5.23 hashes storage keys with a C++ extension that
+    torch builds on its first use in an environment (under `TORCH_EXTENSIONS_DIR`, by default
+    `~/.cache/torch_extensions`): 12-18 s on 2 cores, which the first request would otherwise wait for with its
+    scheduler serving nothing else. Raises RuntimeError with the build's own reason if it cannot be built."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    t0 = time.perf_counter()
+    try:
+        get_hash_str([0])
+    except Exception as exc:  # noqa: BLE001 -- SGLang wraps whatever the build raised
+        raise RuntimeError(f"SGLang's page-key hash (a C++ extension torch builds once per environment) cannot be "
+                           f"built: {build_error(exc.__cause__ or exc)}; the build needs a C++ compiler, ninja, and "
+                           "Python's and OpenSSL's headers (Debian: g++ python3-dev libssl-dev)") from exc
+    return time.perf_counter() - t0
+
+
+def build_error(exc: BaseException) -> str:
+    """The line of a failed extension build that says why (the compiler's or linker's), else its last line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith(("Error building", "["))]
+    lines = [ln for ln in lines if not ln.startswith(("FAILED:", "ninja:")) and " -c " not in ln] or [str(exc)]
+    return next((ln for ln in lines if _BUILD_ERROR.search(ln)), lines[-1])[:300]

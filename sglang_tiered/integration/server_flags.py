@@ -29,7 +29,7 @@ from sglang_tiered.config import (
     layered_reads,
     parse_size,
 )
-from sglang_tiered.integration import cpu_shims, runtime, settings
+from sglang_tiered.integration import cpu_shims, keys, runtime, settings
 from sglang_tiered.models import DEFAULT_MODEL_ALIAS, model_fingerprint, resolve_model_path
 from sglang_tiered.policy import cpu_dtype
 from sglang_tiered.storage import directory_lock
@@ -220,6 +220,7 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
     for field, value in cfg.host_pool_settings().items():
         setattr(ns, field, value)
     threads, partitions = _runahead_settings(ns, cfg, hf)
+    _load_page_hash()  # last: every flag is checked before a build can take its seconds
     settings.publish(settings.Settings(
         config=cfg, model=model_fingerprint(ns.model_path), model_path=str(ns.model_path), cpu_only=cpu_only,
         cuda_preview=cuda_preview,
@@ -240,6 +241,17 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         "sglang-tiered: hierarchical cache on, SSD tier %s (capacity %d bytes), page size %d, prefetch threshold %d",
         cfg.ssd_dir, cfg.ssd_capacity, ns.page_size, extra["prefetch_threshold"],
     )
+
+
+def _load_page_hash() -> None:
+    """Build (once per environment) and load SGLang's page-key hash here, before any process serves, so that no
+    request waits for the build and a machine that cannot build it stops at startup instead of at its first request."""
+    try:
+        seconds = keys.load_page_hash()
+    except RuntimeError as exc:
+        raise ConfigError(f"--kv-backend tiered: {exc}") from None
+    if seconds > 1:
+        logger.info("sglang-tiered: SGLang's page-key hash built in %.1f s (once per environment)", seconds)
 
 
 def _claim_directory(ssd_dir: str) -> None:

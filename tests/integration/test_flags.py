@@ -73,6 +73,11 @@ def launches(tmp_path_factory) -> Iterator[dict[str, Launch]]:
         ServerArgs.from_cli_args(parser.parse_args(claimed))
         ServerArgs.from_cli_args(parser.parse_args(claimed))  # the same process may parse them again
         started["claimed"] = Launch(launch_cmd(*claimed, "--max-total-tokens", "1024"), tmp / "claimed")
+        # a machine without a C++ compiler, in an environment where SGLang's page-key hash was never built
+        started["no-compiler"] = Launch(
+            launch_cmd("--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp / "cc-ssd"),
+                       "--max-total-tokens", "1024"), tmp / "no-compiler",
+            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp / "extensions"), "CXX": str(tmp / "no-such-c++")})
         yield started
     finally:
         for launch in started.values():
@@ -271,6 +276,18 @@ def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(lau
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
     assert len(lines) == 1 and lines[0].startswith("sglang-tiered: --tiered-ssd-dir:"), r.stderr[-2000:]
     assert f"in use by another server (pid {os.getpid()})" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_a_machine_that_cannot_build_sglangs_page_key_hash_stops_at_startup(launches):
+    """SGLang builds its page-key hash (a C++ extension) on first use; the launcher builds it before any process
+    serves, so a machine without a compiler stops at startup with the build's reason instead of at its first
+    request, and no request waits for the build."""
+    r = launches["no-compiler"].result()
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
+    assert len(lines) == 1 and lines[0].startswith("sglang-tiered: --kv-backend tiered: SGLang's page-key hash"), \
+        r.stderr[-2000:]
+    assert "no-such-c++: not found" in lines[0] and "Traceback" not in r.stderr, lines[0]
 
 
 def test_dtype_auto_is_kept_in_the_ssd_directory_for_restarts(tmp_path):
