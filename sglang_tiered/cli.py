@@ -114,8 +114,8 @@ def _kvpr_profile(args) -> int:
         print(json.dumps(entries, indent=1))
         return 0 if entries else 1
     if not entries:
-        print(f"no profile under {args.ssd_dir} (a server with --tiered-kvpr on an MHA model writes one; or pass "
-              "--model-path)", file=sys.stderr)
+        print(f"no profile under {args.ssd_dir} (a server with --tiered-kvpr auto or force writes one once it "
+              "has served a request; or pass --model-path)", file=sys.stderr)
         return 1
     for key, e in sorted(entries.items()):
         try:
