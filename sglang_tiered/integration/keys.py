@@ -55,9 +55,11 @@ def load_page_hash() -> float:
     try:
         get_hash_str([0])
     except Exception as exc:  # noqa: BLE001 -- SGLang wraps whatever the build raised
+        reason = build_error(exc.__cause__ or exc)
         raise RuntimeError(f"SGLang's page-key hash (a C++ extension torch builds once per environment) cannot be "
-                           f"built: {build_error(exc.__cause__ or exc)}; the build needs a C++ compiler, ninja, and "
-                           "Python's and OpenSSL's headers (Debian: g++ python3-dev libssl-dev)") from exc
+                           f"built: {reason}; the build needs a C++ compiler, ninja, Python's and OpenSSL's headers "
+                           "(Debian: g++ python3-dev libssl-dev) and a writable TORCH_EXTENSIONS_DIR (default "
+                           "~/.cache/torch_extensions)") from exc
     return time.perf_counter() - t0
 
 
