@@ -280,8 +280,8 @@ def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(lau
 
 def test_a_machine_that_cannot_build_sglangs_page_key_hash_stops_at_startup(launches):
     """SGLang builds its page-key hash (a C++ extension) on first use; the launcher builds it before any process
-    serves, so a machine without a compiler stops at startup with the build's reason instead of at its first
-    request, and no request waits for the build."""
+    serves, so a machine without a compiler stops at startup, with the build's reason, instead of at its first
+    request."""
     r = launches["no-compiler"].result()
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("sglang-tiered:")]
