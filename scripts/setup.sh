@@ -21,6 +21,16 @@ step() {  # step "what is happening" command...: run quietly, append everything 
     fi
 }
 
+debian() {  # debian "what needs them" "what fails without them" package...: apt-get as root, else a warning
+    local why="$1" without="$2"; shift 2
+    if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+        step "Debian's $* ($why)" \
+            bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $*"
+    else
+        echo "[setup] WARNING: $* missing and cannot be installed here (not root or no apt-get): $without" >&2
+    fi
+}
+
 stamp=".venv/.deps-$(cat requirements-cpu.txt scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     : > "$LOG"
@@ -35,13 +45,12 @@ if [ ! -f "$stamp" ]; then
     step "SGLang's CPU-side dependencies (requirements-cpu.txt)" "${PIP[@]}" -r requirements-cpu.txt
     ldc=$(command -v ldconfig || echo /sbin/ldconfig)
     if ! "$ldc" -p | grep -q "libibverbs.so.1" || ! "$ldc" -p | grep -q "librdmacm.so.1"; then
-        if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
-            step "Debian's libibverbs1 and librdmacm1 (Mooncake's client loads them even over TCP)" \
-                bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1"
-        else
-            echo "[setup] WARNING: libibverbs1 / librdmacm1 are missing and cannot be installed here (not root or no" \
-                 "apt-get): --tiered-remote will refuse to start; install them to use the shared tier" >&2
-        fi
+        debian "Mooncake's client loads them even over TCP" \
+            "--tiered-remote will refuse to start; install them to use the shared tier" libibverbs1 librdmacm1
+    fi
+    if ! echo "#include <openssl/sha.h>" | c++ -E -x c++ - > /dev/null 2>&1; then
+        debian "SGLang's page-key hash is a C++ extension built on first use" \
+            "a --kv-backend tiered launch will stop, naming what its build lacks" g++ libssl-dev
     fi
     rm -f .venv/.deps-*
     touch "$stamp"

@@ -16,6 +16,7 @@ from array import array
 from typing import Optional
 
 _BUILD_ERROR = re.compile(r"error:|cannot find|not found|No such file")
+_BUILD_NOISE = ("Error building", "[", "FAILED:", "ninja:")  # torch's and ninja's own lines (" -c ": the command)
 
 
 def tenant_seed(req) -> Optional[str]:
@@ -47,7 +48,7 @@ def prompt_page_keys(ids, extra_key: Optional[str], cache_salt: Optional[str], t
 def load_page_hash() -> float:
     """Load SGLang's page-key hash; the seconds it took. SGLang 0.5.23 hashes storage keys with a C++ extension that
     torch builds on its first use in an environment (under `TORCH_EXTENSIONS_DIR`, by default
-    `~/.cache/torch_extensions`): 12-18 s on 2 cores, which the first request would otherwise wait for with its
+    `~/.cache/torch_extensions`): 10-16 s on 2 cores, which the first request would otherwise wait for with its
     scheduler serving nothing else. Raises RuntimeError with the build's own reason if it cannot be built."""
     from sglang.srt.mem_cache.utils import get_hash_str
 
@@ -65,6 +66,6 @@ def load_page_hash() -> float:
 
 def build_error(exc: BaseException) -> str:
     """The line of a failed extension build that says why (the compiler's or linker's), else its last line."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith(("Error building", "["))]
-    lines = [ln for ln in lines if not ln.startswith(("FAILED:", "ninja:")) and " -c " not in ln] or [str(exc)]
+    lines = [ln for ln in map(str.strip, str(exc).splitlines())
+             if ln and not ln.startswith(_BUILD_NOISE) and " -c " not in ln] or [str(exc)]
     return next((ln for ln in lines if _BUILD_ERROR.search(ln)), lines[-1])[:300]
