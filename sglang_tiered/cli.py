@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from sglang_tiered.config import TieredConfig, default_partitions_path
+from sglang_tiered.config import DEFAULT_PAGE_SIZE, TieredConfig, default_partitions_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,11 +104,12 @@ def _kvpr_profile(args) -> int:
         model = LlamaModel.from_pretrained(path, getattr(torch, args.dtype))
         c, item = model.cfg, model.dtype.itemsize
         Path(args.ssd_dir).mkdir(parents=True, exist_ok=True)
-        prof = kvpr_profile.measure_profile(model, 64)
+        prof = kvpr_profile.measure_profile(model, DEFAULT_PAGE_SIZE)
         bps = kvpr_profile.measure_read(Path(args.ssd_dir) / f".kvpr-read-probe-{os.getpid()}")
         shape = Shape(c.layers, c.hidden * item, 2 * c.kv_heads * c.head_dim * item)
-        kvpr_profile.save_profile(args.ssd_dir, kvpr_profile.profile_key(model_fingerprint(path), str(model.dtype)),
-                                  prof, read_bytes_per_s=bps, shape=shape.__dict__)
+        key = kvpr_profile.profile_key(model_fingerprint(path), str(model.dtype), DEFAULT_PAGE_SIZE, model.device)
+        kvpr_profile.save_profile(args.ssd_dir, key, prof, read_bytes_per_s=bps, shape=shape.__dict__,
+                                  page_size=DEFAULT_PAGE_SIZE)
     entries = kvpr_profile.load_profiles(args.ssd_dir)
     if args.json:
         print(json.dumps(entries, indent=1))
@@ -129,8 +130,9 @@ def _kvpr_profile(args) -> int:
             why = gate(shape)
             print(f"  activations {shape.x_bytes} B vs KV {shape.kv_bytes} B per token-layer: "
                   f"{'no activations: ' + why if why else 'gate open'}")
+            ps = int(e.get("page_size", DEFAULT_PAGE_SIZE))
             for tokens in (1024, 4096, 8192):
-                d = decide(tokens // 64, 64, shape, bps, prof, stored_activations=why is None)
+                d = decide(tokens // ps, ps, shape, bps, prof, stored_activations=why is None)
                 print(f"  auto, {tokens} stored tokens: {d.way}" + (" (activations)" if d.activations else ""))
     return 0
 

@@ -22,7 +22,6 @@ SESSION_MODULES = (
     "tests/integration/test_meet_load.py",
     "tests/integration/test_requests.py",
     "tests/integration/test_runahead.py",
-    "tests/integration/test_store.py",
     "tests/integration/test_torch_native.py",
 )
 

@@ -8,7 +8,9 @@
   computed from token ids, and K, V recomputed from activations on the loader's one thread; each the best of a few
   runs, about a second in all.
 
-A server writes the result to `<ssd dir>/kvpr-profile.json` under "<model fingerprint>|<dtype>";
+A server writes the result to `<ssd dir>/kvpr-profile.json` under `profile_key` (what the profile depends on: the
+machine, torch, the model, the dtype, the page size) and a restart with the same key uses it instead of measuring
+again (the measurement holds the scheduler for seconds on a CPU: 3.1 s for SmolLM2 in fp32 on one AVX2 thread);
 `sglang-tiered kvpr-profile` prints that file (or measures a checkpoint itself with --model-path).
 """
 
@@ -27,6 +29,7 @@ import torch
 
 from sglang_tiered.engine.llama import LlamaModel
 from sglang_tiered.engine.one_thread import one_thread_pool
+from sglang_tiered.policy.cpu_dtype import signature
 from sglang_tiered.policy.kvpr import MEET_CHUNK_PAGES, Profile
 from sglang_tiered.storage.files import write_atomic
 from sglang_tiered.storage.tier_layout import PROFILE_FILE
@@ -115,8 +118,15 @@ def measure_profile(model: LlamaModel, page_size: int, repeats: int = 2) -> Prof
     return Profile(page_s=chunk_s / k, recompute_s=recompute / page_size)
 
 
-def profile_key(model: str, dtype: str) -> str:
-    return f"{model}|{dtype}"
+def profile_key(model: str, dtype: str, page_size: int, device: torch.device) -> str:
+    """The key of a profile of `model` (its fingerprint) in `dtype` with `page_size`-token pages computed on `device`
+    by this process: on a CPU its `cpu_dtype.signature` (capability, flags, model name, torch's version) and torch's
+    thread count, on a GPU its name and torch's version."""
+    if device.type == "cuda":
+        machine = f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|{model}"
+    else:
+        machine = f"{signature(model)}|{torch.get_num_threads()} threads"
+    return f"{machine}|{dtype}|page {page_size}"
 
 
 def load_profiles(directory: str | os.PathLike) -> dict[str, dict]:
@@ -149,15 +159,16 @@ def profile_of(entry: dict) -> Profile:
     return Profile(float(entry["page_s"]), float(entry["recompute_s"]))
 
 
-def stored_entry(directory: str | os.PathLike, key: str) -> Optional[tuple[Profile, float]]:
-    """(the profile, the read rate in bytes per second) stored under `key`, or None."""
+def stored_entry(directory: str | os.PathLike, key: str) -> Optional[tuple[Profile, float, str]]:
+    """(the profile, the read rate in bytes per second, when it was measured) stored under `key`, or None."""
     entry = load_profiles(directory).get(key)
     try:
-        return profile_of(entry), float(entry["read_bytes_per_s"])
-    except (KeyError, TypeError, ValueError):
+        return profile_of(entry), float(entry["read_bytes_per_s"]), str(entry.get("measured_at", "?"))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
-def describe(profile: Profile, read_bps: float) -> str:
-    return (f"SSD read {read_bps / 1e6:.0f} MB/s, a span page computed in {profile.page_s * 1e3:.1f} ms, K/V "
-            f"recompute {profile.recompute_s * 1e6:.2f} us per token-layer")
+def describe(profile: Profile, read_bps: Optional[float] = None) -> str:
+    compute = (f"a span page computed in {profile.page_s * 1e3:.1f} ms, K/V recompute {profile.recompute_s * 1e6:.2f} "
+               "us per token-layer")
+    return compute if read_bps is None else f"SSD read {read_bps / 1e6:.0f} MB/s, {compute}"

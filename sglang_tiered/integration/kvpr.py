@@ -19,9 +19,9 @@ to start it: `policy/kvpr.decide`.
   the tier's one budget; a full queue drops a batch's, counted).
 * Rates -- the read rate is seeded by a probe at the first admission (64 MiB with O_DIRECT, counted against the SSD
   capacity) and follows every load's reads, ours and SGLang's (`policy/read_rate.py`); the compute profile is
-  measured once at the scheduler's first idle moment after that (seam `Scheduler.on_idle`, BEFORE: the thread that
-  runs the forwards), and saved (`sglang-tiered kvpr-profile`). Until both are known SGLang loads as usual (a forced
-  load waits for them).
+  measured at the scheduler's first idle moment after that (seam `Scheduler.on_idle`, BEFORE: the thread that runs
+  the forwards) and saved (`sglang-tiered kvpr-profile`), once per machine, model, dtype and page size: a restart
+  uses the saved one. Until both are known SGLang loads as usual (a forced load waits for them).
 
 Counters `sglang_tiered:kvpr_*_total`: loads, tokens_computed, tokens_loaded, tokens_recomputed, bytes_saved,
 activation_misses, activation_pages_written, activation_bytes_written, activation_drops, fallbacks, computed_spans,
@@ -122,7 +122,14 @@ class KVPR:
         s = self.shape
         self.shape = Shape(s.layers, s.x_bytes * itemsize, s.kv_bytes * itemsize)
         self.tier = tier = store.tier
-        self.key = profile_key(self.rt.settings.model, tier.namespace.dtype)
+        device = torch.device("cpu") if self.rt.settings.cpu_only else torch.device("cuda", torch.cuda.current_device())
+        self.key = profile_key(self.rt.settings.model, tier.namespace.dtype, tier.namespace.page_size, device)
+        stored = stored_entry(tier.root, self.key)
+        if stored is not None:  # a restart on this machine: the scheduler is not blocked to measure it again
+            self.profile = stored[0]
+            logger.info("tiered kvpr: compute profile measured %s on this machine for this model, dtype and page "
+                        "size, not measured again: %s (from %s: deleted while the server is stopped, the next start "
+                        "measures again)", stored[2], describe(self.profile), tier.root / PROFILE_FILE)
         if self.gate_reason is not None and mode == "auto":
             logger.info("tiered kvpr: no activations stored for this model: %s; a stored span behind slow storage "
                         "has its front computed from token ids while its back loads", self.gate_reason)
@@ -223,6 +230,7 @@ class KVPR:
         """Time the served model's compute and save the profile (once: a failure leaves SGLang loading every span)."""
         if self.profile is not None or self.rate is None or self.compute_failed:
             return
+        t0 = time.perf_counter()
         try:
             faults.check("kvpr_chunks")
             engine = self.rt.forward.engine(scheduler.tp_worker.model_runner.model.model)
@@ -235,8 +243,10 @@ class KVPR:
         with self.lock:
             self.profile, bps = profile, self.rate.bps
         path = save_profile(self.tier.root, self.key, profile, read_bytes_per_s=bps, shape=self.shape.__dict__,
+                            page_size=self.tier.namespace.page_size,
                             write=lambda data: self.tier.meta.write(PROFILE_FILE, data))
-        logger.info("tiered kvpr: profile %s (saved to %s)", describe(profile, bps), path)
+        logger.info("tiered kvpr: profile %s (measured in %.1f s, saved to %s)", describe(profile, bps),
+                    time.perf_counter() - t0, path)
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
         """Fold a load's reads into the read rate -- our loader's and SGLang's own (`TieredSSDStorage.batch_get_v1`,

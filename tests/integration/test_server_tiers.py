@@ -2,7 +2,7 @@
 
 (a) served; (b) evicted from device and host -> SSD hit, identical greedy output; (c) the same after a full restart
 (server 1 stopped gracefully right after its last request: that request's pages are all kept; `--dtype auto` is
-the dtype server 1 chose, kept in the SSD directory);
+the dtype server 1 chose and compute-or-load's profile the one it measured, both kept in the SSD directory);
 (d) a corrupted page file -> identical output, corrupt counter up; (e) a small capacity -> still serving, the whole
 directory within the capacity, the first model's files included (counted as foreign, evicted first); (f) a
 different model on the same SSD directory -> nothing served from the first model's pages; (g) the same model in
@@ -81,9 +81,10 @@ def first_run(tmp_path_factory, essays):
         dtype = chosen_dtype(server)
         ref_a = answers(server, essays[0], dtype)  # SGLang's own answers to A, cold and from its device cache
         late = server.generate(LATE + essays[0])  # then stopped at once, gracefully: its pages must be kept
+        profile = server.log_lines("tiered kvpr: profile ")  # compute-or-load's, measured at an idle moment
         server.stop(graceful=30)
     return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,
-            "stats": stats, "dtype": dtype, "late": late, "ref_a": ref_a}
+            "stats": stats, "dtype": dtype, "late": late, "ref_a": ref_a, "profile": profile}
 
 
 def test_a_prompt_is_served(first_run):
@@ -127,8 +128,9 @@ def test_g_pages_of_another_dtype_are_never_served(first_run, essays):
 
 
 def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, essays):
-    """(c) a full restart serves A from SSD, identical output; (d) then every page file is corrupted: B (never sent
-    to this server, so it can only come from SSD) is a miss with identical output, and the corrupt counter rises."""
+    """(c) a full restart serves A from SSD, identical output, with the compute profile server 1 measured (not
+    measured again); (d) then every page file is corrupted: B (never sent to this server, so it can only come from
+    SSD) is a miss with identical output, and the corrupt counter rises."""
     tmp, ssd = first_run["tmp"], first_run["ssd"]
     with tiered_server(tmp, ssd, "server-2") as server:
         again = server.generate(essays[0])
@@ -141,6 +143,8 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
         assert first_run["late"]["text"] == ref_late.cold["text"]
         ref_late.check(late, "c, late")
         assert server.log_lines("as measured on this machine at") or server.log_lines("(explicit)")  # dtype kept
+        assert first_run["profile"] and "saved to" in first_run["profile"][0]
+        assert server.log_lines("not measured again"), server.log_lines("tiered kvpr")  # and the compute profile
         dtype = first_run["dtype"]
         served = (d["storage"] + cached_details(late)["storage"]) // 64  # the stats file lags: wait for both requests
         hits = wait_for_stats(ssd, lambda s: s["hit_pages"] >= served, dtype=dtype)["hit_pages"]
@@ -155,6 +159,7 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
     assert out["text"] == first_run["cold_b"]["text"]
     assert cached_details(out)["storage"] == 0
     assert stats["corrupt_pages"] >= 1 and stats["hit_pages"] == hits  # no page served after the corruption
+    assert not server.log_lines("tiered kvpr: profile ")  # the scheduler never stopped to measure it
 
 
 def test_e_f_h_other_model_gets_nothing_and_capacity_holds(first_run, essays, other_model_dir):

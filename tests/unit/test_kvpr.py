@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from sglang_tiered.engine.kvpr_profile import measure_profile, profile_of, save_profile, stored_entry
+from sglang_tiered.engine.kvpr_profile import measure_profile, profile_key, profile_of, save_profile, stored_entry
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.meet import MemoryPages, meet_prefill
 from sglang_tiered.kernels.extend_attention import causal_attention
+from sglang_tiered.policy.cpu_dtype import signature
 from sglang_tiered.policy.kvpr import COMPUTE, LOAD, MEET, MIN_PAGES, Profile, Shape, decide, gate, page_read_s
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
 
@@ -79,11 +80,32 @@ def test_the_profile_is_measured_on_the_model_and_kept_with_its_read_rate(tmp_pa
     prof = measure_profile(model, PS)
     assert prof.page_s > 0 and prof.recompute_s > 0
     assert prof.page_s > PS * prof.recompute_s  # a page through every layer costs more than one layer's K, V
-    save_profile(tmp_path, "m|float32", prof, read_bytes_per_s=123e6)
-    assert stored_entry(tmp_path, "m|float32") == (prof, 123e6)
-    assert stored_entry(tmp_path, "other") is None
+    key = profile_key("m", "torch.float32", PS, torch.device("cpu"))
+    save_profile(tmp_path, key, prof, read_bytes_per_s=123e6)
+    stored = stored_entry(tmp_path, key)
+    assert stored is not None and stored[:2] == (prof, 123e6) and stored[2].startswith(time.strftime("%Y-"))
+    assert stored_entry(tmp_path, profile_key("m", "torch.float32", PS * 2, torch.device("cpu"))) is None
+    for garbage in (b"{not json", b'{"%s": [1, 2]}' % key.encode(), b"[]"):  # measured again, never an error
+        (tmp_path / "kvpr-profile.json").write_bytes(garbage)
+        assert stored_entry(tmp_path, key) is None
     with pytest.raises(KeyError):
         profile_of({"read_bytes_per_s": 1.0})
+
+
+def test_a_profile_is_kept_for_the_machine_model_dtype_and_page_size_it_was_measured_with():
+    cpu = torch.device("cpu")
+    key = profile_key("m", "torch.float32", 64, cpu)
+    assert key == profile_key("m", "torch.float32", 64, cpu)  # a restart finds it
+    others = {profile_key("n", "torch.float32", 64, cpu), profile_key("m", "torch.bfloat16", 64, cpu),
+              profile_key("m", "torch.float32", 32, cpu)}
+    assert key not in others and len(others) == 3
+    assert signature("m") in key  # this CPU and torch's version
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert profile_key("m", "torch.float32", 64, cpu) != key  # measured with another number of threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------- the engine
