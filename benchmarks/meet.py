@@ -153,9 +153,12 @@ def run_server(model: str, disk: str, mbps: int | None, busy: bool, lengths: tup
             before = written_pages(s)
             request(s, doc + question[::-1], "off")
             wait_for(lambda before=before, n=n: written_pages(s) >= before + n // PAGE)
-        while not s.log_lines("tiered kvpr: profile") and not s.log_lines("measuring the compute profile failed"):
-            request(s, question, "off")  # the profile is measured at the first idle moment
-            time.sleep(1)
+        def measured() -> bool:  # the compute profile (at the warmup request) and the read probe it started
+            profile = s.log_lines("tiered kvpr: profile") or s.log_lines("measuring the compute profile failed")
+            return bool(profile) and bool(s.log_lines("tiered kvpr: SSD read bandwidth")
+                                          or s.log_lines("cannot measure the SSD read bandwidth"))
+
+        wait_for(measured)
         time.sleep(3)  # the activations' writes drain
         noise = Busy(s, src.tok(src.take(2048))["input_ids"]) if busy else None
         try:

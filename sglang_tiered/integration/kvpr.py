@@ -19,9 +19,9 @@ to start it: `policy/kvpr.decide`.
   the tier's one budget; a full queue drops a batch's, counted).
 * Rates -- the read rate is seeded by a probe at the first admission (64 MiB with O_DIRECT, counted against the SSD
   capacity) and follows every load's reads, ours and SGLang's (`policy/read_rate.py`); the compute profile is
-  measured at the scheduler's first idle moment after that (seam `Scheduler.on_idle`, BEFORE: the thread that runs
-  the forwards) and saved (`sglang-tiered kvpr-profile`), once per machine, model, dtype and page size: a restart
-  uses the saved one. Until both are known SGLang loads as usual (a forced load waits for them).
+  measured at that admission on the scheduler's thread (it is SGLang's warmup request, before the server reports
+  ready) and saved (`sglang-tiered kvpr-profile`), once per machine, model, dtype and page size: a
+  restart uses the saved one. Until both are known SGLang loads as usual (a forced load waits for the rate).
 
 Counters `sglang_tiered:kvpr_*_total`: loads, tokens_computed, tokens_loaded, tokens_recomputed, bytes_saved,
 activation_misses, activation_pages_written, activation_bytes_written, activation_drops, fallbacks, computed_spans,
@@ -106,7 +106,8 @@ class KVPR:
         self.rate: Optional[ReadRate] = None
         self.profile: Optional[Profile] = None
         self.read_measured = threading.Event()  # set once the read bandwidth is measured (or could not be)
-        self.measuring = self.compute_failed = False
+        self.measuring = self.compute_failed = self.saved = False
+        self.measured_s: Optional[float] = None  # how long this process's measurement of the profile took
         self.key = ""
         self.lock = threading.Lock()
         self.scratch = KVScratch()  # the loads' KV, one buffer kept
@@ -140,9 +141,15 @@ class KVPR:
 
     # ------------------------------------------------------------------------------------- loader (door.py)
     def admit(self, scheduler, req) -> None:
-        if self.tier is not None and not self.measuring:
-            self.measuring = True  # the read probe, once, from the first admission on (the weights are read by then)
-            threading.Thread(target=self._measure_read, name="tiered-kvpr-probe", daemon=True).start()
+        """The first admission -- SGLang's warmup request, before the server reports ready -- starts the read probe
+        on a thread of its own and measures the compute profile (unless a stored one applies) on the scheduler's
+        thread, which runs the forwards: no client request waits for it (with `--skip-server-warmup` the first
+        one does)."""
+        if self.tier is None or self.measuring:
+            return
+        self.measuring = True
+        threading.Thread(target=self._measure_read, name="tiered-kvpr-probe", daemon=True).start()
+        self._measure_compute(scheduler)
 
     def wants(self, req) -> bool:
         return self.tier is not None and self.mode(req) != "off"
@@ -163,9 +170,8 @@ class KVPR:
             n += 1
         if n == 0 or n * ps < self.rt.settings.config.kvpr_min_tokens:
             return None
-        if mode != "auto" and self.profile is None:  # asked for by name: wait for the rates
+        if mode != "auto" and self.rate is None:  # asked for by name: wait for the read rate
             self.read_measured.wait(PROFILE_WAIT_S)
-            self._measure_compute(scheduler)
         if self.profile is None or self.rate is None:
             if mode != "auto":
                 self.handler.fallback([req.rid], "no measured profile (see the `tiered kvpr:` lines); SGLang loads "
@@ -214,21 +220,11 @@ class KVPR:
             if bps > 0:
                 self.rate, self._logged_bps = ReadRate(bps), bps
         self.read_measured.set()
-
-    def on_idle(self, scheduler) -> None:
-        """`Scheduler.on_idle` (BEFORE): the compute profile at the first fully idle moment once the read rate is
-        known, on the thread that runs the forwards (about a second, once)."""
-        try:
-            if self.profile is None and self.read_measured.is_set() and scheduler.is_fully_idle():
-                self._measure_compute(scheduler)
-        except Exception:  # noqa: BLE001 -- never the scheduler's problem
-            self.compute_failed = True
-            self.rt.events.count("hook_errors")
-            logger.exception("tiered kvpr: the idle-time profile failed")
+        self._save()
 
     def _measure_compute(self, scheduler) -> None:
-        """Time the served model's compute and save the profile (once: a failure leaves SGLang loading every span)."""
-        if self.profile is not None or self.rate is None or self.compute_failed:
+        """Time the served model's compute (once: a failure leaves SGLang loading every span)."""
+        if self.profile is not None or self.compute_failed:
             return
         t0 = time.perf_counter()
         try:
@@ -241,12 +237,20 @@ class KVPR:
             logger.exception("tiered kvpr: measuring the compute profile failed; SGLang loads every stored span")
             return
         with self.lock:
-            self.profile, bps = profile, self.rate.bps
-        path = save_profile(self.tier.root, self.key, profile, read_bytes_per_s=bps, shape=self.shape.__dict__,
-                            page_size=self.tier.namespace.page_size,
-                            write=lambda data: self.tier.meta.write(PROFILE_FILE, data))
-        logger.info("tiered kvpr: profile %s (measured in %.1f s, saved to %s)", describe(profile, bps),
-                    time.perf_counter() - t0, path)
+            self.profile, self.measured_s = profile, time.perf_counter() - t0
+        logger.info("tiered kvpr: profile measured in %.1f s: %s (kept in %s for restarts)", self.measured_s,
+                    describe(profile), self.tier.root / PROFILE_FILE)
+        self._save()
+
+    def _save(self) -> None:
+        """Save the profile this process measured with the read rate, once both are known (whichever comes last)."""
+        with self.lock:
+            if self.saved or self.measured_s is None or not self.read_measured.is_set():
+                return
+            self.saved, profile, bps = True, self.profile, self.rate.bps if self.rate is not None else 0.0
+        save_profile(self.tier.root, self.key, profile, read_bytes_per_s=bps, shape=self.shape.__dict__,
+                     page_size=self.tier.namespace.page_size,
+                     write=lambda data: self.tier.meta.write(PROFILE_FILE, data))
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
         """Fold a load's reads into the read rate -- our loader's and SGLang's own (`TieredSSDStorage.batch_get_v1`,
@@ -456,8 +460,7 @@ def sglang_rope(module):
 # ---------------------------------------------------------------------------------------------- registration
 def register_hooks(rt: Runtime) -> bool:
     """In scheduler processes of a server with `--tiered-kvpr auto|force` (on CUDA only with config.CUDA_PREVIEW_ENV
-    set): the door's loader (after gated sparse loading), the activation capture, a forward handler and the
-    idle-time profile."""
+    set): the door's loader (after gated sparse loading), the activation capture and a forward handler."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     current = rt.settings
@@ -476,7 +479,6 @@ def register_hooks(rt: Runtime) -> bool:
     if kvpr.gate_reason is None or current.config.kvpr == "force":  # activations stored
         HookRegistry.register("sglang.srt.models.llama.LlamaAttention.forward", kvpr.around_attention,
                               HookType.AROUND)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.on_idle", kvpr.on_idle, HookType.BEFORE)
     rt.door.add(kvpr)
     rt.forward.add_handler(kvpr.handler)
     rt.on_store.append(kvpr.attach)

@@ -29,8 +29,6 @@ the process's `runtime.Runtime`):
 * `Scheduler._prefetch_kvcache` (AROUND, `door.py`): the one door for stored spans -- which loader (SGLang's L3
   prefetch, sparse, kvpr) serves a request's stored span, decided once per admission into `req.tiered_load` -- and
   retention pins (`custom_params.tiered_retain`).
-* `Scheduler.on_idle` (BEFORE, `kvpr.py`, with `--tiered-kvpr auto|force` on CPU servers): the compute part of
-  the compute-or-load profile, timed once at the scheduler's first fully idle moment.
 * `models.llama.LlamaAttention.forward` (AROUND, `kvpr.py`, read-only: copies the attention inputs to store them)
   and `TorchNativeAttnBackend.forward_decode` (AROUND, `cpu_attention.py`: the layer and requests of a decode step,
   so decoding skips the prefix positions a sparse load did not fill), with their mechanisms.

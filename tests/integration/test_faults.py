@@ -19,7 +19,8 @@ def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
     """Every hook of ours that runs in a forward raises (SGLANG_TIERED_TEST_FAULTS): marked and plain requests are
     still answered, by SGLang's own admission, forward and attention, and a gated server's offers to the repacker
     are dropped; each failure is logged and counted. Measuring
-    the compute-or-load profile fails too: logged once, and SGLang keeps loading every stored span."""
+    the compute-or-load profile (at SGLang's warmup request) fails too: logged once, and SGLang keeps loading every
+    stored span."""
     faults = "blend_forward,cpu_attention,admission,kvpr_chunks,repack_offer"
     args = tiered_args(tmp_path / "ssd", "--enable-metrics", "--tiered-importance-load", "gated", max_tokens=2048)
     with ServerProcess(args, log_path=tmp_path / "faults.log",
@@ -28,9 +29,6 @@ def test_failures_inside_our_hooks_fall_back_for_that_batch_only(tmp_path):
                             + "In which city does Alice work?", max_new_tokens=8)
         plain = [s.generate(GOOD, max_new_tokens=8)["text"] for _ in range(2)]
         time.sleep(0.5)
-        deadline = time.monotonic() + 30  # (the compute profile is taken at an idle moment after the read probe)
-        while not s.log_lines("measuring the compute profile failed") and time.monotonic() < deadline:
-            time.sleep(0.25)
         metrics = s.get("/metrics")
         log = "\n".join(s.log_lines())
         profile = s.log_lines("tiered kvpr: profile ")

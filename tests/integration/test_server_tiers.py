@@ -143,7 +143,7 @@ def test_c_d_restart_serves_from_ssd_and_corrupt_pages_are_misses(first_run, ess
         assert first_run["late"]["text"] == ref_late.cold["text"]
         ref_late.check(late, "c, late")
         assert server.log_lines("as measured on this machine at") or server.log_lines("(explicit)")  # dtype kept
-        assert first_run["profile"] and "saved to" in first_run["profile"][0]
+        assert first_run["profile"] and "kept in" in first_run["profile"][0]
         assert server.log_lines("not measured again"), server.log_lines("tiered kvpr")  # and the compute profile
         dtype = first_run["dtype"]
         served = (d["storage"] + cached_details(late)["storage"]) // 64  # the stats file lags: wait for both requests
