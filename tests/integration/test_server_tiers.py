@@ -81,7 +81,7 @@ def first_run(tmp_path_factory, essays):
         dtype = chosen_dtype(server)
         ref_a = answers(server, essays[0], dtype)  # SGLang's own answers to A, cold and from its device cache
         late = server.generate(LATE + essays[0])  # then stopped at once, gracefully: its pages must be kept
-        profile = server.log_lines("tiered kvpr: profile ")  # compute-or-load's, measured at an idle moment
+        profile = server.log_lines("tiered kvpr: profile ")  # compute-or-load's, measured at the warmup
         server.stop(graceful=30)
     return {"tmp": tmp, "ssd": ssd, "cold_a": cold_a, "cold_b": cold_b, "hit_a": hit_a, "metrics": metrics,
             "stats": stats, "dtype": dtype, "late": late, "ref_a": ref_a, "profile": profile}
