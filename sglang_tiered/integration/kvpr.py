@@ -248,9 +248,13 @@ class KVPR:
             if self.saved or self.measured_s is None or not self.read_measured.is_set():
                 return
             self.saved, profile, bps = True, self.profile, self.rate.bps if self.rate is not None else 0.0
+        kept: list[bool] = []
         save_profile(self.tier.root, self.key, profile, read_bytes_per_s=bps, shape=self.shape.__dict__,
                      page_size=self.tier.namespace.page_size,
-                     write=lambda data: self.tier.meta.write(PROFILE_FILE, data))
+                     write=lambda data: kept.append(self.tier.meta.write(PROFILE_FILE, data)))
+        if not all(kept):
+            logger.warning("tiered kvpr: no room under the SSD capacity to keep the profile; the next start measures "
+                           "it again")
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
         """Fold a load's reads into the read rate -- our loader's and SGLang's own (`TieredSSDStorage.batch_get_v1`,
