@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     kvpr = sub.add_parser("kvpr-profile", help="print the compute-or-load profile the servers measured "
                           "under --ssd-dir, or measure a checkpoint now with --model-path")
     kvpr.add_argument("--ssd-dir", default=TieredConfig().ssd_dir)
-    kvpr.add_argument("--model-path", help="measure this checkpoint on this machine and store the result")
+    kvpr.add_argument("--model-path", help="measure this checkpoint on this machine and store the result (a server "
+                      "of this model and dtype with 64-token pages and as many torch threads uses it)")
     kvpr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     kvpr.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
