@@ -6,7 +6,7 @@
   read rate (policy/read_rate.py).
 * `measure_profile`: the served model's compute (`policy.kvpr.Profile`): a chunk of MEET_CHUNK_PAGES span pages
   computed from token ids, and K, V recomputed from activations on the loader's one thread; each the best of a few
-  runs, about a second in all.
+  runs: 0.3-3.7 s in all for the test models in fp32 on one AVX2 thread.
 
 A server writes the result to `<ssd dir>/kvpr-profile.json` under `profile_key` (what the profile depends on: the
 machine, torch, the model, the dtype, the page size) and a restart with the same key uses it instead of measuring
