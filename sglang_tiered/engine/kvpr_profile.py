@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -159,11 +159,17 @@ def profile_of(entry: dict) -> Profile:
     return Profile(float(entry["page_s"]), float(entry["recompute_s"]))
 
 
-def stored_entry(directory: str | os.PathLike, key: str) -> Optional[tuple[Profile, float, str]]:
-    """(the profile, the read rate in bytes per second, when it was measured) stored under `key`, or None."""
+class StoredProfile(NamedTuple):
+    profile: Profile
+    read_bytes_per_s: float  # 0: the read probe had failed
+    measured_at: str  # local time, ISO 8601 ("?" if not recorded)
+
+
+def stored_entry(directory: str | os.PathLike, key: str) -> Optional[StoredProfile]:
+    """The profile stored under `key`, or None."""
     entry = load_profiles(directory).get(key)
     try:
-        return profile_of(entry), float(entry["read_bytes_per_s"]), str(entry.get("measured_at", "?"))
+        return StoredProfile(profile_of(entry), float(entry["read_bytes_per_s"]), str(entry.get("measured_at", "?")))
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
 

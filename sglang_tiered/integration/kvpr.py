@@ -127,10 +127,10 @@ class KVPR:
         self.key = profile_key(self.rt.settings.model, tier.namespace.dtype, tier.namespace.page_size, device)
         stored = stored_entry(tier.root, self.key)
         if stored is not None:  # a restart on this machine: the scheduler is not blocked to measure it again
-            self.profile = stored[0]
+            self.profile = stored.profile
             logger.info("tiered kvpr: compute profile measured %s on this machine for this model, dtype and page "
                         "size, not measured again: %s (from %s: deleted while the server is stopped, the next start "
-                        "measures again)", stored[2], describe(self.profile), tier.root / PROFILE_FILE)
+                        "measures again)", stored.measured_at, describe(self.profile), tier.root / PROFILE_FILE)
         if self.gate_reason is not None and mode == "auto":
             logger.info("tiered kvpr: no activations stored for this model: %s; a stored span behind slow storage "
                         "has its front computed from token ids while its back loads", self.gate_reason)
@@ -215,7 +215,7 @@ class KVPR:
             stored = stored_entry(tier.root, self.key)
             logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); %s", exc,
                            "using the stored profile's" if stored else "compute-or-load stays off")
-            bps = stored[1] if stored else 0.0
+            bps = stored.read_bytes_per_s if stored else 0.0
         with self.lock:
             if bps > 0:
                 self.rate, self._logged_bps = ReadRate(bps), bps
