@@ -128,10 +128,14 @@ def written_pages(s: ServerProcess) -> float:
     return metric_total(s.get("/metrics"), "sglang_tiered:ssd_written_pages_total")
 
 
-def wait_for(check, timeout: float = 120.0) -> None:
+def wait_for(check, timeout: float = 120.0, what: str = "") -> None:
+    """Polls `check` until it holds or `timeout` seconds pass; a timeout is printed (`what` names it), and the run
+    goes on with what it has."""
     deadline = time.monotonic() + timeout
     while not check() and time.monotonic() < deadline:
         time.sleep(0.3)
+    if not check():
+        print(f"[meet] waited {timeout:.0f} s for {what or 'a condition'}; going on without it", flush=True)
 
 
 def run_server(model: str, disk: str, mbps: int | None, busy: bool, lengths: tuple[int, ...], rounds: int,
@@ -152,13 +156,13 @@ def run_server(model: str, disk: str, mbps: int | None, busy: bool, lengths: tup
         for n, doc in docs.items():  # stored: its pages (and activations) written through
             before = written_pages(s)
             request(s, doc + question[::-1], "off")
-            wait_for(lambda before=before, n=n: written_pages(s) >= before + n // PAGE)
+            wait_for(lambda before=before, n=n: written_pages(s) >= before + n // PAGE, what="the pages' writes")
         def measured() -> bool:  # the compute profile (at the warmup request) and the read probe it started
             profile = s.log_lines("tiered kvpr: profile") or s.log_lines("measuring the compute profile failed")
             return bool(profile) and bool(s.log_lines("tiered kvpr: SSD read bandwidth")
                                           or s.log_lines("cannot measure the SSD read bandwidth"))
 
-        wait_for(measured)
+        wait_for(measured, what="the compute profile and the read probe")
         time.sleep(3)  # the activations' writes drain
         noise = Busy(s, src.tok(src.take(2048))["input_ids"]) if busy else None
         try:
@@ -171,7 +175,8 @@ def run_server(model: str, disk: str, mbps: int | None, busy: bool, lengths: tup
                         before = written_pages(s)
                         rows[c].append(measure(s, ssd, doc + question, c, f"fresh-{tag}-{n}-{r}", noise))
                         if c == "recompute":  # its pages are new (a fresh salt): their write-through ends first
-                            wait_for(lambda before=before, n=n: written_pages(s) >= before + n // PAGE)
+                            wait_for(lambda before=before, n=n: written_pages(s) >= before + n // PAGE,
+                                     what="the pages' writes")
                 point = {c: {"ttft_s": statistics.median(x["ttft_s"] for x in rs), "rows": rs}
                          for c, rs in rows.items()}
                 reference = next((x["output"] for x in rows["load"] if x["storage"] >= n - PAGE),

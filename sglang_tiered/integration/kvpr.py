@@ -43,6 +43,7 @@ from sglang_tiered.config import CUDA_PREVIEW_ENV
 from sglang_tiered.engine.kvpr_profile import (
     PROBE_BYTES,
     PROFILE_FILE,
+    StoredProfile,
     describe,
     measure_profile,
     measure_read,
@@ -105,6 +106,7 @@ class KVPR:
         self.writer: Optional[_Writer] = None
         self.rate: Optional[ReadRate] = None
         self.profile: Optional[Profile] = None
+        self.stored: Optional[StoredProfile] = None  # what an earlier start on this machine measured (`attach`)
         self.read_measured = threading.Event()  # set once the read bandwidth is measured (or could not be)
         self.measuring = self.compute_failed = self.saved = False
         self.measured_s: Optional[float] = None  # how long this process's measurement of the profile took
@@ -125,7 +127,7 @@ class KVPR:
         self.tier = tier = store.tier
         device = torch.device("cpu") if self.rt.settings.cpu_only else torch.device("cuda", torch.cuda.current_device())
         self.key = profile_key(self.rt.settings.model, tier.namespace.dtype, tier.namespace.page_size, device)
-        stored = stored_entry(tier.root, self.key)
+        self.stored = stored = stored_entry(tier.root, self.key)
         if stored is not None:  # a restart on this machine: the scheduler is not blocked to measure it again
             self.profile = stored.profile
             logger.info("tiered kvpr: compute profile measured %s on this machine for this model, dtype and page "
@@ -212,7 +214,7 @@ class KVPR:
                 raise OSError("the probe file read back empty")
             logger.info("tiered kvpr: SSD read bandwidth %.0f MB/s (page cache bypassed)", bps / 1e6)
         except (OSError, faults.InjectedFault) as exc:
-            stored = stored_entry(tier.root, self.key)
+            stored = self.stored
             logger.warning("tiered kvpr: cannot measure the SSD read bandwidth (%s); %s", exc,
                            "using the stored profile's" if stored else "compute-or-load stays off")
             bps = stored.read_bytes_per_s if stored else 0.0
@@ -253,8 +255,8 @@ class KVPR:
                      page_size=self.tier.namespace.page_size,
                      write=lambda data: kept.append(self.tier.meta.write(PROFILE_FILE, data)))
         if not all(kept):
-            logger.warning("tiered kvpr: no room under the SSD capacity to keep the profile; the next start measures "
-                           "it again")
+            logger.warning("tiered kvpr: the profile could not be kept in %s (no room under the SSD capacity, or "
+                           "the write failed); the next start measures it again", self.tier.root / PROFILE_FILE)
 
     def observe_read(self, nbytes: int, seconds: float) -> str:
         """Fold a load's reads into the read rate -- our loader's and SGLang's own (`TieredSSDStorage.batch_get_v1`,

@@ -45,45 +45,60 @@ class Launch:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> Iterator[dict[str, Launch]]:
-    """This module's launcher processes, all started at once: each is mostly SGLang's import (~11 s of one core),
-    so four at a time on two cores take about half as long as four in a row. `claimed`: a launch on an SSD
-    directory this process has claimed first, as a launcher does (storage/directory_lock.py)."""
+def launches(request, tmp_path_factory) -> Iterator[dict[str, Launch]]:
+    """The launcher processes that this run's selected tests read (their `launch` marks), all started at once: each
+    is mostly SGLang's import (~11 s of one core), so four at a time on two cores take about half as long as four
+    in a row. `claimed`: a launch on an SSD directory this process has claimed first, as a launcher does
+    (storage/directory_lock.py)."""
+    wanted = {mark.args[0] for item in request.session.items if item.module is request.module
+              for mark in item.iter_markers("launch")}
     tmp = tmp_path_factory.mktemp("launches")
     started: dict[str, Launch] = {}
     try:
-        started["help"] = Launch(launch_cmd("--help"), tmp / "help")
-        # `sglang serve` first asks the Hugging Face hub whether the model path names a diffusion model, which on a
-        # machine without network waits ~20 s for DNS: HF_HUB_OFFLINE
-        started["serve"] = Launch([SGLANG_CLI, "serve", "--model-path", "smollm2", "--kv-backend", "tiered",
-                                   "--tiered-ssd-dir", str(tmp / "serve-ssd"), "--tiered-ssd-capacity", "100K",
-                                   "--max-total-tokens", "1024"], tmp / "serve",
-                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        started["bad"] = Launch(launch_cmd("--kv-backend", "tiered", "--model-path", "smollm2", "--max-total-tokens",
-                                           "1024", "--tiered-ssd-dir", str(tmp / "bad-ssd"),
-                                           "--tiered-blend-ratio", "0"), tmp / "bad")
-        from sglang.srt.plugins import load_plugins
-        from sglang.srt.server_args import ServerArgs
-
-        load_plugins()
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        claimed = ["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp / "claimed-ssd"),
-                   "--dtype", "float32"]
-        ServerArgs.from_cli_args(parser.parse_args(claimed))
-        ServerArgs.from_cli_args(parser.parse_args(claimed))  # the same process may parse them again
-        started["claimed"] = Launch(launch_cmd(*claimed, "--max-total-tokens", "1024"), tmp / "claimed")
-        # a machine without a C++ compiler, in an environment where SGLang's page-key hash was never built
-        started["no-compiler"] = Launch(
-            launch_cmd("--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp / "cc-ssd"),
-                       "--max-total-tokens", "1024"), tmp / "no-compiler",
-            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp / "extensions"), "CXX": str(tmp / "no-such-c++")})
+        if "help" in wanted:
+            started["help"] = Launch(launch_cmd("--help"), tmp / "help")
+        if "serve" in wanted:
+            # `sglang serve` first asks the Hugging Face hub whether the model path names a diffusion model, which on
+            # a machine without network waits ~20 s for DNS: HF_HUB_OFFLINE
+            started["serve"] = Launch([SGLANG_CLI, "serve", "--model-path", "smollm2", "--kv-backend", "tiered",
+                                       "--tiered-ssd-dir", str(tmp / "serve-ssd"), "--tiered-ssd-capacity", "100K",
+                                       "--max-total-tokens", "1024"], tmp / "serve",
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if "bad" in wanted:
+            started["bad"] = Launch(launch_cmd("--kv-backend", "tiered", "--model-path", "smollm2",
+                                               "--max-total-tokens", "1024", "--tiered-ssd-dir", str(tmp / "bad-ssd"),
+                                               "--tiered-blend-ratio", "0"), tmp / "bad")
+        if "claimed" in wanted:
+            claim_and_launch(started, tmp)
+        if "no-compiler" in wanted:
+            # a machine without a C++ compiler, in an environment where SGLang's page-key hash was never built
+            started["no-compiler"] = Launch(
+                launch_cmd("--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir",
+                           str(tmp / "cc-ssd"), "--max-total-tokens", "1024"), tmp / "no-compiler",
+                env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp / "extensions"), "CXX": str(tmp / "no-such-c++")})
         yield started
     finally:
         for launch in started.values():
             launch.stop()
 
 
+def claim_and_launch(started: dict[str, Launch], tmp: Path) -> None:
+    """Parses flags naming an SSD directory in this process (twice: a process may parse them again), which claims
+    it, then starts a launcher on the same directory as `started["claimed"]`."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    claimed = ["--model-path", "smollm2", "--kv-backend", "tiered", "--tiered-ssd-dir", str(tmp / "claimed-ssd"),
+               "--dtype", "float32"]
+    ServerArgs.from_cli_args(parser.parse_args(claimed))
+    ServerArgs.from_cli_args(parser.parse_args(claimed))
+    started["claimed"] = Launch(launch_cmd(*claimed, "--max-total-tokens", "1024"), tmp / "claimed")
+
+
+@pytest.mark.launch("help")
 def test_help_lists_our_flags(launches):
     out = launches["help"].result().stdout
     for flag in ("--kv-backend {default,tiered}", "--tiered-ssd-dir", "--tiered-ssd-capacity", "--tiered-host-size",
@@ -100,6 +115,8 @@ def test_help_lists_our_flags(launches):
         assert flag in out, flag
 
 
+@pytest.mark.launch("serve")
+@pytest.mark.slow
 def test_sglang_serve_parses_and_translates_our_flags(launches):
     """`sglang serve --help` prints before SGLang loads plugins; a real `sglang serve` run does load them."""
     r = launches["serve"].result()
@@ -152,6 +169,7 @@ def test_bad_value_stops_startup_with_one_line(tmp_path, capsys, extra, flag):
     assert "Traceback" not in err
 
 
+@pytest.mark.launch("bad")
 def test_a_real_launch_with_a_bad_value_exits_2_with_one_line(launches):
     r = launches["bad"].result()
     assert r.returncode == 2, r.stderr[-2000:]
@@ -267,6 +285,8 @@ def test_a_cuda_server_runs_prefills_where_our_hook_sees_them(tmp_path, extra, d
     assert ns.disable_prefill_cuda_graph == disabled and not ns.disable_decode_cuda_graph
 
 
+@pytest.mark.launch("claimed")
+@pytest.mark.slow
 def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(launches):
     """One server per `--tiered-ssd-dir` (storage/directory_lock.py): the flags parsed in this process claimed the
     directory, as a launcher does (`launches`); a server started on it meanwhile stops at once with one line naming
@@ -278,6 +298,8 @@ def test_a_second_server_on_a_claimed_ssd_directory_exits_2_naming_the_first(lau
     assert f"in use by another server (pid {os.getpid()})" in lines[0] and "Traceback" not in r.stderr
 
 
+@pytest.mark.launch("no-compiler")
+@pytest.mark.slow
 def test_a_machine_that_cannot_build_sglangs_page_key_hash_stops_at_startup(launches):
     """SGLang builds its page-key hash (a C++ extension) on first use; the launcher builds it before any process
     serves, so a machine without a compiler stops at startup, with the build's reason, instead of at its first
