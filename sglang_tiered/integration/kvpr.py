@@ -288,8 +288,6 @@ class KVPR:
         return original(attn_module, positions, hidden_states, forward_batch, *args, **kwargs)
 
 
-
-
 # ---------------------------------------------------------------------------------------------- activations
 class _Writer:
     """One background thread writing activation pages (keys, [layers, pages * page_size, hidden] host tensor)."""
