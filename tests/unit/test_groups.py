@@ -108,7 +108,6 @@ def test_a_group_keeps_the_prompt_order_in_chunks_and_the_probe_ranks_like_the_k
     assert bytes(chunks[1][1]) == tokens[0, 1, c : 2 * c].tobytes()
 
 
-
 def test_chunks_that_cross_pages_and_a_shorter_last_chunk_hold_the_prompts_tokens(tmp_path):
     tier = filled(tmp_path, 2)
     keys = [key(0), key(1)]
