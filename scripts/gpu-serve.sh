@@ -21,6 +21,10 @@ if ! $py -m pip install --no-index --no-deps --no-compile --force-reinstall --di
         > "$out/install.txt" 2>&1; then
     echo "[gpu-serve] installing gpu-wheels/$tag failed:"; tail -20 "$out/install.txt"; exit 1
 fi
+if ! $py -c "import cutlass" > /dev/null 2>&1; then  # SGLang's SM100-only dual GEMM needs it: a stand-in
+    gemm=$($py -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('sglang').origin))")/kernels/ops/gemm
+    cp scripts/gpu_dual_gemm_stub.py "$gemm/cutedsl_dual_gemm.py" && echo "[gpu-serve] no cutlass: $gemm/cutedsl_dual_gemm.py replaced by scripts/gpu_dual_gemm_stub.py"
+fi
 $py -c "import sglang, sglang_tiered.integration.plugin; print('[gpu-serve] SGLang', sglang.__version__)" 2>&1 \
     | tee -a "$out/install.txt" | tail -3
 $py -c "import sgl_kernel; print('[gpu-serve] sgl_kernel', sgl_kernel.__version__, sgl_kernel.__file__)" 2>&1 \

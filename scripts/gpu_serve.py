@@ -3,10 +3,11 @@ scripts/gpu-serve.sh; a CPU through scripts/gpu-rehearse.sh), on random weights 
 Llama config, the embedded model's tokenizer). Writes OUT/serve.json after every check; a check that fails records
 its error (each server's log is in OUT too), and the next one runs.
 
-1. `tiers` (per length): a prompt of random token ids, 8 greedy tokens cold (a full prefill: its TTFT is the
-   recompute baseline), again (a device hit), after other prompts filled the device pool (a host hit), after
-   /flush_cache with the SSD files evicted from the page cache (an SSD hit), and after a restart on the same
-   directory (an SSD hit): every answer must equal the cold one, and each hit must come from its tier.
+1. `tiers` (per length): after a warm-up prefill of the same length (the first one of a length compiles Triton
+   kernels), a prompt of random token ids, 8 greedy tokens cold (a full prefill: its TTFT is the recompute
+   baseline), again (a device hit), after other prompts filled the device pool (a host hit), after /flush_cache with
+   the SSD files evicted from the page cache (an SSD hit), and after a restart on the same directory (an SSD hit):
+   every answer must equal the cold one, and each hit must come from its tier.
 2. `blend`: a marked prompt (10 chunks of random ids, then a question) asked once, then with its chunks reordered:
    TTFT against the cold prefill of the reordered prompt, and whether the server blended it or fell back.
 3. `kvpr`: `--tiered-kvpr force`, an SSD hit loaded by compute-or-load: the cold answer.
@@ -44,6 +45,7 @@ from sglang_tiered.server_process import ServerProcess, cached_details  # noqa: 
 
 VOCAB = 49152
 NEW = 8
+WARM = 10**6  # seeds of the warm-up prompts, apart from every measured one
 PYTHON_TREE_CORE = {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}  # the baseline's (see check 5)
 
 
@@ -128,6 +130,7 @@ class Run:
         prompts = {n: ids(n, n) for n in self.args.lengths}
         with self.server("tiered", ssd, "--enable-metrics") as s:
             for n, p in prompts.items():
+                ask(s, ids(n, WARM + n), 1)  # a prefill of this length first: the cold TTFT is not Triton's JIT
                 cold = ask(s, p)
                 device = ask(s, p)
                 for k in range(1, self.pool // n + 2):  # other prompts until the device pool has turned over
@@ -160,6 +163,7 @@ class Run:
                          "--hicache-ratio", "2", backend=False, env=PYTHON_TREE_CORE) as s:
             for n in self.args.lengths:
                 p = ids(n, n)
+                ask(s, ids(n, WARM + n), 1)
                 cold = ask(s, p)
                 s.flush_cache()
                 evict_from_page_cache(files)
