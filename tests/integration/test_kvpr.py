@@ -50,7 +50,9 @@ def mha_server(tmp_path_factory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("kvpr")
     model = random_model_dir(tmp / "model", MHA, seed=1)
     args = tiered_args(tmp / "ssd", "--dtype", "float32", "--enable-metrics", "--tiered-kvpr", "force",
-                       "--chunked-prefill-size", str(PIECE), "--tiered-ssd-capacity", str(CAPACITY), max_tokens=8192)
+                       "--chunked-prefill-size", str(PIECE), "--tiered-ssd-capacity", str(CAPACITY),
+                       "--tiered-host-size", "2x",  # never shrunk by SGLang while other servers hold memory
+                       max_tokens=8192)
     with ServerProcess(args, log_path=tmp / "server.log", model_path=str(model)) as s:
         s.ssd, s.model = tmp / "ssd", model
         yield s

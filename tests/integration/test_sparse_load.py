@@ -41,11 +41,14 @@ PIECE = 1024  # --chunked-prefill-size: one essay is one extend, two are not
 
 @pytest.fixture(scope="module")
 def gated_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    """One server for the module; the test that reads its only group file runs first."""
+    """One server for the module; the test that reads its only group file runs first. Its host pool is given
+    (`2x`): left to SGLang, a start while other servers hold the machine's memory gets a pool shrunk below the
+    20-page prompt below (1,152 tokens seen), whose pages then never reach the SSD tier to be repacked; given, such
+    a start is refused and tried again (`ServerProcess.start`)."""
     tmp = tmp_path_factory.mktemp("gated")
     args = tiered_args(tmp / "ssd", "--tiered-importance-load", "gated", "--dtype", "float32", "--enable-metrics",
                        "--tiered-importance-probe-skip", "1",  # a layer failed once is loaded unprobed next
-                       "--chunked-prefill-size", str(PIECE))
+                       "--chunked-prefill-size", str(PIECE), "--tiered-host-size", "2x")
     with ServerProcess(args, log_path=tmp / "gated.log") as s:
         s.ssd = tmp / "ssd"
         yield s
