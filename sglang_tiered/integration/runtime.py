@@ -24,6 +24,7 @@ from sglang_tiered.config import parse_size
 from sglang_tiered.integration import settings as settings_mod
 from sglang_tiered.integration.metrics import Events, StatsReporter, prometheus_enabled
 from sglang_tiered.kernels.importance import probed_kv_heads
+from sglang_tiered.policy.placement import host_pool_shortfall
 from sglang_tiered.policy.retention import Retention
 from sglang_tiered.storage.chunk_store import ChunkStore
 from sglang_tiered.storage.foreground import ForegroundGate
@@ -144,6 +145,10 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
     tier_pages = min(int(getattr(mem_pool_host, "device_capacity_tokens", 0) or mem_pool_host.size) // page_size,
                      int(mem_pool_host.size) // page_size, capacity // page_bytes)
     retention = Retention(cfg.max_retain, int(cfg.retain_share * tier_pages))
+    shortfall = host_pool_shortfall(int(mem_pool_host.size),
+                                    int(getattr(mem_pool_host, "device_capacity_tokens", 0) or 0))
+    if shortfall is not None:
+        logger.warning("tiered ssd: %s", shortfall)
     first_rank = sc.tp_rank == 0 and sc.pp_rank == 0
     tier = SSDTier(cfg.ssd_dir, namespace, capacity, io_threads=cfg.io_threads,
                    before_write=rt.foreground.wait_idle,  # a no-op unless enabled (CPU-only servers)

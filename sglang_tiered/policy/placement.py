@@ -16,6 +16,7 @@ median TTFT alone and under gated loading, Intel AMX, bf16), so recency is the o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,15 @@ def rank(node: NodeView) -> tuple[bool, float]:
     """The eviction rank of `node` among the candidates of its tier, lowest first: unpinned before pinned, then least
     recently used first. A pure function of the view, so a heap built from it stays valid."""
     return (node.pinned, node.last_access)
+
+
+def host_pool_shortfall(host_tokens: int, device_tokens: int) -> Optional[str]:
+    """What an operator must know when the host pool is smaller than the device pool, else None. SGLang writes pages
+    to storage from its host pool, so a prompt whose KV does not fit there at once never reaches the SSD tier (a
+    20-page prompt behind a pool that SGLang, sizing it to the memory free at start, shrank to 1,152 tokens)."""
+    if host_tokens >= device_tokens:
+        return None
+    return (f"the host pool holds {host_tokens} tokens, fewer than the device pool's {device_tokens}: a prompt "
+            f"longer than that never reaches the SSD tier (SGLang writes to storage from the host pool). Give "
+            f"--tiered-host-size at least the device pool's size (e.g. 2x); left unset, SGLang sizes the host pool "
+            f"to the memory free at start")

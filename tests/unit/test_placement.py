@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import random
 
-from sglang_tiered.policy.placement import NodeView, rank
+from sglang_tiered.policy.placement import NodeView, host_pool_shortfall, rank
 
 
 def eviction_order(nodes: list[NodeView]) -> list[int]:
@@ -43,3 +43,10 @@ def test_a_pin_outranks_recency_exactly():
 def test_rank_is_a_pure_function_of_the_view():
     for node in random_nodes(1, 10):
         assert rank(node) == rank(NodeView(node.node_id, node.last_access, node.pinned))
+
+
+def test_a_host_pool_smaller_than_the_device_pool_is_named_with_its_consequence():
+    assert host_pool_shortfall(8192, 4096) is None and host_pool_shortfall(4096, 4096) is None
+    message = host_pool_shortfall(1152, 4096)
+    assert message is not None and "1152" in message and "4096" in message
+    assert "never reaches the SSD tier" in message and "--tiered-host-size" in message
