@@ -142,11 +142,11 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
         raise ValueError(f"--tiered-ssd-capacity: {cfg.ssd_capacity} bytes over {shards} rank(s) is smaller than one "
                          f"KV page ({page_bytes} bytes)")
     # retention may pin at most this share of the smallest tier (device, host, SSD), counted in pages
-    tier_pages = min(int(getattr(mem_pool_host, "device_capacity_tokens", 0) or mem_pool_host.size) // page_size,
-                     int(mem_pool_host.size) // page_size, capacity // page_bytes)
+    host_tokens = int(mem_pool_host.size)
+    device_tokens = int(getattr(mem_pool_host, "device_capacity_tokens", 0) or 0)  # 0: not known
+    tier_pages = min((device_tokens or host_tokens) // page_size, host_tokens // page_size, capacity // page_bytes)
     retention = Retention(cfg.max_retain, int(cfg.retain_share * tier_pages))
-    shortfall = host_pool_shortfall(int(mem_pool_host.size),
-                                    int(getattr(mem_pool_host, "device_capacity_tokens", 0) or 0))
+    shortfall = host_pool_shortfall(host_tokens, device_tokens)
     if shortfall is not None:
         logger.warning("tiered ssd: %s", shortfall)
     first_rank = sc.tp_rank == 0 and sc.pp_rank == 0

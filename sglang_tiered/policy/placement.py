@@ -11,6 +11,8 @@ unpinned ones, the least recently used goes first. Pinned nodes are not locked: 
 still evicts them (a pin must never stall the scheduler). Ranking by learned importance instead (important tokens x
 reuses per token) tied LRU on a Zipf workload whose KV exceeds device and host (benchmarks/importance.py: 0.97x
 median TTFT alone and under gated loading, Intel AMX, bf16), so recency is the order.
+
+`host_pool_shortfall` says when the host pool is too small for the SSD tier to receive every prompt.
 """
 
 from __future__ import annotations
