@@ -139,18 +139,18 @@ def load_profiles(directory: str | os.PathLike) -> dict[str, dict]:
 
 
 def save_profile(directory: str | os.PathLike, key: str, profile: Profile, *,
-                 write: Optional[Callable[[bytes], object]] = None, **meta) -> Path:
-    """Merge `profile` (and `meta`) into the directory's profile file under `key`. `write(data)` replaces the file
-    (a server passes its SSD tier's `meta.write`, which counts the bytes); by default an atomic replace."""
-    path = Path(directory) / PROFILE_FILE
+                 write: Optional[Callable[[bytes], bool]] = None, **meta) -> bool:
+    """Merge `profile` (and `meta`) into the directory's profile file under `key`; whether the file was kept.
+    `write(data)` replaces the file and says whether it did (a server passes its SSD tier's `meta.write`, which
+    counts the bytes and is False with no room under the capacity or a failed write); by default an atomic replace,
+    whose failure raises OSError."""
     data = load_profiles(directory)
     data[key] = {**asdict(profile), **meta, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     blob = json.dumps(data, indent=1, sort_keys=True).encode()
     if write is not None:
-        write(blob)
-    else:
-        write_atomic(path, blob)
-    return path
+        return write(blob)
+    write_atomic(Path(directory) / PROFILE_FILE, blob)
+    return True
 
 
 def profile_of(entry: dict) -> Profile:

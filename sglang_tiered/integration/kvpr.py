@@ -250,11 +250,10 @@ class KVPR:
             if self.saved or self.measured_s is None or not self.read_measured.is_set():
                 return
             self.saved, profile, bps = True, self.profile, self.rate.bps if self.rate is not None else 0.0
-        kept: list[bool] = []
-        save_profile(self.tier.root, self.key, profile, read_bytes_per_s=bps, shape=self.shape.__dict__,
-                     page_size=self.tier.namespace.page_size,
-                     write=lambda data: kept.append(self.tier.meta.write(PROFILE_FILE, data)))
-        if not all(kept):
+        kept = save_profile(self.tier.root, self.key, profile, read_bytes_per_s=bps, shape=self.shape.__dict__,
+                            page_size=self.tier.namespace.page_size,
+                            write=lambda data: self.tier.meta.write(PROFILE_FILE, data))
+        if not kept:
             logger.warning("tiered kvpr: the profile could not be kept in %s (no room under the SSD capacity, or "
                            "the write failed); the next start measures it again", self.tier.root / PROFILE_FILE)
 

@@ -4,7 +4,9 @@ read from the SSD tier (checksums per segment; missing or corrupt activations fa
 
 from __future__ import annotations
 
+import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +14,13 @@ import torch
 from sglang_tiered.engine.kvpr_profile import measure_profile, profile_key, profile_of, save_profile, stored_entry
 from sglang_tiered.engine.llama import LlamaConfig, LlamaModel
 from sglang_tiered.engine.meet import MemoryPages, meet_prefill
+from sglang_tiered.integration.kvpr import KVPR
 from sglang_tiered.kernels.extend_attention import causal_attention
 from sglang_tiered.policy.cpu_dtype import signature
 from sglang_tiered.policy.kvpr import COMPUTE, LOAD, MEET, MIN_PAGES, Profile, Shape, decide, gate, page_read_s
+from sglang_tiered.storage.namespace import Namespace
 from sglang_tiered.storage.page_file import CorruptPage, ForeignPage, PageReader, write_page
+from sglang_tiered.storage.ssd_tier import SSDTier
 
 MHA = LlamaConfig(hidden=96, layers=4, heads=6, kv_heads=6, head_dim=16, intermediate=192, vocab=300)
 PS = 16
@@ -90,6 +95,29 @@ def test_the_profile_is_measured_on_the_model_and_kept_with_its_read_rate(tmp_pa
         assert stored_entry(tmp_path, key) is None
     with pytest.raises(KeyError):
         profile_of({"read_bytes_per_s": 1.0})
+
+
+def test_a_servers_profile_is_kept_under_its_ssd_capacity_or_the_log_says_where_it_was_not(tmp_path, caplog):
+    """A server writes its profile through its SSD tier (the bytes counted): with no room under the capacity the file
+    is not written and a warning names it; with room it is written and read back."""
+    prof = Profile(page_s=0.02, recompute_s=1e-4)
+    ns = Namespace(model="m:1", dtype="torch.float32", page_size=PS, layout="layer_first", layer_num=MHA.layers,
+                   kv_heads=MHA.kv_heads, head_dim=MHA.head_dim)
+    for capacity, kept in ((64, False), (1 << 20, True)):
+        root = tmp_path / str(capacity)
+        kvpr = KVPR(SimpleNamespace(), MHA, MHA_SHAPE, None)
+        kvpr.tier, kvpr.key = SSDTier(root, ns, capacity), "key"
+        kvpr.profile, kvpr.measured_s, kvpr.rate = prof, 1.0, None
+        kvpr.read_measured.set()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang_tiered"):
+            kvpr._save()
+        stored = stored_entry(root, "key")
+        if kept:
+            assert stored is not None and stored[:2] == (prof, 0.0) and not caplog.records
+        else:
+            assert stored is None and not (root / "kvpr-profile.json").exists()
+            assert f"the profile could not be kept in {root / 'kvpr-profile.json'}" in caplog.text
 
 
 def test_a_profile_is_kept_for_the_machine_model_dtype_and_page_size_it_was_measured_with():
