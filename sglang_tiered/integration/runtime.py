@@ -155,26 +155,8 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
                    pinned=retention.pinned, scan_foreign=first_rank)
     chunks = ChunkStore(layers=namespace.layer_num, kv_heads=namespace.kv_heads, head_dim=namespace.head_dim,
                         dtype=mem_pool_host.dtype, memory_bytes=current.blend_memory_bytes, ssd=tier)
-    stash = repacker = remote = None
-    if cfg.importance_load == "gated":
-        if layout != "layer_first" or namespace.dtype not in ITEMSIZE:
-            raise NotImplementedError(f"--tiered-importance-load gated: needs the layer_first host layout and a "
-                                      f"16/32-bit KV dtype, got {layout} / {namespace.dtype}")
-        heads = current.attention_heads or namespace.kv_heads
-        probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.importance_heads, heads))
-        stash = PayloadStash(parse_size(cfg.importance_repack_memory))
-        tier.attach_stash(stash)
-        repacker = Repacker(tier, probe, before_repack=rt.foreground.wait_idle, probe_bits=cfg.importance_probe_bits,
-                            stash=stash, worker=RepackWorker())
-    remote_cfg = cfg.remote_settings()
-    if remote_cfg is not None:
-        address, segment = remote_cfg
-        largest = page_bytes + 64 * 1024  # a page file: payload + header (a few KB)
-        remote = RemoteTier(lambda: MooncakeStore(address, segment_bytes=segment, object_bytes=largest,
-                                                  local_host=cfg.remote_host),
-                            tier, before_put=rt.foreground.wait_idle)
-        logger.info("tiered remote: mooncake master %s, metadata %s, lending %d bytes", address.master,
-                    address.metadata, segment)
+    stash, repacker = _gated_loading(rt, tier, layout) if cfg.importance_load == "gated" else (None, None)
+    remote = _remote_tier(rt, tier, page_bytes)
     stats_file = f"stats/{namespace.id}.json"
     reporter = StatsReporter(
         tier.stats, json_path=Path(cfg.ssd_dir) / stats_file,
@@ -190,6 +172,40 @@ def open_store(rt: Runtime, mem_pool_host, storage_config) -> Store:
                 "retention: up to %.0f s, %d pages", sc.tp_rank, namespace.id, current.model, page_size, page_bytes,
                 layout, capacity, retention.max_seconds, retention.max_pages)
     return store
+
+
+def _gated_loading(rt: Runtime, tier: SSDTier, layout: str) -> tuple[PayloadStash, Repacker]:
+    """The payload stash and repacker of `--tiered-importance-load gated`, the stash attached to `tier`. Raises
+    NotImplementedError for a layout or KV dtype gated loading cannot read."""
+    current, namespace = rt.settings, tier.namespace
+    cfg = current.config
+    if layout != "layer_first" or namespace.dtype not in ITEMSIZE:
+        raise NotImplementedError(f"--tiered-importance-load gated: needs the layer_first host layout and a "
+                                  f"16/32-bit KV dtype, got {layout} / {namespace.dtype}")
+    heads = current.attention_heads or namespace.kv_heads
+    probe = probed_kv_heads(heads, namespace.kv_heads, min(cfg.importance_heads, heads))
+    stash = PayloadStash(parse_size(cfg.importance_repack_memory))
+    tier.attach_stash(stash)
+    repacker = Repacker(tier, probe, before_repack=rt.foreground.wait_idle, probe_bits=cfg.importance_probe_bits,
+                        stash=stash, worker=RepackWorker())
+    return stash, repacker
+
+
+def _remote_tier(rt: Runtime, tier: SSDTier, page_bytes: int) -> Optional[RemoteTier]:
+    """The shared tier over Mooncake Store that `--tiered-remote` names, or None without it (it connects on its
+    own, and keeps trying: a master that is down leaves the local tiers serving)."""
+    cfg = rt.settings.config
+    remote_cfg = cfg.remote_settings()
+    if remote_cfg is None:
+        return None
+    address, segment = remote_cfg
+    largest = page_bytes + 64 * 1024  # a page file: payload + header (a few KB)
+    remote = RemoteTier(lambda: MooncakeStore(address, segment_bytes=segment, object_bytes=largest,
+                                              local_host=cfg.remote_host),
+                        tier, before_put=rt.foreground.wait_idle)
+    logger.info("tiered remote: mooncake master %s, metadata %s, lending %d bytes", address.master,
+                address.metadata, segment)
+    return remote
 
 
 def _extras(tier: SSDTier, retention: Retention, rt: Runtime) -> dict:
