@@ -156,15 +156,17 @@ class TieredConfig:
             raise ConfigError(f"--tiered-remote-segment: at least 16M, got {self.remote_segment!r}")
         return address, segment
 
+    def check_page_fits(self, page_bytes: Optional[int]) -> None:
+        """Raise ConfigError if the SSD capacity is smaller than one KV page of `page_bytes` (None: not known)."""
+        if page_bytes is not None and self.ssd_capacity < page_bytes:
+            raise ConfigError(f"--tiered-ssd-capacity: {self.ssd_capacity} bytes is smaller than one KV page "
+                              f"({page_bytes} bytes)")
+
     def validate(self, page_bytes_estimate: Optional[int] = None) -> None:
         """Raise ConfigError naming the flag. Creates the SSD directory if needed and checks it is writable."""
         if self.ssd_capacity <= 0:
             raise ConfigError(f"--tiered-ssd-capacity: must be positive, got {self.ssd_capacity}")
-        if page_bytes_estimate is not None and self.ssd_capacity < page_bytes_estimate:
-            raise ConfigError(
-                f"--tiered-ssd-capacity: {self.ssd_capacity} bytes is smaller than one KV page "
-                f"({page_bytes_estimate} bytes)"
-            )
+        self.check_page_fits(page_bytes_estimate)
         if self.io_threads < 1:
             raise ConfigError(f"--tiered-io-threads: must be >= 1, got {self.io_threads}")
         if self.prefetch_threshold < 0:

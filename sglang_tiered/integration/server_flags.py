@@ -145,6 +145,17 @@ def _dtype_records(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _page_bytes(hf: dict | None, ns: argparse.Namespace) -> Optional[int]:
+    """Bytes of one KV page of this rank in the server's dtype, or None where the model's shape is not known."""
+    if hf is None:
+        return None
+    try:
+        itemsize = _ITEMSIZE.get(str(ns.dtype), 2)
+        return KVGeometry.from_hf_config(hf, itemsize, getattr(ns, "tp_size", 1) or 1).page_bytes(ns.page_size)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 def _keep_dtype_records(ssd_dir: str, records: dict) -> None:
     try:
         write_atomic(Path(ssd_dir) / DTYPE_FILE, json.dumps(records, indent=1).encode())
@@ -189,27 +200,15 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
         ns.page_size = DEFAULT_PAGE_SIZE
     if ns.page_size < 1:
         raise ConfigError(f"--page-size: must be >= 1, got {ns.page_size}")
+    cfg.validate()
     hf = _hf_config(ns.model_path)
     cpu_only = cpu_shims.cuda_absent()
     cuda_preview = not cpu_only and os.environ.get(CUDA_PREVIEW_ENV) == "1"
-    dtype_records = None
     if cpu_only:
         _cpu_settings(ns)
-        dtype_records = choose_cpu_dtype(ns, hf, cfg.ssd_dir)
     else:
         _cuda_settings(ns, cfg, cuda_preview)
-    tp_size = getattr(ns, "tp_size", 1) or 1
-    page_bytes = None
-    if hf is not None:
-        try:
-            itemsize = _ITEMSIZE.get(str(ns.dtype), 2)
-            page_bytes = KVGeometry.from_hf_config(hf, itemsize, tp_size).page_bytes(ns.page_size)
-        except (KeyError, TypeError, ZeroDivisionError):
-            page_bytes = None
-    cfg.validate(page_bytes)
-    _claim_directory(cfg.ssd_dir)
-    if dtype_records is not None:
-        _keep_dtype_records(cfg.ssd_dir, dtype_records)
+    threads, partitions = _runahead_settings(ns, cfg, hf)
     if cfg.remote:
         from sglang_tiered.storage.mooncake_store import import_client
 
@@ -217,9 +216,14 @@ def _translate_tiered(ns: argparse.Namespace) -> None:
             import_client()
         except ImportError as exc:
             raise ConfigError(f"--tiered-remote: {exc}") from None
+    # after every other check: a bad flag stops the launcher before --dtype auto times the linears (about 1 s)
+    dtype_records = choose_cpu_dtype(ns, hf, cfg.ssd_dir) if cpu_only else None
+    cfg.check_page_fits(_page_bytes(hf, ns))
+    _claim_directory(cfg.ssd_dir)
+    if dtype_records is not None:
+        _keep_dtype_records(cfg.ssd_dir, dtype_records)
     for field, value in cfg.host_pool_settings().items():
         setattr(ns, field, value)
-    threads, partitions = _runahead_settings(ns, cfg, hf)
     _load_page_hash()  # last: every flag is checked before a build can take its seconds
     settings.publish(settings.Settings(
         config=cfg, model=model_fingerprint(ns.model_path), model_path=str(ns.model_path), cpu_only=cpu_only,

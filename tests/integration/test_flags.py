@@ -150,15 +150,20 @@ def test_sglang_serve_parses_and_translates_our_flags(launches):
         (["--tiered-remote", "mooncake://127.0.0.1:1", "--tiered-remote-segment", "1M"], "--tiered-remote-segment"),
     ],
 )
-def test_bad_value_stops_startup_with_one_line(tmp_path, capsys, extra, flag):
+def test_bad_value_stops_startup_with_one_line(tmp_path, capsys, monkeypatch, extra, flag):
     """What `python -m sglang.launch_server` runs before it starts anything -- load the plugins, then
-    `prepare_server_args(argv)` -- in this process (a real launch of one case: the next test)."""
+    `prepare_server_args(argv)` -- in this process (a real launch of one case: the next test). Only a capacity below
+    one page, whose size depends on the dtype, waits for `--dtype auto` to time the linears."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
+
+    from sglang_tiered.policy import cpu_dtype
 
     args = ["--kv-backend", "tiered", "--model-path", "smollm2", "--max-total-tokens", "1024"]
     if "--tiered-ssd-dir" not in extra:
         args += ["--tiered-ssd-dir", str(tmp_path / "ssd")]
+    if extra != ["--tiered-ssd-capacity", "100K"]:
+        monkeypatch.setattr(cpu_dtype, "choose_dtype", lambda *a: pytest.fail("the dtype was timed before the check"))
     load_plugins()
     with pytest.raises(SystemExit) as stopped:
         prepare_server_args([*args, *extra])
