@@ -21,7 +21,7 @@ for bit. In fp32 nothing of this rounds.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -266,6 +266,30 @@ class LlamaModel:
             kv[layer, :, 0], kv[layer, :, 1] = k, v
             x = self.finish_layer(layer, x, causal_attention(q, kv[layer, :, 0], kv[layer, :, 1], 0))
         return PrefillResult(self.logits(x[-1:])[0], kv)
+
+    @torch.inference_mode()
+    def chunk_kv(self, chunks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each chunk's own KV [layers, len, 2, kv_heads, head_dim] -- what `prefill(chunk).kv` gives (positions
+        from 0, attending to itself only) -- in one pass: the linears run on every chunk's tokens at once, the
+        attention chunk by chunk, and nothing past the last layer's K, V (no MLP there, no logits). Views of one
+        buffer. The same values as one prefill per chunk up to the float rounding of the wider products; for
+        many short chunks it is several times faster (100 six-token chunks of SmolLM2: one pass instead of 100)."""
+        lengths = [int(c.shape[0]) for c in chunks]
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"chunk_kv needs one or more non-empty chunks, got lengths {lengths}")
+        self.reserve_positions(max(lengths))
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        bounds = list(zip([0, *ends[:-1]], ends))
+        kv = self.empty_kv(ends[-1])
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        x = self.embed(torch.cat([c.reshape(-1) for c in chunks]).to(self.device))
+        for layer in range(self.cfg.layers):
+            q, k, v = self.qkv(layer, x, positions)
+            kv[layer, :, 0], kv[layer, :, 1] = k, v
+            if layer + 1 < self.cfg.layers:
+                attn = torch.cat([causal_attention(q[a:b], k[a:b], v[a:b], 0) for a, b in bounds])
+                x = self.finish_layer(layer, x, attn)
+        return [kv[:, a:b] for a, b in bounds]
 
 
 def random_weights(cfg: LlamaConfig, seed: int = 0, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

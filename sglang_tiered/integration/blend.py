@@ -185,12 +185,12 @@ def _blended_forward(rt: _Runtime, events, req: Any, fb) -> torch.Tensor:
 
     whole_pages = (len(ids_list) - 1) // rt.page_size * rt.page_size  # what a repeat's radix match can cover
     spans, refs = plan_spans(lengths, prefix, end, ids_list, seed=chunk_seed(req), fresh_from=whole_pages or None)
-    new_chunks = 0
-    for ref in {r.key: r for r in refs if r is not None}.values():  # a chunk seen for the first time: stored
-        if not store.contains(ref.key):
-            chunk = torch.tensor(ids_list[ref.start : ref.start + ref.length], dtype=torch.int64)
-            store.put(ref.key, eng.prefill(chunk).kv)
-            new_chunks += 1
+    new = [r for r in {r.key: r for r in refs if r is not None}.values() if not store.contains(r.key)]
+    if new:  # chunks seen for the first time: their own KV, in one pass, stored
+        chunks = [torch.tensor(ids_list[r.start : r.start + r.length], dtype=torch.int64) for r in new]
+        for ref, kv in zip(new, eng.chunk_kv(chunks)):
+            store.put(ref.key, kv)
+    new_chunks = len(new)
     reused = sum(sp.length for sp in spans if sp.stored)
     ratio = rt.controller.ratio(reused, rt.token_layer_bytes) if rt.mode == "blend" else rt.ratio
 

@@ -465,3 +465,21 @@ def test_loading_controller_reads_a_blend_result():
     assert math.isclose(c.describe()["s_per_token_layer"], 0.6 / 6000)
     assert c.ratio(1000, 100) == 0.15  # 4 us load vs 100 us compute per token-layer: the floor
     assert math.isclose(c.ratio(1000, 2000), 0.8)  # 80 us load vs 100 us compute
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_kv_in_one_pass_is_each_chunks_own_prefill(dtype):
+    """New chunks' KV computed together: each chunk at positions from 0, attending to itself only -- what one
+    prefill per chunk gives (to float rounding: the products are wider), for chunks of different lengths."""
+    model = LlamaModel.random(GQA, seed=5, dtype=dtype)
+    g = torch.Generator().manual_seed(6)
+    chunks = [torch.randint(0, GQA.vocab, (n,), generator=g) for n in (1, 7, 64, 3, 40)]
+    got = model.chunk_kv(chunks)
+    assert [kv.shape[1] for kv in got] == [1, 7, 64, 3, 40]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for chunk, kv in zip(chunks, got):
+        torch.testing.assert_close(kv, model.prefill(chunk).kv, rtol=tol, atol=tol)
+    joined = model.prefill(torch.cat(chunks[:2])).kv[:, 1:]  # the second chunk after the first: other KV
+    assert not torch.allclose(got[1], joined, rtol=tol, atol=tol)
+    with pytest.raises(ValueError):
+        model.chunk_kv([chunks[0], chunks[0][:0]])
