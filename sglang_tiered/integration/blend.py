@@ -14,13 +14,13 @@ separator is removed by blend_prompt.py and the prefill is SGLang's own):
   request (no prompt-token logprobs, TP = PP = 1, nothing our engine cannot compute: `model_forward.engine_declines`).
   Tokens already in the request's KV slots -- a radix-cache hit, or the earlier pieces of a chunked prefill -- are
   read from the KV pool and never recomputed; the span plan (`engine.blend_plan.plan_spans`) reuses a chunk cut by
-  them from its first token after them, and a chunk cut by the end of a piece up to it. A chunk seen for the first
-  time gets its standalone KV computed (a prefill of the chunk at position 0) and stored in the store's
-  `ChunkStore` (memory LRU of `--tiered-blend-memory` bytes + write-through to the SSD tier, one capacity with
-  every other file), keyed by its tokens and the request's tenant seed (`keys.tenant_seed`: chunks never cross
-  `cache_salt` or `extra_key`, so nor LoRA adapters). The blended KV is written into the request's KV slots; the
-  final hidden state of the last token goes back to SGLang's logits processor, so sampling and decoding proceed
-  normally.
+  them from its first token after them, and a chunk cut by the end of a piece up to it. The chunks seen for the
+  first time get their standalone KV computed (each at positions from 0, all in one pass: `chunk_kv`) and stored in
+  the store's `ChunkStore` (memory LRU of `--tiered-blend-memory` bytes + write-through to the SSD tier, one
+  capacity with every other file), each keyed by its tokens and the request's tenant seed (`keys.tenant_seed`:
+  chunks never cross `cache_salt` or `extra_key`, so nor LoRA adapters). The blended KV is written into the
+  request's KV slots; the final hidden state of the last token goes back to SGLang's logits processor, so sampling
+  and decoding proceed normally.
 * Blended KV enters the radix tree -- and moves to host and SSD like any page -- under a namespace of its own: at
   admission, before its first match, a marked request's `extra_key` is extended with the blend configuration (mode,
   ratio, selection: `namespace`), as SGLang's own elastic-EP namespacing does. An identical repeat or a follow-up
