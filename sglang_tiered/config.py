@@ -224,7 +224,7 @@ class TieredConfig:
         check_writable_dir(self.ssd_dir, "--tiered-ssd-dir")
 
 
-CUDA_PREVIEW_ENV = "SGLANG_TIERED_CUDA_PREVIEW"  # "1": run the mechanisms not yet verified on a GPU (docs/gpu.md)
+CUDA_PREVIEW_ENV = "SGLANG_TIERED_CUDA_PREVIEW"  # "1": run the mechanisms refused on a GPU (docs/gpu.md)
 
 
 def layered_reads(cfg: TieredConfig, preview: bool) -> list[str]:
@@ -245,12 +245,12 @@ def hooked_prefills(cfg: TieredConfig, preview: bool) -> list[str]:
 
 def cuda_refusal(cfg: TieredConfig, attention_backend: Optional[str], preview: bool,
                  prefill_graph: Optional[str] = None) -> Optional[str]:
-    """Why a server with CUDA cannot start with `cfg` (None: it can). Gated sparse loading and compute-or-load have
-    not passed the GPU harness (scripts/gpu-serve.sh) yet: refused unless `preview` (CUDA_PREVIEW_ENV=1), and gated
-    loading then needs SGLang's `torch_native` attention backend, the one whose decode skips the positions a sparse
-    load left empty. Chained prefill runs on CPU ranks only. `prefill_graph`: the prefill CUDA graph backend the
-    operator chose (None: SGLang's default); one that replays prefills is refused with a mechanism that computes
-    them (`hooked_prefills`)."""
+    """Why a server with CUDA cannot start with `cfg` (None: it can). Gated sparse loading and compute-or-load passed
+    the GPU harness (scripts/gpu-serve.sh) but were slower than recomputing there: refused unless `preview`
+    (CUDA_PREVIEW_ENV=1), and gated loading then needs SGLang's `torch_native` attention backend, the one whose
+    decode skips the positions a sparse load left empty. Chained prefill runs on CPU ranks only. `prefill_graph`:
+    the prefill CUDA graph backend the operator chose (None: SGLang's default); one that replays prefills is refused
+    with a mechanism that computes them (`hooked_prefills`)."""
     hooked = hooked_prefills(cfg, preview)
     if hooked and prefill_graph not in (None, "disabled"):
         return (f"--cuda-graph-backend-prefill: {prefill_graph} replays prefills past the forward that {hooked[0]} "
@@ -261,8 +261,8 @@ def cuda_refusal(cfg: TieredConfig, attention_backend: Optional[str], preview: b
     unverified = [flag for flag, on in (("--tiered-importance-load gated", cfg.importance_load == "gated"),
                                         ("--tiered-kvpr force", cfg.kvpr == "force")) if on]
     if unverified and not preview:
-        return (f"{', '.join(unverified)}: not yet verified on CUDA servers; {CUDA_PREVIEW_ENV}=1 runs it unverified "
-                "(docs/gpu.md)")
+        return (f"{', '.join(unverified)}: on a CUDA server it served exactly but slower than recomputing (one H200 "
+                f"run, 4k tokens); {CUDA_PREVIEW_ENV}=1 runs it (docs/gpu.md)")
     if cfg.importance_load == "gated" and attention_backend != "torch_native":
         return ("--tiered-importance-load: 'gated' on CUDA needs --attention-backend torch_native (its decode skips "
                 "the positions a sparse load left empty)")

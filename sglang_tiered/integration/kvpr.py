@@ -470,7 +470,8 @@ def register_hooks(rt: Runtime) -> bool:
     if current is None or current.config.kvpr == "off":
         return False
     if not (current.cpu_only or current.cuda_preview):
-        logger.info("tiered kvpr: off on this CUDA server (not yet verified on GPUs; %s=1 runs it)", CUDA_PREVIEW_ENV)
+        logger.info("tiered kvpr: off on this CUDA server (slower than recomputing on an H200; %s=1 runs it)",
+                    CUDA_PREVIEW_ENV)
         return False
     try:
         cfg = LlamaConfig.from_hf(current.model_path)

@@ -131,9 +131,9 @@ def test_every_flag_has_help_and_a_row_in_the_configuration_reference():
 @pytest.mark.parametrize("fields, backend, preview, refused", [
     ({}, "triton", False, None),  # the store, placement and blend: served
     ({"kvpr": "auto"}, "triton", False, None),  # (registers nothing there without the preview)
-    ({"kvpr": "force"}, "triton", False, "--tiered-kvpr force: not yet verified on CUDA"),
+    ({"kvpr": "force"}, "triton", False, "--tiered-kvpr force: on a CUDA server it served exactly"),
     ({"kvpr": "force"}, "triton", True, None),
-    ({"importance_load": "gated"}, "torch_native", False, "--tiered-importance-load gated: not yet verified"),
+    ({"importance_load": "gated"}, "torch_native", False, "--tiered-importance-load gated: on a CUDA server"),
     ({"importance_load": "gated"}, "triton", True, "needs --attention-backend torch_native"),
     ({"importance_load": "gated", "kvpr": "force"}, "torch_native", True, None),
     ({"runahead_ranks": 2}, "triton", True, "CPU ranks only"),
