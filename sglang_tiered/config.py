@@ -162,11 +162,11 @@ class TieredConfig:
             raise ConfigError(f"--tiered-ssd-capacity: {self.ssd_capacity} bytes is smaller than one KV page "
                               f"({page_bytes} bytes)")
 
-    def validate(self, page_bytes_estimate: Optional[int] = None) -> None:
-        """Raise ConfigError naming the flag. Creates the SSD directory if needed and checks it is writable."""
+    def validate(self) -> None:
+        """Raise ConfigError naming the flag. Creates the SSD directory if needed and checks it is writable. The
+        capacity against one KV page, which needs the dtype, is `check_page_fits`."""
         if self.ssd_capacity <= 0:
             raise ConfigError(f"--tiered-ssd-capacity: must be positive, got {self.ssd_capacity}")
-        self.check_page_fits(page_bytes_estimate)
         if self.io_threads < 1:
             raise ConfigError(f"--tiered-io-threads: must be >= 1, got {self.io_threads}")
         if self.prefetch_threshold < 0:

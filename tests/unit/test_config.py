@@ -48,7 +48,9 @@ def test_the_probe_flag_offers_what_the_group_format_writes():
 
 
 def test_validate_names_the_flag(tmp_path):
-    TieredConfig(ssd_dir=str(tmp_path / "new" / "dir")).validate(page_bytes_estimate=1000)
+    fresh = TieredConfig(ssd_dir=str(tmp_path / "new" / "dir"))
+    fresh.validate()
+    fresh.check_page_fits(1000)
     assert (tmp_path / "new" / "dir").is_dir()
     cases = {
         "--tiered-ssd-capacity": TieredConfig(ssd_dir=str(tmp_path), ssd_capacity=0),
@@ -64,7 +66,7 @@ def test_validate_names_the_flag(tmp_path):
         with pytest.raises(ConfigError, match=f"^{flag}"):
             cfg.validate()
     with pytest.raises(ConfigError, match="^--tiered-ssd-capacity: .* smaller than one KV page"):
-        TieredConfig(ssd_dir=str(tmp_path), ssd_capacity=100).validate(page_bytes_estimate=1000)
+        TieredConfig(ssd_dir=str(tmp_path), ssd_capacity=100).check_page_fits(1000)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="^--tiered-ssd-dir: cannot create"):
